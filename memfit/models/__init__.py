@@ -1,0 +1,1 @@
+"""Building and loading models: HF checkpoints, the embedded SmolLM2, named presets."""

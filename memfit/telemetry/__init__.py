@@ -1,0 +1,1 @@
+"""Measuring: memory readings, metric records and their display."""

@@ -1,0 +1,116 @@
+"""What the user sees while training: a rich progress bar (or plain lines when not a terminal),
+and the end-of-run summary of speed, loss and where the memory went."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from memfit.telemetry.memory import GIB, StateBytes
+
+
+class TrainDisplay:
+    """Progress for ``total`` optimizer steps; ``update`` takes the step record."""
+
+    def __init__(self, total: int, start: int, console: Console | None = None):
+        self.console = console or Console()
+        self.interactive = self.console.is_terminal
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not self.interactive,
+        )
+        self.task = self.progress.add_task("train", total=total, completed=start, status="")
+
+    def __enter__(self) -> "TrainDisplay":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def update(self, rec: dict[str, Any]) -> None:
+        mem = rec.get("peak_allocated_bytes", rec.get("peak_rss_bytes", 0)) / GIB
+        label = "alloc" if "peak_allocated_bytes" in rec else "rss"
+        status = (
+            f"loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s']:.0f} tok/s  "
+            f"peak {label} {mem:.2f} GiB"
+        )
+        self.progress.update(self.task, completed=rec["step"], status=status)
+        if not self.interactive:
+            self.console.print(f"step {rec['step']:>5}  {status}", highlight=False)
+
+    def log(self, message: str) -> None:
+        self.console.print(message, highlight=False)
+
+
+def summary_tables(
+    steps: list[dict[str, Any]],
+    evals: list[dict[str, Any]],
+    states: StateBytes,
+    baseline_rss_bytes: int,
+    device_label: str,
+) -> tuple[Table, Table, dict[str, Any]]:
+    """The run table, the memory table and the summary record (all bytes as ints)."""
+    step_times = [r["step_time_s"] for r in steps]
+    tps = [r["tokens_per_s"] for r in steps]
+    summary: dict[str, Any] = {
+        "kind": "summary",
+        "steps": steps[-1]["step"] if steps else 0,
+        "median_step_time_s": statistics.median(step_times) if step_times else None,
+        "median_tokens_per_s": statistics.median(tps) if tps else None,
+        "first_eval_loss": evals[0]["eval_loss"] if evals else None,
+        "last_eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "params": states.params,
+        "trainable_params": states.trainable_params,
+        "params_bytes": states.params_bytes,
+        "grads_bytes": states.grads_bytes,
+        "optimizer_bytes": states.optimizer_bytes,
+    }
+    run = Table(title=f"run summary ({device_label})")
+    run.add_column("metric")
+    run.add_column("value", justify="right")
+    run.add_row("optimizer steps", str(summary["steps"]))
+    if step_times:
+        run.add_row("median step time", f"{summary['median_step_time_s']:.3f} s")
+        run.add_row("median tokens/s", f"{summary['median_tokens_per_s']:.0f}")
+    if evals:
+        run.add_row("eval loss (first → last)", f"{summary['first_eval_loss']:.4f} → {summary['last_eval_loss']:.4f}")
+    run.add_row("parameters (trainable)", f"{states.params:,} ({states.trainable_params:,})")
+
+    mem = Table(title="where the memory went")
+    mem.add_column("category")
+    mem.add_column("GiB", justify="right")
+    mem.add_column("how measured")
+    mem.add_row("parameters", f"{states.params_bytes / GIB:.3f}", "sum of parameter tensors")
+    mem.add_row("gradients", f"{states.grads_bytes / GIB:.3f}", "sum of .grad tensors at the optimizer step")
+    mem.add_row("optimizer state", f"{states.optimizer_bytes / GIB:.3f}", "sum of AdamW state tensors")
+    peaks = [r for r in steps if "peak_allocated_bytes" in r]
+    if peaks:
+        peak_alloc = max(r["peak_allocated_bytes"] for r in peaks)
+        peak_res = max(r["peak_reserved_bytes"] for r in peaks)
+        summary.update(peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
+                       alloc_retries=peaks[-1]["alloc_retries"])
+        mem.add_row("activations + temporaries", f"{max(0, peak_alloc - states.total_bytes) / GIB:.3f}",
+                    "peak allocated − model states")
+        mem.add_row("peak allocated", f"{peak_alloc / GIB:.3f}", "torch.cuda.memory_stats")
+        mem.add_row("peak reserved", f"{peak_res / GIB:.3f}", "torch.cuda.memory_stats")
+        mem.add_row("reserved − allocated (at peak)", f"{(peak_res - peak_alloc) / GIB:.3f}", "cache the allocator holds")
+    elif steps:
+        peak_rss = max(r["peak_rss_bytes"] for r in steps)
+        other = max(0, peak_rss - baseline_rss_bytes - states.total_bytes)
+        summary.update(peak_rss_bytes=peak_rss, baseline_rss_bytes=baseline_rss_bytes)
+        mem.add_row("activations, temporaries, data, runtime", f"{other / GIB:.3f}",
+                    "peak RSS − RSS before model load − model states")
+        mem.add_row("RSS before model load", f"{baseline_rss_bytes / GIB:.3f}", "/proc/self/statm")
+        mem.add_row("peak RSS", f"{peak_rss / GIB:.3f}", "getrusage ru_maxrss")
+    return run, mem, summary

@@ -1,0 +1,96 @@
+"""Memory readings the trainer records: device allocator statistics on GPU, process RSS on CPU,
+and the exact bytes held by parameters, gradients and optimizer state.
+
+Words follow PRODUCT.md: *allocated* is the allocator's active blocks, *reserved* what it holds from
+the device; ``reserved - allocated`` is the external free space the cache keeps.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import dataclass
+
+import torch
+
+GIB = 1 << 30
+
+
+def process_rss_bytes() -> int:
+    """Resident set size of this process now (Linux ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as fh:
+        pages = int(fh.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """High-water mark of this process's RSS since it started (``ru_maxrss`` is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_gpu_peaks(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def memory_record(device: torch.device) -> dict[str, int]:
+    """Memory fields for one step record. GPU: peaks since the last reset; CPU: RSS now and peak."""
+    if device.type != "cuda":
+        return {"rss_bytes": process_rss_bytes(), "peak_rss_bytes": peak_rss_bytes()}
+    s = torch.cuda.memory_stats(device)
+    return {
+        "peak_allocated_bytes": s.get("allocated_bytes.all.peak", 0),
+        "peak_reserved_bytes": s.get("reserved_bytes.all.peak", 0),
+        "peak_active_bytes": s.get("active_bytes.all.peak", 0),
+        "allocated_bytes": s.get("allocated_bytes.all.current", 0),
+        "reserved_bytes": s.get("reserved_bytes.all.current", 0),
+        "reserved_minus_allocated_bytes": s.get("reserved_bytes.all.current", 0) - s.get("allocated_bytes.all.current", 0),
+        "alloc_retries": s.get("num_alloc_retries", 0),
+        "ooms": s.get("num_ooms", 0),
+    }
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes held by the model states (each storage counted once, tied weights included)."""
+
+    params_bytes: int
+    trainable_params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    params: int
+    trainable_params: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> StateBytes:
+    seen: set[int] = set()
+    params_b = trainable_b = grads_b = n = n_train = 0
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        params_b += _tensor_bytes(p)
+        n += p.numel()
+        if p.requires_grad:
+            trainable_b += _tensor_bytes(p)
+            n_train += p.numel()
+        if p.grad is not None:
+            grads_b += _tensor_bytes(p.grad)
+    opt_b = 0
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            opt_b += sum(_tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return StateBytes(params_b, trainable_b, grads_b, opt_b, n, n_train)
+
+
+def gib(n_bytes: int) -> str:
+    """Bytes as a labelled GiB string for display."""
+    return f"{n_bytes / GIB:.3f} GiB"

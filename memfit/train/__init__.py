@@ -1,0 +1,1 @@
+"""The fine-tuning loop, its data and its checkpoints."""

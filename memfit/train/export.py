@@ -1,0 +1,28 @@
+"""Final export in Hugging Face format: a full model (``save_pretrained``) or a PEFT adapter.
+
+Activation-checkpoint wrappers are removed first so the saved names and module tree are the plain
+model's; the result loads with ``AutoModelForCausalLM.from_pretrained`` or
+``PeftModel.from_pretrained(base, export_dir)``. Written to a temporary directory and renamed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memfit.models.load import ModelSource
+from memfit.strategies.checkpointing import remove_activation_checkpointing
+from memfit.train.checkpoint import atomic_dir
+
+
+def export_model(model, tokenizer, source: ModelSource, target: Path) -> None:
+    remove_activation_checkpointing(model)
+    base = str(source.path) if source.kind == "hf" else f"random:{source.preset}"
+
+    def write(tmp: Path) -> None:
+        if hasattr(model, "peft_config"):
+            for conf in model.peft_config.values():
+                conf.base_model_name_or_path = base
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    atomic_dir(target, write)

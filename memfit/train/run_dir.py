@@ -1,0 +1,130 @@
+"""The run directory: its recorded config, metrics file and checkpoints, and the rules for reusing one.
+
+    config.yaml     the full config that ran (compared on restart)
+    metrics.jsonl   one JSON record per logged step / eval / summary
+    checkpoints/    atomic checkpoints (see ``checkpoint.py``)
+    export/         the final model or adapter in Hugging Face format
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from memfit.config.loader import config_to_dict, dump_config
+from memfit.config.schema import RunConfig
+from memfit.errors import UserError
+from memfit.train.checkpoint import list_checkpoints, remove_partial
+
+_IGNORED_ON_COMPARE = {("train", "resume")}
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    diffs = []
+    for section, values in new.items():
+        for key, value in values.items():
+            if (section, key) in _IGNORED_ON_COMPARE:
+                continue
+            before = old.get(section, {}).get(key)
+            if before != value:
+                diffs.append(f"{section}.{key}: {before!r} there, {value!r} here")
+    return diffs
+
+
+@dataclasses.dataclass
+class RunDir:
+    root: Path
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+    def latest_checkpoint(self) -> Path | None:
+        found = list_checkpoints(self.checkpoints)
+        return found[-1] if found else None
+
+
+def prepare_run_dir(cfg: RunConfig) -> tuple[RunDir, Path | None]:
+    """Check ``output.dir`` may hold this run; return it and the checkpoint to resume from (if any).
+
+    Raises:
+        UserError: the directory holds another run, holds this run's checkpoints without
+            ``train.resume=true``, or holds files that are not a memfit run.
+    """
+    run = RunDir(Path(cfg.output.dir))
+    where = f"output.dir '{cfg.output.dir}'"
+    if run.root.exists() and not run.root.is_dir():
+        raise UserError(f"{where} is a file; choose a directory path")
+    if run.config_path.is_file():
+        old = yaml.safe_load(run.config_path.read_text()) or {}
+        diffs = _differences(old, config_to_dict(cfg))
+        if diffs:
+            raise UserError(
+                f"{where} holds a different run ({diffs[0]}{'; ...' if len(diffs) > 1 else ''}); "
+                "choose another output.dir or remove that directory"
+            )
+        remove_partial(run.checkpoints)
+        latest = run.latest_checkpoint()
+        if latest is not None and not cfg.train.resume:
+            raise UserError(
+                f"{where} already holds this run up to {latest.name}; pass train.resume=true to continue "
+                "it, or choose another output.dir"
+            )
+        return run, latest if cfg.train.resume else None
+    if run.root.is_dir() and any(run.root.iterdir()):
+        raise UserError(f"{where} is not empty and is not a memfit run (no config.yaml); choose another output.dir")
+    return run, None
+
+
+def write_config(run: RunDir, cfg: RunConfig) -> None:
+    run.root.mkdir(parents=True, exist_ok=True)
+    tmp = run.config_path.with_suffix(".yaml.tmp")
+    tmp.write_text(dump_config(cfg))
+    os.replace(tmp, run.config_path)
+
+
+class MetricsLog:
+    """Append-only JSONL of records; on resume, records after the checkpoint's step are dropped."""
+
+    def __init__(self, path: Path, keep_through_step: int | None):
+        self.path = path
+        kept: list[str] = []
+        if keep_through_step is not None and path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a torn last line from a killed run
+                if rec.get("step", 0) <= keep_through_step and rec.get("kind") != "summary":
+                    kept.append(line)
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+        self._fh = path.open("a", buffering=1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
