@@ -22,6 +22,7 @@ from memfit.errors import UserError
 from memfit.models.presets import preset_config
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,11 @@ def resolve_source(source: str) -> ModelSource:
 def load_tokenizer(src: ModelSource):
     """The tokenizer of an HF directory, or the embedded SmolLM2 tokenizer for presets."""
     path = src.path if src.kind == "hf" else embedded_checkpoint_dir()
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(
+            f"model.source: '{path}' has no tokenizer ({' / '.join(TOKENIZER_FILES)}); "
+            "save the model's tokenizer into that directory"
+        )
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -114,12 +120,13 @@ def model_config(src: ModelSource, cfg: ModelConfig):
     return config
 
 
-def build_model(src: ModelSource, cfg: ModelConfig, dtype: torch.dtype, seed: int) -> PreTrainedModel:
+def build_model(src: ModelSource, cfg: ModelConfig | None, dtype: torch.dtype, seed: int) -> PreTrainedModel:
     """Load or initialise the model on CPU in ``dtype`` (the trainer moves it to the device).
 
     Raises:
         UserError: when the checkpoint is not a decoder-only model with ``model.layers[i].mlp``.
     """
+    cfg = cfg or ModelConfig()
     if src.kind == "preset":
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(model_config(src, cfg), dtype=dtype)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.utils import logging as hf_logging
 
 from memfit.config.schema import RunConfig
 from memfit.device import device_name, resolve_device
@@ -74,7 +75,8 @@ class Trainer:
         self.precision = resolve_precision(cfg.strategy.precision, self.device)
         self.run, self.resume_from = prepare_run_dir(cfg)
 
-        source = resolve_source(cfg.model.source)
+        source = resolve_source(cfg.model.source)  # may convert the embedded GGUF (with its progress bar)
+        hf_logging.disable_progress_bar()  # loading/saving bars would tear the training display
         mconf = model_config(source, cfg.model)
         if cfg.data.seq_len > mconf.max_position_embeddings:
             raise UserError(

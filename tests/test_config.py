@@ -1,0 +1,83 @@
+import dataclasses
+
+import pytest
+
+from memfit.cli import shipped_configs
+from memfit.config.loader import dump_config, load_config, parse_override
+from memfit.config.schema import RunConfig, parse_ac_policy
+from memfit.errors import UserError
+
+
+@pytest.mark.parametrize("name", sorted(shipped_configs()))
+def test_every_shipped_config_loads_and_validates(name):
+    cfg = load_config(shipped_configs()[name])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.output.dir.endswith(name), "each shipped config writes to its own run directory"
+
+
+def test_required_configs_are_shipped():
+    for name in ("smollm2-shakespeare-lora-cpu", "smollm2-shakespeare-full-cpu", "llama2-7b-lora-mi210", "llama2-7b-full-zero2"):
+        assert name in shipped_configs()
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = load_config(shipped_configs()["llama2-7b-lora-mi210"])
+    p = tmp_path / "c.yaml"
+    p.write_text(dump_config(cfg))
+    assert dataclasses.asdict(load_config(p)) == dataclasses.asdict(cfg)
+
+
+def test_override_types_and_lists():
+    cfg = load_config(None, ["train.max_steps=7", "optimizer.lr=1e-4", "lora.enabled=true", "lora.target_modules=q_proj,v_proj"])
+    assert cfg.train.max_steps == 7 and cfg.optimizer.lr == 1e-4 and cfg.lora.enabled is True
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+
+
+def test_unknown_key_gets_did_you_mean():
+    with pytest.raises(UserError, match=r"unknown key 'train.max_step'.*did you mean 'max_steps'"):
+        load_config(None, ["train.max_step=3"])
+
+
+def test_unknown_section_gets_did_you_mean(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("trian:\n  max_steps: 3\n")
+    with pytest.raises(UserError, match=r"unknown section 'trian'.*did you mean 'train'"):
+        load_config(p)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.micro_batch_size=0", r"train.micro_batch_size must be > 0 \(got 0\)"),
+        ("train.micro_batch_size=four", r"train.micro_batch_size must be an integer \(got 'four'\)"),
+        ("strategy.precision=bf17-mixed", r"strategy.precision must be one of .* \(did you mean 'bf16-mixed'\?\)"),
+        ("strategy.activation_checkpointing=every_k:0", r"every_k:N with N >= 1"),
+        ("data.eval_fraction=0.7", r"data.eval_fraction must be in \(0, 0.5\)"),
+        ("allocator.memory_fraction=1.5", r"allocator.memory_fraction must be in \(0, 1\]"),
+        ("train.device=tpu", r"train.device must be"),
+        ("lora.enabled=maybe", r"lora.enabled must be true or false"),
+    ],
+)
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, [override])
+
+
+def test_bad_override_shape():
+    with pytest.raises(UserError, match="section.key=value"):
+        parse_override("max_steps")
+
+
+def test_bad_yaml_names_file_and_line(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  max_steps: [1,\n")
+    with pytest.raises(UserError, match=r"c.yaml:\d+: not valid YAML"):
+        load_config(p)
+
+
+def test_ac_policy_parsing():
+    assert parse_ac_policy("none") == ("none", 1)
+    assert parse_ac_policy("ffn") == ("ffn", 1)
+    assert parse_ac_policy("every_k:3") == ("every_k", 3)
+    with pytest.raises(UserError):
+        parse_ac_policy("some")

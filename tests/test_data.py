@@ -1,0 +1,90 @@
+import json
+
+import pytest
+import torch
+
+from memfit.config.schema import DataConfig
+from memfit.errors import UserError
+from memfit.models.load import ModelSource, load_tokenizer
+from memfit.train.data import IGNORE_INDEX, EpochBatchSampler, load_dataset, shakespeare_files, split
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_dir):
+    return load_tokenizer(ModelSource("hf", path=embedded_dir))
+
+
+def test_shakespeare_ships_the_plays():
+    names = {f.name for f in shakespeare_files()}
+    assert "hamlet_gut.txt" in names and len(names) >= 30
+
+
+def test_text_is_packed_into_full_rows(tmp_path, tokenizer):
+    (tmp_path / "a.txt").write_text("To be, or not to be, that is the question. " * 40)
+    ds = load_dataset(DataConfig(source=str(tmp_path / "a.txt"), seq_len=16), tokenizer)
+    n_tokens = len(tokenizer("To be, or not to be, that is the question. " * 40, add_special_tokens=False)["input_ids"]) + 1
+    assert ds.tokens.shape == (n_tokens // 17, 17)
+    assert torch.equal(ds.tokens, ds.labels)
+
+
+def test_split_is_fixed_and_disjoint(tokenizer):
+    ds = load_dataset(DataConfig(seq_len=32, max_documents=1), tokenizer)
+    tr1, ev1 = split(ds, 0.1)
+    tr2, ev2 = split(ds, 0.1)
+    assert torch.equal(ev1.tokens, ev2.tokens)
+    assert len(tr1) + len(ev1) == len(ds) and len(ev1) == round(len(ds) * 0.1)
+
+
+def _write_jsonl(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_chat_records_mask_the_prompt(tmp_path, tokenizer):
+    src = _write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            json.dumps({"messages": [{"role": "user", "content": "Who wrote Hamlet?"}, {"role": "assistant", "content": "Shakespeare."}]}),
+            json.dumps({"prompt": "Name a play.", "response": "Macbeth."}),
+        ],
+    )
+    ds = load_dataset(DataConfig(source=src, seq_len=64), tokenizer)
+    assert ds.tokens.shape == (2, 65)
+    row, lab = ds.tokens[0], ds.labels[0]
+    answer = tokenizer("Shakespeare.", add_special_tokens=False)["input_ids"]
+    supervised = lab[lab != IGNORE_INDEX].tolist()
+    assert supervised[: len(answer)] == answer  # loss starts exactly at the answer
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Who wrote Hamlet?"}], add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert (lab[: len(prompt)] == IGNORE_INDEX).all() and row[: len(prompt)].tolist() == prompt
+
+
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"messages": []}', "'messages' must be a non-empty list"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}', "last message must have role 'assistant'"),
+        ('{"text": "hi"}', "need 'messages' or string 'prompt' and 'response'"),
+        ("[1, 2]", "a record must be a JSON object"),
+    ],
+)
+def test_bad_record_names_file_and_line(tmp_path, tokenizer, line, reason):
+    good = json.dumps({"prompt": "a", "response": "b"})
+    src = _write_jsonl(tmp_path / "bad.jsonl", [good, good, line])
+    with pytest.raises(UserError, match=rf"bad.jsonl:3: .*{reason}"):
+        load_dataset(DataConfig(source=src, seq_len=32), tokenizer)
+
+
+def test_missing_data_source():
+    with pytest.raises(UserError, match="data.source: 'nope.txt' does not exist"):
+        load_dataset(DataConfig(source="nope.txt"), tokenizer=None)
+
+
+def test_sampler_resumes_at_any_batch():
+    full = EpochBatchSampler(10, 3, seed=5)
+    it = iter(full)
+    first = [next(it) for _ in range(8)]  # crosses two epoch boundaries (3 batches per epoch)
+    resumed = iter(EpochBatchSampler(10, 3, seed=5, start_batch=4))
+    assert [next(resumed) for _ in range(4)] == first[4:]
+    assert sorted(sum(first[:3], [])) == sorted(set(sum(first[:3], [])))  # no repeats within an epoch

@@ -1,0 +1,136 @@
+"""Strategies against references: every checkpointing policy vs none, optimizer implementations,
+precision rules, LoRA wiring and allocator settings."""
+
+import zlib
+
+import pytest
+import torch
+
+from memfit.config.schema import LoraConfig, ModelConfig, OptimizerConfig
+from memfit.errors import UserError
+from memfit.models.load import ModelSource, build_model
+from memfit.strategies.allocator import alloc_conf_items, apply_device_limits, merge_conf
+from memfit.strategies.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
+from memfit.strategies.lora import apply_lora
+from memfit.strategies.optimizer import build_optimizer, lr_at
+from memfit.strategies.precision import resolve_precision
+from memfit.train.checkpoint import clean_name
+from memfit.train.loop import token_loss_sum
+
+CPU = torch.device("cpu")
+FP32 = resolve_precision("fp32", CPU)
+
+
+def _tiny(lora: bool = False, dropout: float = 0.0):
+    model = build_model(ModelSource("preset", preset="tiny"), ModelConfig(), torch.float32, seed=0)
+    if lora:
+        model = apply_lora(model, LoraConfig(enabled=True, rank=4, dropout=dropout))
+        with torch.no_grad():  # non-zero B so adapters contribute to the output
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.02, generator=torch.Generator().manual_seed(zlib.crc32(n.encode())))
+    return model
+
+
+def _loss_and_grads(model, tokens):
+    torch.manual_seed(7)  # same dropout masks for every policy
+    loss = token_loss_sum(model, tokens, tokens, FP32, CPU) / tokens[:, 1:].numel()
+    loss.backward()
+    grads = {clean_name(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("policy", ["full", "ffn", "every_k:2", "every_k:1"])
+def test_checkpointing_matches_no_checkpointing(policy, lora):
+    tokens = torch.randint(0, 49152, (2, 33), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads = _loss_and_grads(_tiny(lora, dropout=0.1 if lora else 0.0), tokens)
+    model = _tiny(lora, dropout=0.1 if lora else 0.0)
+    wrapped = apply_activation_checkpointing(model, policy)
+    assert wrapped == (1 if policy == "every_k:2" else 2)
+    loss, grads = _loss_and_grads(model, tokens)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=0)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, g in grads.items():
+        ref = ref_grads[name]
+        rel = (g - ref).norm() / ref.norm().clamp_min(1e-30)
+        assert rel <= 1e-5, f"{policy}: gradient of {name} differs (relative {rel:.2e})"
+
+
+def test_checkpointing_keeps_state_dict_names_and_unwraps():
+    model = _tiny()
+    names = set(model.state_dict())
+    apply_activation_checkpointing(model, "full")
+    assert set(model.state_dict()) == names
+    assert remove_activation_checkpointing(model) == 2
+    assert not any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
+
+
+def test_checkpointing_actually_recomputes():
+    """With AC the wrapped MLPs run again in backward (counted on entry: non-reentrant recompute
+    stops early once the saved tensors it needs are rebuilt, so exit hooks may not fire)."""
+    calls = {"n": 0}
+    for policy, expected in (("none", 2), ("full", 4), ("ffn", 4), ("every_k:2", 3)):
+        model = _tiny()
+        apply_activation_checkpointing(model, policy)
+        calls["n"] = 0
+        for layer in model.model.layers:
+            inner = getattr(layer, "_checkpoint_wrapped_module", layer)
+            mlp = getattr(inner.mlp, "_checkpoint_wrapped_module", inner.mlp)
+            mlp.register_forward_pre_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+        tokens = torch.randint(0, 100, (1, 9))
+        (token_loss_sum(model, tokens, tokens, FP32, CPU)).backward()
+        assert calls["n"] == expected, (policy, calls["n"])
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "fused"])
+def test_optimizer_implementations_agree(impl):
+    results = {}
+    for name in ("foreach", impl):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8)
+        opt = build_optimizer(list(model.parameters()), OptimizerConfig(implementation=name, weight_decay=0.1), CPU)
+        for _ in range(3):
+            model(torch.ones(2, 8)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        results[name] = model.weight.detach().clone()
+    assert torch.allclose(results["foreach"], results[impl], rtol=1e-6, atol=1e-7)
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor():
+    cfg = OptimizerConfig(lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
+    assert [lr_at(s, 104, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, 104, cfg) == pytest.approx(1.0)
+    assert lr_at(54, 104, cfg) == pytest.approx(0.55)
+    assert lr_at(104, 104, cfg) == pytest.approx(0.1)
+
+
+def test_precision_rules_on_cpu():
+    assert resolve_precision("auto", CPU).name == "fp32"
+    assert resolve_precision("bf16-pure", CPU).param_dtype == torch.bfloat16
+    mixed = resolve_precision("bf16-mixed", CPU)
+    assert mixed.param_dtype == torch.float32 and mixed.autocast_dtype == torch.bfloat16
+    with pytest.raises(UserError, match="fp16-mixed needs a GPU"):
+        resolve_precision("fp16-mixed", CPU)
+
+
+def test_lora_target_not_in_model_names_it():
+    with pytest.raises(UserError, match=r"lora.target_modules: 'q_projj' .*did you mean 'q_proj'"):
+        apply_lora(_tiny(), LoraConfig(enabled=True, target_modules=["q_projj"]))
+
+
+def test_lora_freezes_base():
+    model = _tiny(lora=True)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_allocator_settings_string():
+    from memfit.config.schema import AllocatorConfig
+
+    cfg = AllocatorConfig(expandable_segments=True, max_split_size_mb=256, garbage_collection_threshold=0.8)
+    assert alloc_conf_items(cfg) == {"expandable_segments": "True", "max_split_size_mb": "256", "garbage_collection_threshold": "0.8"}
+    assert merge_conf("backend:native, max_split_size_mb:128", {"max_split_size_mb": "256"}) == "backend:native,max_split_size_mb:256"
+    assert apply_device_limits(cfg, CPU) == ["allocator settings apply to CUDA/ROCm devices only; ignored on CPU"]
+    assert apply_device_limits(AllocatorConfig(), CPU) == []
