@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
@@ -35,4 +37,6 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig):
         target_modules=list(cfg.target_modules),
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, peft_config)
+    with warnings.catch_warnings():  # PEFT asks transformers a deprecated question; not ours to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, peft_config)

@@ -109,8 +109,8 @@ def summary_tables(
         peak_rss = max(r["peak_rss_bytes"] for r in steps)
         other = max(0, peak_rss - baseline_rss_bytes - states.total_bytes)
         summary.update(peak_rss_bytes=peak_rss, baseline_rss_bytes=baseline_rss_bytes)
-        mem.add_row("activations, temporaries, data, runtime", f"{other / GIB:.3f}",
-                    "peak RSS − RSS before model load − model states")
-        mem.add_row("RSS before model load", f"{baseline_rss_bytes / GIB:.3f}", "/proc/self/statm")
-        mem.add_row("peak RSS", f"{peak_rss / GIB:.3f}", "getrusage ru_maxrss")
+        mem.add_row("activations, temporaries, heap slack", f"{other / GIB:.3f}",
+                    "peak step RSS − RSS before model load − model states")
+        mem.add_row("RSS before model load", f"{baseline_rss_bytes / GIB:.3f}", "runtime, libraries, data")
+        mem.add_row("peak RSS during steps", f"{peak_rss / GIB:.3f}", "VmHWM, reset before each step")
     return run, mem, summary

@@ -24,17 +24,34 @@ def process_rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """High-water mark of this process's RSS since it started (``ru_maxrss`` is KiB on Linux)."""
+    """High-water mark of this process's RSS since start or the last ``reset_peaks`` (Linux VmHWM).
+
+    Falls back to ``ru_maxrss`` (peak since start, never reset) where /proc is unavailable.
+    """
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def reset_gpu_peaks(device: torch.device) -> None:
+def reset_peaks(device: torch.device) -> None:
+    """Start a new peak window: the allocator's peak stats on GPU, the RSS high-water mark on CPU."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # Linux >= 4.0: reset VmHWM to the current RSS
+    except OSError:
+        pass  # no /proc (not Linux): peak_rss_bytes then reports the peak since start
 
 
 def memory_record(device: torch.device) -> dict[str, int]:
-    """Memory fields for one step record. GPU: peaks since the last reset; CPU: RSS now and peak."""
+    """Memory fields for one step record: peaks since the last ``reset_peaks`` and current values."""
     if device.type != "cuda":
         return {"rss_bytes": process_rss_bytes(), "peak_rss_bytes": peak_rss_bytes()}
     s = torch.cuda.memory_stats(device)

@@ -188,10 +188,13 @@ class EpochBatchSampler(torch.utils.data.Sampler):
             )
         self.n, self.batch_size, self.seed, self.start_batch = n, batch_size, seed, start_batch
         self.batches_per_epoch = n // batch_size
+        self._perm: tuple[int, torch.Tensor] | None = None  # (epoch, permutation) of the current epoch
 
     def batch(self, b: int) -> list[int]:
         epoch, within = divmod(b, self.batches_per_epoch)
-        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch))
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)))
+        perm = self._perm[1]
         return perm[within * self.batch_size : (within + 1) * self.batch_size].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:

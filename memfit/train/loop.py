@@ -27,7 +27,7 @@ from memfit.strategies.lora import apply_lora
 from memfit.strategies.optimizer import build_optimizer, build_scheduler, resolve_implementation
 from memfit.strategies.precision import resolve_precision
 from memfit.telemetry.display import TrainDisplay, summary_tables
-from memfit.telemetry.memory import memory_record, process_rss_bytes, reset_gpu_peaks, state_bytes
+from memfit.telemetry.memory import memory_record, process_rss_bytes, reset_peaks, state_bytes
 from memfit.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from memfit.train.data import IGNORE_INDEX, eval_batches, load_dataset, split, train_loader
 from memfit.train.export import export_model
@@ -186,7 +186,7 @@ class Trainer:
             if state.step == 0:
                 do_eval(0)
             for step in range(state.step + 1, t.max_steps + 1):
-                reset_gpu_peaks(self.device)
+                reset_peaks(self.device)
                 start = time.perf_counter()
                 batches = [next(loader) for _ in range(t.grad_accum_steps)]
                 lr = self.scheduler.get_last_lr()[0]

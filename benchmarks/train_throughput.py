@@ -1,0 +1,210 @@
+"""Trainer throughput and memory on CPU: memfit vs a plain PyTorch loop vs HF Trainer, and AC policies.
+
+Same model (the embedded SmolLM2-135M-Instruct, LoRA r=8 on all projections), same data (Shakespeare
+rows from memfit's loader), same batch, sequence length, optimizer (AdamW foreach, lr 2e-3, clip 1.0)
+and thread count. Every run is its own subprocess so its peak RSS is its own; each reports the median
+step time over the steps after warm-up. The parent prints a table and ends with one JSON line.
+
+    python benchmarks/train_throughput.py                 # defaults below
+    python benchmarks/train_throughput.py --reps 1 --steps 6   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _memfit_config(a, out_dir: str, ac: str = "none"):
+    from memfit.cli import shipped_configs
+    from memfit.config.loader import load_config
+
+    return load_config(
+        shipped_configs()["smollm2-shakespeare-lora-cpu"],
+        [
+            f"data.seq_len={a.seq_len}", f"data.max_documents={a.documents}", f"train.micro_batch_size={a.batch}",
+            f"train.max_steps={a.steps}", "train.eval_every=0", "train.eval_batches=1", "train.checkpoint_every=0",
+            "output.export=false", "optimizer.warmup_steps=2", f"strategy.activation_checkpointing={ac}",
+            f"output.dir={out_dir}",
+        ],
+    )
+
+
+def _rows(a):
+    """The same training rows for every runner, from memfit's own loader."""
+    from memfit.models.load import embedded_checkpoint_dir, ModelSource, load_tokenizer
+    from memfit.train.data import load_dataset, split
+
+    cfg = _memfit_config(a, "/nonexistent")
+    tok = load_tokenizer(ModelSource("hf", path=embedded_checkpoint_dir()))
+    train, _ = split(load_dataset(cfg.data, tok), cfg.data.eval_fraction)
+    return train.tokens[: a.steps * a.batch]  # (steps * B, T + 1)
+
+
+def _lora_model():
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from memfit.models.load import embedded_checkpoint_dir
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(embedded_checkpoint_dir(), dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+
+
+def run_memfit(a, ac: str = "none") -> dict:
+    import tempfile
+
+    from memfit.train.loop import Trainer
+
+    with tempfile.TemporaryDirectory() as d:
+        from rich.console import Console
+
+        result = Trainer(_memfit_config(a, f"{d}/run", ac), display_console=Console(quiet=True)).fit()
+    times = [r["step_time_s"] for r in result.steps]
+    return {"step_times_s": times, "loss": result.steps[-1]["loss"]}
+
+
+def run_plain(a) -> dict:
+    import torch
+
+    rows = _rows(a)
+    model = _lora_model()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), foreach=True)
+    times = []
+    for step in range(a.steps):
+        batch = rows[step * a.batch : (step + 1) * a.batch]
+        start = time.perf_counter()
+        logits = model(input_ids=batch[:, :-1]).logits  # (B, T, V)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return {"step_times_s": times, "loss": float(loss)}
+
+
+def run_hf(a) -> dict:
+    import tempfile
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    rows = _rows(a)
+    data = [{"input_ids": r[:-1], "labels": r[:-1]} for r in rows]  # HF shifts labels itself
+    times, losses = [], []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *args, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *args, **kw):
+            times.append(time.perf_counter() - self.t)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    with tempfile.TemporaryDirectory() as d:
+        args = TrainingArguments(
+            output_dir=d, per_device_train_batch_size=a.batch, max_steps=a.steps, learning_rate=2e-3,
+            adam_beta2=0.95, warmup_steps=2, lr_scheduler_type="cosine", max_grad_norm=1.0, optim="adamw_torch",
+            logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0,
+            disable_tqdm=True, seed=0,
+        )
+        Trainer(model=_lora_model(), args=args, train_dataset=data, callbacks=[Clock()]).train()
+    return {"step_times_s": times, "loss": losses[-1] if losses else None}
+
+
+RUNNERS = {"memfit": run_memfit, "plain": run_plain, "hf": run_hf}
+
+
+def child(a) -> None:
+    if a.runner.startswith("ac:"):
+        out = run_memfit(a, a.runner[3:])
+    else:
+        out = RUNNERS[a.runner](a)
+    times = out["step_times_s"][a.warmup :]
+    out.update(median_step_time_s=statistics.median(times), peak_rss_bytes=_peak_rss_bytes(),
+               tokens_per_s=a.batch * a.seq_len / statistics.median(times))
+    print("RESULT " + json.dumps(out))
+
+
+def spawn(a, runner: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", runner, "--steps", str(a.steps), "--warmup", str(a.warmup),
+           "--batch", str(a.batch), "--seq-len", str(a.seq_len), "--documents", str(a.documents)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        raise SystemExit(f"{runner} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT ") :])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--child", dest="runner")
+    p.add_argument("--reps", type=int, default=3, help="runs per trainer (interleaved)")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2, help="steps excluded from the median")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--documents", type=int, default=4)
+    p.add_argument("--ac", default="none,ffn,every_k:2,full", help="AC policies for the memfit table")
+    a = p.parse_args()
+    if a.runner:
+        return child(a)
+
+    results: dict[str, list[dict]] = {k: [] for k in RUNNERS}
+    for rep in range(a.reps):
+        for name in RUNNERS:  # interleaved so drift hits all trainers alike
+            results[name].append(spawn(a, name))
+            print(f"rep {rep + 1}/{a.reps} {name:7s} {results[name][-1]['tokens_per_s']:8.1f} tok/s", file=sys.stderr)
+    med = {k: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in v),
+               "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in v),
+               "runs_tokens_per_s": [round(r["tokens_per_s"], 1) for r in v]} for k, v in results.items()}
+    ac_rows = {}
+    for policy in a.ac.split(","):
+        r = spawn(a, f"ac:{policy}")
+        ac_rows[policy] = {"median_step_time_s": r["median_step_time_s"], "peak_rss_bytes": r["peak_rss_bytes"], "loss": r["loss"]}
+        print(f"ac {policy:10s} {r['median_step_time_s']:.3f} s/step", file=sys.stderr)
+
+    gib = 1 << 30
+    print(f"\nSmolLM2-135M LoRA r=8, B={a.batch}, T={a.seq_len}, fp32, CPU ({platform.processor() or platform.machine()}), "
+          f"{a.reps} runs x {a.steps} steps (median of steps {a.warmup + 1}..{a.steps})")
+    print(f"{'trainer':8s} {'tokens/s (median)':>18s} {'runs':>24s} {'peak RSS GiB':>13s} {'memfit ÷ this':>14s}")
+    for k, v in med.items():
+        ratio = med["memfit"]["tokens_per_s"] / v["tokens_per_s"]
+        print(f"{k:8s} {v['tokens_per_s']:18.1f} {str(v['runs_tokens_per_s']):>24s} {v['peak_rss_bytes'] / gib:13.3f} {ratio:14.3f}")
+    print(f"\n{'AC policy':10s} {'step time s':>12s} {'peak RSS GiB':>13s} {'loss after N':>13s}")
+    for policy, r in ac_rows.items():
+        print(f"{policy:10s} {r['median_step_time_s']:12.3f} {r['peak_rss_bytes'] / gib:13.3f} {r['loss']:13.5f}")
+    summary = {
+        "benchmark": "train_throughput", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.platform(), "settings": vars(a), "trainers": med,
+        "ratio_vs_plain": med["memfit"]["tokens_per_s"] / med["plain"]["tokens_per_s"],
+        "ratio_vs_hf": med["memfit"]["tokens_per_s"] / med["hf"]["tokens_per_s"], "ac": ac_rows,
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
