@@ -42,6 +42,11 @@ _POLICIES = {
 }
 
 
+def precision_policy(name: str) -> Precision:
+    """The policy of a concrete name (not ``auto``), without device checks (the planner's targets)."""
+    return _POLICIES[name]
+
+
 def resolve_precision(name: str, device: torch.device) -> Precision:
     """Pick the policy for ``strategy.precision`` on ``device``.
 

@@ -25,7 +25,7 @@ from memfit.strategies.allocator import apply_allocator_env, apply_device_limits
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora
 from memfit.strategies.optimizer import build_optimizer, build_scheduler, resolve_implementation
-from memfit.strategies.precision import resolve_precision
+from memfit.strategies.precision import Precision, resolve_precision
 from memfit.telemetry.display import TrainDisplay, summary_tables
 from memfit.telemetry.memory import memory_record, process_rss_bytes, reset_peaks, state_bytes
 from memfit.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
@@ -46,6 +46,50 @@ def token_loss_sum(model, tokens: torch.Tensor, labels: torch.Tensor, precision,
     return F.cross_entropy(
         logits.float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+@dataclass
+class StepRunner:
+    """One optimizer step of the trainer; the planner traces this same object under FakeTensorMode."""
+
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    device: torch.device
+    grad_clip: float
+    scaler: torch.amp.GradScaler | None = None
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over ``batches`` (gradient accumulation), clip, optimizer step, free grads.
+
+        The loss is normalised by the supervised tokens of the whole step, so accumulation over k
+        micro-batches gives the same update as one batch k times larger.
+
+        Returns:
+            (loss, grad_norm) as 0-d tensors; loss is the mean token loss of the step.
+        """
+        # a tensor, not an int: no host sync, and traceable under FakeTensorMode
+        n_tokens = sum((labels[:, 1:] != IGNORE_INDEX).sum() for _, labels in batches).clamp_min(1).to(self.device)
+        loss_sum = torch.zeros((), device=self.device)
+        for tokens, labels in batches:
+            tokens = tokens.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            loss = token_loss_sum(self.model, tokens, labels, self.precision, self.device) / n_tokens
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += loss.detach()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float("inf"))
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return loss_sum, grad_norm
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 @dataclass
@@ -105,7 +149,15 @@ class Trainer:
         self.optimizer = build_optimizer(self.params, cfg.optimizer, self.device)
         self.scheduler = build_scheduler(self.optimizer, t.max_steps, cfg.optimizer)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.grad_scaler else None
+        self.runner = StepRunner(
+            self.model, self.params, self.optimizer, self.precision, self.device, cfg.optimizer.grad_clip, self.scaler
+        )
         self.display_console = display_console
+
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+        """One optimizer step; returns (mean token loss, gradient norm before clipping)."""
+        loss, grad_norm = self.runner.step(batches)
+        return float(loss), float(grad_norm)
 
     # -- pieces -----------------------------------------------------------------------------------
 
@@ -120,31 +172,6 @@ class Trainer:
             count += int((labels[:, 1:] != IGNORE_INDEX).sum())
         self.model.train()
         return total / max(1, count)
-
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
-        """One optimizer step over ``batches`` (grad accumulation), normalised by supervised tokens.
-
-        Returns:
-            (loss, grad_norm) where loss is the mean token loss of the step.
-        """
-        n_tokens = sum(int((labels[:, 1:] != IGNORE_INDEX).sum()) for _, labels in batches)
-        loss_sum = torch.zeros((), device=self.device)
-        for tokens, labels in batches:
-            tokens = tokens.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
-            loss = token_loss_sum(self.model, tokens, labels, self.precision, self.device) / max(1, n_tokens)
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            loss_sum += loss.detach()
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.optimizer.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        return float(loss_sum), float(grad_norm)
 
     def _checkpoint(self, state: TrainerState) -> None:
         save_checkpoint(self.run.checkpoints, self.model, self.optimizer, self.scheduler, state, self.cfg.train.keep_checkpoints)
@@ -193,7 +220,7 @@ class Trainer:
                 loss, grad_norm = self.train_step(batches)
                 if states_at_step is None:
                     states_at_step = state_bytes(self.model, self.optimizer)  # grads still alive here
-                self.optimizer.zero_grad(set_to_none=True)
+                self.runner.zero_grad()
                 self.scheduler.step()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)

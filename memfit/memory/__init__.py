@@ -1,0 +1,1 @@
+"""Memory accounting: categories, the step tracer (fake tensors) and the planner built on it."""

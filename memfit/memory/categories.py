@@ -1,0 +1,51 @@
+"""Memory categories and typed breakdowns (bytes as int; GiB only at display)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Category(str, Enum):
+    PARAMS = "params"
+    GRADS = "grads"
+    OPTIMIZER = "optimizer"
+    ACTIVATIONS = "activations"  # tensors autograd saved for backward
+    TEMPORARIES = "temporaries"  # everything else alive at the moment (logits, workspaces, inputs)
+
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes per category at one moment; ``total_bytes`` is their sum."""
+
+    bytes_by_category: dict[Category, int] = field(default_factory=dict)
+
+    def __getitem__(self, c: Category) -> int:
+        return self.bytes_by_category.get(c, 0)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_category.values())
+
+    def scaled(self, other: "Breakdown", k: float) -> "Breakdown":
+        """``self + k * (other - self)`` per category, rounded to whole bytes (linear extrapolation)."""
+        return Breakdown({c: round(self[c] + k * (other[c] - self[c])) for c in Category})
+
+    def as_dict(self) -> dict[str, int]:
+        return {c.value: self[c] for c in Category}
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Peak of one training step: the breakdown at the overall peak and the peak of each phase."""
+
+    peak: Breakdown
+    phase_peaks: dict[str, Breakdown]
+    peak_phase: str
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak.total_bytes
