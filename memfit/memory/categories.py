@@ -14,7 +14,7 @@ class Category(str, Enum):
     TEMPORARIES = "temporaries"  # everything else alive at the moment (logits, workspaces, inputs)
 
 
-PHASES = ("forward", "backward", "optimizer")
+PHASES = ("forward", "backward", "clip", "optimizer")
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 The model is built on the ``meta`` device in the precision's parameter dtype, gets the same LoRA
 adapters and activation-checkpoint wrappers as in training, and is materialised as FakeTensors on
 CPU (``to_empty`` inside the fake mode; ties re-applied). The trainer's ``StepRunner`` then runs one
-step (forward, backward, clipping, optimizer step) while ``StepTracker`` counts bytes. Nothing real
-is allocated, so a 70B step costs seconds.
+step (forward, backward, clipping, optimizer step) while ``StepTracker`` counts bytes; the optimizer
+state that step creates is then added to the forward and backward phases, as in every later step
+(``steady_state``). Nothing real is allocated, so a 70B step costs seconds.
 
 Decoder layers are identical, so the planner traces ``a`` and ``b`` layers and extrapolates each
 category of each phase's peak linearly to the full depth (``extrapolated_step``).
@@ -28,8 +29,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from memfit.config.schema import LoraConfig, OptimizerConfig, parse_ac_policy
-from memfit.memory.categories import Breakdown, StepMemory
-from memfit.memory.tracker import StepTracker
+from memfit.memory.categories import Breakdown, Category, StepMemory
+from memfit.memory.tracker import StepTracker, Timeline, collapse_regions
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora
 from memfit.strategies.optimizer import build_optimizer
@@ -73,11 +74,16 @@ def _build_fake_model(spec: StepSpec, num_layers: int, fake_mode: FakeTensorMode
 
 
 def trace_step(spec: StepSpec, num_layers: int | None = None) -> StepMemory:
-    """Run one optimizer step of ``spec`` on fake tensors and return its peak breakdown.
+    """Run one optimizer step of ``spec`` on fake tensors and return its steady-state peak breakdown.
 
     Args:
         num_layers: decoder depth to build (default: the config's own).
     """
+    return steady_state(trace_timeline(spec, num_layers).step_memory())
+
+
+def trace_timeline(spec: StepSpec, num_layers: int | None = None) -> Timeline:
+    """Bytes per category after every op of one (first) optimizer step of ``spec``, on fake tensors."""
     from memfit.train.loop import StepRunner  # the trainer's step; imported here to keep layers acyclic
 
     depth = num_layers or spec.model_config.num_hidden_layers
@@ -95,14 +101,30 @@ def trace_step(spec: StepSpec, num_layers: int | None = None) -> StepMemory:
         with tracker:
             runner.step(batches)
             runner.zero_grad()
-    return tracker.result()
+    return tracker.timeline()
 
 
-def _extrapolate(a: StepMemory, b: StepMemory, la: int, lb: int, depth: int) -> StepMemory:
-    k = (depth - la) / (lb - la)
-    phases = {p: a.phase_peaks[p].scaled(b.phase_peaks[p], k) for p in a.phase_peaks if p in b.phase_peaks}
+def steady_state(first: StepMemory) -> StepMemory:
+    """From step 1 to every later step: the optimizer state (created lazily in step 1's optimizer
+    phase, constant in size afterwards) is alive through forward and backward as well."""
+    state = first.phase_peaks["optimizer"][Category.OPTIMIZER]
+    phases = {
+        p: (b if p == "optimizer" else Breakdown({**b.bytes_by_category, Category.OPTIMIZER: state}))
+        for p, b in first.phase_peaks.items()
+    }
     peak_phase = max(phases, key=lambda p: phases[p].total_bytes)
     return StepMemory(peak=phases[peak_phase], phase_peaks=phases, peak_phase=peak_phase)
+
+
+def extrapolate_regions(ra: dict[str, Breakdown], rb: dict[str, Breakdown], la: int, lb: int, depth: int) -> dict[str, Breakdown]:
+    """Region peaks at ``depth`` from depths ``la`` < ``lb``, each linear in depth on its own.
+
+    Middle layers are left out: within them the bytes are linear in the layer's position, so their
+    peak is never above the first or last layer's region by more than the within-layer pattern,
+    which the first/last regions carry too.
+    """
+    k = (depth - la) / (lb - la)
+    return {key: ra[key].scaled(rb[key], k) for key in ra if key in rb and not key.endswith(":mid")}
 
 
 def extrapolation_depths(spec: StepSpec) -> tuple[int, int]:
@@ -117,7 +139,8 @@ def extrapolated_step(spec: StepSpec) -> StepMemory:
     la, lb = extrapolation_depths(spec)
     if depth <= lb:
         return trace_step(spec)
-    return _extrapolate(trace_step(spec, la), trace_step(spec, lb), la, lb, depth)
+    ra, rb = (trace_timeline(spec, n).region_peaks() for n in (la, lb))
+    return steady_state(collapse_regions(extrapolate_regions(ra, rb, la, lb, depth)))
 
 
 def with_batch(spec: StepSpec, micro_batch_size: int) -> StepSpec:

@@ -4,13 +4,15 @@ Every op's output storages are recorded (views share their base's storage and co
 dropped when the storage dies; the total is the bytes a caching allocator would be asked for. Works on
 real tensors and on FakeTensors alike, so the planner can "run" a training step without memory.
 
-At each new peak the live storages are classified, first match wins: parameters, gradients
-(``p.grad``), optimizer state (``optimizer.state``), activations (saved for backward, seen through
-``saved_tensors_hooks``), temporaries (everything else: logits, workspaces, inputs, recomputed tensors).
+Each storage gets one category, the first that applies: parameters, gradients (``p.grad`` when the
+optimizer step starts), optimizer state (``optimizer.state`` after it), activations (saved for
+backward, seen through ``saved_tensors_hooks``), temporaries (everything else: logits, workspaces,
+inputs, recomputed tensors). The result is a ``Timeline``: bytes per category after every op.
 
-Phases: ``optimizer`` between the optimizer's step pre- and post-hooks; ``backward`` while the
-autograd engine runs (activation-checkpoint recomputation included); ``forward`` otherwise (the loss
-and gradient clipping included).
+Phases: ``forward`` from a model forward (the loss included); ``backward`` while the autograd engine
+runs (activation-checkpoint recomputation included); ``clip`` after backward until the optimizer
+step (gradient clipping, loss scaling); ``optimizer`` between the optimizer's step pre- and post-hooks.
+Each phase's peak is kept separately so the planner can extrapolate them one by one.
 
 Known limitations:
     - Bytes are storage sizes rounded up to ``round_to`` (1 = exact, as the CPU profiler reports;
@@ -25,12 +27,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from memfit.memory.categories import PHASES, Breakdown, Category, StepMemory
+from memfit.memory.categories import Breakdown, Category, StepMemory
 
 
 def _storage(t: torch.Tensor):
@@ -40,24 +43,74 @@ def _storage(t: torch.Tensor):
         return None
 
 
+@dataclass
+class Timeline:
+    """Bytes per category after every traced op, with the op's phase: the raw record of one step.
+
+    Two timelines of the same step at different micro-batch sizes run the same ops in the same order,
+    so they can be combined moment by moment (``combine``) before taking peaks.
+    """
+
+    phases: list[str]  # "phase:region" per op (region only for forward and backward)
+    rows: list[tuple[int, ...]]  # one per op, in Category order
+
+    def combine(self, other: "Timeline", k: float) -> "Timeline":
+        """``self + k * (other - self)`` at every op (linear extrapolation in batch size)."""
+        if self.phases != other.phases:
+            raise ValueError("timelines of different op sequences cannot be combined")
+        rows = [tuple(round(a + k * (b - a)) for a, b in zip(ra, rb)) for ra, rb in zip(self.rows, other.rows)]
+        return Timeline(self.phases, rows)
+
+    def region_peaks(self) -> dict[str, Breakdown]:
+        """The peak breakdown of each "phase:region" key."""
+        best: dict[str, tuple[int, int]] = {}
+        for i, (key, row) in enumerate(zip(self.phases, self.rows)):
+            total = sum(row)
+            if key not in best or total > best[key][0]:
+                best[key] = (total, i)
+        return {k: Breakdown(dict(zip(CATEGORIES, self.rows[i]))) for k, (_, i) in best.items()}
+
+    def step_memory(self) -> StepMemory:
+        return collapse_regions(self.region_peaks())
+
+
+def collapse_regions(region_peaks: dict[str, Breakdown]) -> StepMemory:
+    """Per-phase peaks (max over each phase's regions) and the overall peak."""
+    phase_peaks: dict[str, Breakdown] = {}
+    for key, b in region_peaks.items():
+        phase = key.split(":", 1)[0]
+        if phase not in phase_peaks or b.total_bytes > phase_peaks[phase].total_bytes:
+            phase_peaks[phase] = b
+    peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p].total_bytes)
+    return StepMemory(peak=phase_peaks[peak_phase], phase_peaks=phase_peaks, peak_phase=peak_phase)
+
+
+CATEGORIES = tuple(Category)
+
+
 class StepTracker(TorchDispatchMode):
-    """Track live storage bytes of everything ``model``/``optimizer`` do inside the context."""
+    """Record live storage bytes of everything ``model``/``optimizer`` do inside the context.
+
+    Every storage gets a serial number when first seen; allocation and release are logged per op.
+    Categories are resolved after the step, from what each storage turned out to be.
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, round_to: int = 1):
         super().__init__()
         self.model, self.optimizer, self.round_to = model, optimizer, round_to
-        self._live: dict[int, tuple[weakref.ref, int]] = {}
-        self._saved: set[int] = set()
+        self._serial_of: dict[int, int] = {}  # id(storage) -> serial, for live storages
+        self._events: list[tuple[int, int]] = []  # (serial, +nbytes | -nbytes)
+        self._ops: list[tuple[int, str]] = []  # (number of events after the op, phase)
+        self._category: dict[int, Category] = {}
+        self._refs: dict[int, weakref.ref] = {}  # keeps the release callbacks alive
+        self._next = 0
         self.total_bytes = 0
         self._in_optimizer = False
-        self._peak_total = -1
-        self._peak: Breakdown = Breakdown()
-        self._peak_phase = "forward"
-        self._phase_peak_total = dict.fromkeys(PHASES, -1)
-        self._phase_peak: dict[str, Breakdown] = {p: Breakdown() for p in PHASES}
-        self._param_ids = {id(s) for p in model.parameters() if (s := _storage(p)) is not None}
+        self._after_backward = False  # reset by each model forward (gradient accumulation)
+        self._layer: int | None = None  # decoder layer running now (forward, recompute or backward)
+        self._layer_of: dict[int, int] = {}  # serial of a saved tensor -> layer that saved it
         self._hooks: list = []
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     # -- bookkeeping ------------------------------------------------------------------------------
 
@@ -65,70 +118,73 @@ class StepTracker(TorchDispatchMode):
         r = self.round_to
         return n if r <= 1 else (n + r - 1) // r * r
 
-    def _add(self, t: torch.Tensor) -> None:
+    def _add(self, t: torch.Tensor) -> int | None:
         st = _storage(t)
-        if st is None or id(st) in self._live:
-            return
+        if st is None:
+            return None
         key = id(st)
+        if key in self._serial_of:
+            return self._serial_of[key]
+        serial, self._next = self._next, self._next + 1
         nbytes = self._round(st.nbytes())
 
-        def gone(_ref, key=key, nbytes=nbytes):
-            if self._live.pop(key, None) is not None:
+        def gone(_ref, key=key, serial=serial, nbytes=nbytes):
+            if self._serial_of.get(key) == serial:
+                del self._serial_of[key]
+                self._events.append((serial, -nbytes))
                 self.total_bytes -= nbytes
-                self._saved.discard(key)
 
-        self._live[key] = (weakref.ref(st, gone), nbytes)
+        self._serial_of[key] = serial
+        self._refs[serial] = weakref.ref(st, gone)
+        self._events.append((serial, nbytes))
         self.total_bytes += nbytes
+        return serial
+
+    def _mark(self, tensors: Iterable[torch.Tensor], category: Category) -> None:
+        for t in tensors:
+            serial = self._add(t)
+            if serial is not None:
+                self._category.setdefault(serial, category)
 
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count tensors that exist before the context starts (parameters, buffers, inputs, state)."""
+        tensors = list(tensors)
+        self._mark(self.model.parameters(), Category.PARAMS)
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 self._add(t)
-        self._check_peak()
+        self._ops.append((len(self._events), "forward"))
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        st = _storage(t)
-        if st is not None:
-            self._saved.add(id(st))
+        serial = self._add(t)
+        if serial is not None:
+            self._category.setdefault(serial, Category.ACTIVATIONS)
+            if self._layer is not None:
+                self._layer_of[serial] = self._layer
         return t
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        st = _storage(t)
+        serial = self._serial_of.get(id(st)) if st is not None else None
+        if serial in self._layer_of:
+            self._layer = self._layer_of[serial]  # backward has reached the layer that saved it
+        return t
+
+    def _region(self) -> str:
+        """Where in the stack the op runs: first / last / mid decoder layer, or outer (embeddings,
+        head, loss). Peaks are kept per (phase, region): each is linear in depth on its own."""
+        i = self._layer
+        if i is None:
+            return "outer"
+        return "first" if i == 0 else "last" if i == self._num_layers - 1 else "mid"
 
     def _phase(self) -> str:
         if self._in_optimizer:
             return "optimizer"
-        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-
-    def _classify(self) -> Breakdown:
-        grads = {id(s) for p in self.model.parameters() if p.grad is not None and (s := _storage(p.grad)) is not None}
-        opt = {
-            id(s)
-            for state in self.optimizer.state.values()
-            for v in state.values()
-            if isinstance(v, torch.Tensor) and (s := _storage(v)) is not None
-        }
-        out = dict.fromkeys(Category, 0)
-        for key, (_, nbytes) in self._live.items():
-            if key in self._param_ids:
-                out[Category.PARAMS] += nbytes
-            elif key in grads:
-                out[Category.GRADS] += nbytes
-            elif key in opt:
-                out[Category.OPTIMIZER] += nbytes
-            elif key in self._saved:
-                out[Category.ACTIVATIONS] += nbytes
-            else:
-                out[Category.TEMPORARIES] += nbytes
-        return Breakdown(out)
-
-    def _check_peak(self) -> None:
-        phase = self._phase()
-        if self.total_bytes > self._phase_peak_total[phase]:
-            snap = self._classify()
-            assert snap.total_bytes == self.total_bytes, "categories must add up to the live total"
-            self._phase_peak_total[phase] = self.total_bytes
-            self._phase_peak[phase] = snap
-            if self.total_bytes > self._peak_total:
-                self._peak_total, self._peak, self._peak_phase = self.total_bytes, snap, phase
+        if torch._C._current_graph_task_id() != -1:
+            self._after_backward = True
+            return f"backward:{self._region()}"
+        return "clip" if self._after_backward else f"forward:{self._region()}"
 
     # -- the dispatch mode --------------------------------------------------------------------------
 
@@ -137,17 +193,35 @@ class StepTracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t)
-        self._check_peak()
+        self._ops.append((len(self._events), self._phase()))
         return out
 
     def __enter__(self):
         def pre(*_):
             self._in_optimizer = True
+            self._mark((p.grad for p in self.model.parameters() if p.grad is not None), Category.GRADS)
 
         def post(*_):
             self._in_optimizer = False
+            state = (v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+            self._mark(state, Category.OPTIMIZER)
 
-        self._hooks = [self.optimizer.register_step_pre_hook(pre), self.optimizer.register_step_post_hook(post)]
+        def forward_starts(*_):
+            self._after_backward = False
+            self._layer = None
+
+        self._hooks = [
+            self.optimizer.register_step_pre_hook(pre),
+            self.optimizer.register_step_post_hook(post),
+            self.model.register_forward_pre_hook(forward_starts),
+        ]
+        from memfit.models.load import decoder_layers
+
+        layers = [getattr(m, "_checkpoint_wrapped_module", m) for m in decoder_layers(self.model)]
+        self._num_layers = len(layers)
+        for i, layer in enumerate(layers):  # fires in forward and in checkpoint recomputation
+            self._hooks.append(layer.register_forward_pre_hook(lambda *_, i=i: setattr(self, "_layer", i)))
+            self._hooks.append(layer.register_forward_hook(lambda *_: setattr(self, "_layer", None)))
         self._saved_hooks.__enter__()
         return super().__enter__()
 
@@ -158,6 +232,21 @@ class StepTracker(TorchDispatchMode):
             h.remove()
         return out
 
+    # -- results ------------------------------------------------------------------------------------
+
+    def timeline(self) -> Timeline:
+        """Bytes per category after each op; categories as the storages turned out to be."""
+        index = {c: i for i, c in enumerate(CATEGORIES)}
+        temp = index[Category.TEMPORARIES]
+        totals = [0] * len(CATEGORIES)
+        rows, phases, done = [], [], 0
+        for end, phase in self._ops:
+            for serial, delta in self._events[done:end]:
+                totals[index[self._category[serial]] if serial in self._category else temp] += delta
+            done = end
+            rows.append(tuple(totals))
+            phases.append(phase)
+        return Timeline(phases, rows)
+
     def result(self) -> StepMemory:
-        phases = {p: b for p, b in self._phase_peak.items() if self._phase_peak_total[p] >= 0}
-        return StepMemory(peak=self._peak, phase_peaks=phases, peak_phase=self._peak_phase)
+        return self.timeline().step_memory()

@@ -1,0 +1,70 @@
+"""GPU presets for the planner: memory, bf16 support, peak dense bf16 rate, intra-node bandwidth.
+
+Figures are the vendors' datasheet numbers (dense, no sparsity); ``link_GBps`` is the per-GPU
+bandwidth of the intra-node fabric (NVLink / Infinity Fabric / PCIe) used for collectives.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from memfit.errors import UserError, did_you_mean
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_bytes: int
+    bf16: bool
+    peak_tflops: float  # dense bf16 (fp16 where there is no bf16)
+    link_GBps: float
+    vendor: str
+
+
+GPUS: dict[str, Gpu] = {
+    g.name: g
+    for g in (
+        Gpu("mi210", 64 * GIB, True, 181.0, 100.0, "amd"),
+        Gpu("mi250x", 128 * GIB, True, 383.0, 200.0, "amd"),
+        Gpu("mi300x", 192 * GIB, True, 1307.0, 448.0, "amd"),
+        Gpu("a100-40g", 40 * GIB, True, 312.0, 300.0, "nvidia"),
+        Gpu("a100-80g", 80 * GIB, True, 312.0, 300.0, "nvidia"),
+        Gpu("h100", 80 * GIB, True, 989.0, 450.0, "nvidia"),
+        Gpu("h200", 141 * GIB, True, 989.0, 450.0, "nvidia"),
+        Gpu("l40s", 48 * GIB, True, 362.0, 32.0, "nvidia"),
+        Gpu("rtx4090", 24 * GIB, True, 165.0, 32.0, "nvidia"),
+        Gpu("v100-32g", 32 * GIB, False, 125.0, 150.0, "nvidia"),
+        Gpu("t4", 16 * GIB, False, 65.0, 16.0, "nvidia"),
+    )
+}
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|GB|G)?\s*$", re.IGNORECASE)
+
+
+def parse_memory(text: str) -> int:
+    """``64GiB`` / ``64`` (GiB) / ``80GB`` (decimal) to bytes.
+
+    Raises:
+        UserError: for anything else.
+    """
+    m = _SIZE.match(text)
+    if not m:
+        raise UserError(f"--gpu-mem must look like 64GiB or 80GB (got '{text}')")
+    value, unit = float(m.group(1)), (m.group(2) or "GiB").lower()
+    return int(value * (GIB if unit in ("gib", "g") else 10**9))
+
+
+def gpu_preset(name: str) -> Gpu:
+    key = name.lower()
+    if key not in GPUS:
+        raise UserError(f"--gpu: unknown GPU '{name}'{did_you_mean(key, GPUS)}; known: {', '.join(GPUS)}, or give --gpu-mem 64GiB")
+    return GPUS[key]
+
+
+def custom_gpu(memory_bytes: int, bf16: bool = True) -> Gpu:
+    """A GPU known only by its memory (rates of an A100 assumed for ranking; stated in the output)."""
+    a100 = GPUS["a100-80g"]
+    return Gpu(f"custom-{memory_bytes / GIB:g}GiB", memory_bytes, bf16, a100.peak_tflops, a100.link_GBps, "unknown")

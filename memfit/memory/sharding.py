@@ -1,0 +1,98 @@
+"""Per-rank memory under ZeRO stages 0-3, from a single-device trace of the same step.
+
+The trace gives, per phase, bytes of parameters P, gradients G, optimizer state O, activations A and
+temporaries T on one device. With N data-parallel ranks:
+
+FSDP2 semantics (``fully_shard`` per decoder layer; memfit's default engine)
+    stage 0  DDP: P, G, O, plus DDP's gradient buckets (G again; ``gradient_as_bucket_view=False``).
+    stage 1  DDP + ZeroRedundancyOptimizer: P, G + buckets, O/N.
+    stage 2  reshard_after_forward=False: sharded P/N at rest plus the unsharded parameters of every
+             layer kept from forward to backward (P); G/N plus one layer's unsharded gradient; O/N.
+    stage 3  reshard_after_forward=True: P/N plus two layers' unsharded parameters in flight
+             (current + prefetched); G/N plus one layer's unsharded gradient; O/N.
+DeepSpeed semantics
+    stage 1  P, G, O/N.    stage 2  P, G/N plus the reduce bucket, O/N.
+    stage 3  P/N plus the prefetch bucket and the largest layer, G/N, O/N.
+Activations and temporaries are per rank and unchanged (data parallel: each rank runs its own
+micro-batch). Model-state bytes are checked in tests against the ZeRO paper's formulas.
+
+Known limitations: communication buffers other than the ones named are not modelled; DeepSpeed's
+bucket sizes are its defaults (5e8 elements) unless given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.errors import UserError
+from memfit.memory.categories import Breakdown, Category, StepMemory
+
+ENGINES = ("fsdp2", "deepspeed")
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    stage: int
+    world_size: int
+    engine: str = "fsdp2"
+    num_layers: int = 1
+    bucket_bytes: int = 500_000_000 * 2  # DeepSpeed's default reduce/prefetch bucket: 5e8 bf16 elements
+
+
+def validate(stage: int, world_size: int, engine: str) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise UserError(f"--zero must be 0, 1, 2 or 3 (got {stage})")
+    if stage > 0 and world_size < 2:
+        raise UserError(f"ZeRO stage {stage} needs more than one GPU (world size {world_size}); use --zero 0 or more GPUs")
+    if engine not in ENGINES:
+        raise UserError(f"sharding engine must be one of {', '.join(ENGINES)} (got '{engine}')")
+
+
+def _shard_phase(b: Breakdown, s: ShardingSpec) -> Breakdown:
+    n, layers = s.world_size, max(1, s.num_layers)
+    p, g, o = b[Category.PARAMS], b[Category.GRADS], b[Category.OPTIMIZER]
+    layer_p, layer_g = p // layers, g // layers
+    if s.stage == 0:
+        p2, g2, o2 = p, g + (g if n > 1 else 0), o
+    elif s.engine == "deepspeed":
+        if s.stage == 1:
+            p2, g2, o2 = p, g, o // n
+        elif s.stage == 2:
+            p2, g2, o2 = p, g // n + min(g, s.bucket_bytes), o // n
+        else:
+            p2, g2, o2 = p // n + min(p, s.bucket_bytes) + layer_p, g // n, o // n
+    elif s.stage == 1:
+        p2, g2, o2 = p, 2 * g, o // n
+    elif s.stage == 2:
+        p2, g2, o2 = p // n + p, g // n + layer_g, o // n
+    else:
+        p2, g2, o2 = p // n + 2 * layer_p, g // n + layer_g, o // n
+    out = dict(b.bytes_by_category)
+    out.update({Category.PARAMS: p2, Category.GRADS: g2 if g else 0, Category.OPTIMIZER: o2})
+    return Breakdown(out)
+
+
+def per_rank(step: StepMemory, s: ShardingSpec) -> StepMemory:
+    """The step's phase peaks as seen by one of ``world_size`` ranks under ZeRO ``stage``."""
+    phases = {ph: _shard_phase(b, s) for ph, b in step.phase_peaks.items()}
+    peak_phase = max(phases, key=lambda ph: phases[ph].total_bytes)
+    return StepMemory(peak=phases[peak_phase], phase_peaks=phases, peak_phase=peak_phase)
+
+
+def comm_bytes_per_step(param_bytes_lowp: int, stage: int, world_size: int, grad_accum: int) -> int:
+    """Bytes each rank moves per optimizer step with ring collectives ((N-1)/N of the buffer for a
+    reduce-scatter or an all-gather; an all-reduce is both).
+
+    stage 0/1: one gradient all-reduce per step (DDP skips sync inside accumulation) = 2 psi.
+    stage 2:   a reduce-scatter per micro-batch, one parameter all-gather per step = (accum + 1) psi.
+    stage 3:   per micro-batch an all-gather in forward and in backward and a reduce-scatter = 3 accum psi.
+    """
+    if world_size < 2:
+        return 0
+    f = (world_size - 1) / world_size
+    psi = param_bytes_lowp
+    if stage in (0, 1):
+        return int(2 * f * psi)
+    if stage == 2:
+        return int((grad_accum + 1) * f * psi)
+    return int(3 * grad_accum * f * psi)
