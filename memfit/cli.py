@@ -64,6 +64,49 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(ns: argparse.Namespace) -> int:
+    from memfit.memory.planner import run_plan
+
+    return run_plan(ns)
+
+
+def add_plan_parser(sub) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="predict peak memory per strategy without a GPU and pick the fastest configuration that fits",
+        description="Trace the trainer's own step on fake tensors, predict per-rank memory for every candidate "
+        "(checkpointing x precision x ZeRO stage x micro-batch x optimizer) and rank those that fit.",
+    )
+    what = plan.add_argument_group("workload")
+    what.add_argument("--model", help="preset (llama2-7b, llama3-8b, ...), checkpoint directory or config.json")
+    what.add_argument("--seq-len", type=int, help="tokens per sequence (default 2048, or from --config)")
+    what.add_argument("--global-batch", type=int, help="sequences per optimizer step across all GPUs (default: GPUs x 4)")
+    what.add_argument("--lora", action="store_true", help="LoRA fine-tune (all attention and MLP projections)")
+    what.add_argument("--lora-rank", type=int, default=16)
+    what.add_argument("--config", help="a memfit train YAML: model, seq_len, LoRA and its strategies become pins")
+    what.add_argument("--deepspeed", help="a DeepSpeed JSON: ZeRO stage, bf16/fp16, micro batch, accumulation become pins")
+    hw = plan.add_argument_group("hardware")
+    hw.add_argument("--gpu", help="GPU preset (mi210, mi250x, mi300x, a100-40g, a100-80g, h100, h200, l40s, rtx4090, ...)")
+    hw.add_argument("--gpu-mem", help="GPU memory instead of a preset, e.g. 64GiB")
+    hw.add_argument("--gpus-per-node", type=int, default=1)
+    hw.add_argument("--nodes", type=int, default=1)
+    hw.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free (default 0.05)")
+    pin = plan.add_argument_group("pins (restrict the search)")
+    pin.add_argument("--ac", help="none | full | ffn | every_k:N")
+    pin.add_argument("--precision", help="fp32 | bf16-mixed | fp16-mixed | bf16-pure")
+    pin.add_argument("--zero", type=int, help="ZeRO stage 0-3")
+    pin.add_argument("--micro-batch", type=int)
+    pin.add_argument("--optimizer", help="fused | foreach | for-loop")
+    pin.add_argument("--engine", default="fsdp2", help="sharding semantics: fsdp2 (default) | deepspeed")
+    out = plan.add_argument_group("output")
+    out.add_argument("--top", type=int, default=10, help="rows of the table")
+    out.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
+    out.add_argument("--explain", type=int, metavar="N", help="per-phase breakdown of the N-th fitting candidate")
+    out.add_argument("--write-config", metavar="PATH", help="write the winner as a memfit train YAML")
+    out.add_argument("--write-deepspeed", metavar="PATH", help="write the winner as a DeepSpeed JSON")
+    plan.set_defaults(func=cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description="Fit LLM fine-tuning into GPU memory, and show where the memory went.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
     train.set_defaults(func=cmd_train)
+    add_plan_parser(sub)
     return parser
 
 

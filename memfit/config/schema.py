@@ -125,6 +125,9 @@ class TrainConfig:
     resume: bool = _f(False, "continue the run in output.dir from its latest checkpoint")
     seed: int = _f(1234, "seed for weights init, data order and dropout")
     threads: Optional[int] = _f(None, "CPU threads for torch (None = torch's default)")
+    plan_check: bool = _f(
+        True, "predict the step's peak before allocating; on a GPU refuse a run predicted not to fit"
+    )
 
 
 @dataclass

@@ -79,20 +79,20 @@ def per_rank(step: StepMemory, s: ShardingSpec) -> StepMemory:
     return StepMemory(peak=phases[peak_phase], phase_peaks=phases, peak_phase=peak_phase)
 
 
-def comm_bytes_per_step(param_bytes_lowp: int, stage: int, world_size: int, grad_accum: int) -> int:
+def comm_bytes_per_step(param_bytes: int, trainable_bytes: int, stage: int, world_size: int, grad_accum: int) -> int:
     """Bytes each rank moves per optimizer step with ring collectives ((N-1)/N of the buffer for a
-    reduce-scatter or an all-gather; an all-reduce is both).
+    reduce-scatter or an all-gather; an all-reduce is both). ``param_bytes`` are all weights in the
+    compute dtype (what ZeRO-3 gathers), ``trainable_bytes`` the ones with gradients.
 
-    stage 0/1: one gradient all-reduce per step (DDP skips sync inside accumulation) = 2 psi.
-    stage 2:   a reduce-scatter per micro-batch, one parameter all-gather per step = (accum + 1) psi.
-    stage 3:   per micro-batch an all-gather in forward and in backward and a reduce-scatter = 3 accum psi.
+    stage 0/1: one gradient all-reduce per step (DDP skips sync inside accumulation): 2 grad.
+    stage 2:   a gradient reduce-scatter per micro-batch and one parameter all-gather per step.
+    stage 3:   per micro-batch, parameter all-gathers in forward and backward and a gradient reduce-scatter.
     """
     if world_size < 2:
         return 0
     f = (world_size - 1) / world_size
-    psi = param_bytes_lowp
     if stage in (0, 1):
-        return int(2 * f * psi)
+        return int(2 * f * trainable_bytes)
     if stage == 2:
-        return int((grad_accum + 1) * f * psi)
-    return int(3 * grad_accum * f * psi)
+        return int(f * (grad_accum * trainable_bytes + param_bytes))
+    return int(f * grad_accum * (2 * param_bytes + trainable_bytes))

@@ -105,26 +105,29 @@ def trace_timeline(spec: StepSpec, num_layers: int | None = None) -> Timeline:
 
 
 def steady_state(first: StepMemory) -> StepMemory:
-    """From step 1 to every later step: the optimizer state (created lazily in step 1's optimizer
-    phase, constant in size afterwards) is alive through forward and backward as well."""
-    state = first.phase_peaks["optimizer"][Category.OPTIMIZER]
-    phases = {
-        p: (b if p == "optimizer" else Breakdown({**b.bytes_by_category, Category.OPTIMIZER: state}))
-        for p, b in first.phase_peaks.items()
-    }
+    """From step 1 to every later step: the optimizer state, created lazily during step 1 (group by
+    group) and constant in size afterwards, is whole and alive in every phase of later steps."""
+    state = max(b[Category.OPTIMIZER] for b in first.phase_peaks.values())
+    phases = {p: Breakdown({**b.bytes_by_category, Category.OPTIMIZER: state}) for p, b in first.phase_peaks.items()}
     peak_phase = max(phases, key=lambda p: phases[p].total_bytes)
     return StepMemory(peak=phases[peak_phase], phase_peaks=phases, peak_phase=peak_phase)
 
 
-def extrapolate_regions(ra: dict[str, Breakdown], rb: dict[str, Breakdown], la: int, lb: int, depth: int) -> dict[str, Breakdown]:
-    """Region peaks at ``depth`` from depths ``la`` < ``lb``, each linear in depth on its own.
-
-    Middle layers are left out: within them the bytes are linear in the layer's position, so their
-    peak is never above the first or last layer's region by more than the within-layer pattern,
-    which the first/last regions carry too.
+def extrapolate_regions(
+    ra: dict[str, tuple[int, ...]], rb: dict[str, tuple[int, ...]], la: int, lb: int, depth: int
+) -> dict[str, tuple[int, ...]]:
+    """Moments at ``depth`` from depths ``la`` < ``lb``: each op outside the middle layers runs at
+    every depth with bytes linear in depth, so each is extrapolated on its own and peaks are taken
+    after. Middle-layer moments are left out: the bytes there are linear in the layer's position, so
+    they peak at the first or last layer, whose moments are kept.
     """
     k = (depth - la) / (lb - la)
-    return {key: ra[key].scaled(rb[key], k) for key in ra if key in rb and not key.endswith(":mid")}
+    out = {}
+    for key, a in ra.items():
+        b = rb.get(key)
+        if b is not None and not key.endswith(":mid"):
+            out[key] = tuple(round(x + k * (y - x)) for x, y in zip(a, b))
+    return out
 
 
 def extrapolation_depths(spec: StepSpec) -> tuple[int, int]:

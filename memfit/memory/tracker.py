@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -53,6 +53,7 @@ class Timeline:
 
     phases: list[str]  # "phase:region" per op (region only for forward and backward)
     rows: list[tuple[int, ...]]  # one per op, in Category order
+    _peaks: dict[str, tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
 
     def combine(self, other: "Timeline", k: float) -> "Timeline":
         """``self + k * (other - self)`` at every op (linear extrapolation in batch size)."""
@@ -61,26 +62,46 @@ class Timeline:
         rows = [tuple(round(a + k * (b - a)) for a, b in zip(ra, rb)) for ra, rb in zip(self.rows, other.rows)]
         return Timeline(self.phases, rows)
 
-    def region_peaks(self) -> dict[str, Breakdown]:
-        """The peak breakdown of each "phase:region" key."""
-        best: dict[str, tuple[int, int]] = {}
-        for i, (key, row) in enumerate(zip(self.phases, self.rows)):
+    def region_peaks(self) -> dict[str, tuple[int, ...]]:
+        """Bytes per category (rows in Category order) at every moment that exists at any depth,
+        keyed so that the same op has the same key at every depth: ``phase:region#occurrence+offset``
+        for forward/backward ops outside the middle layers, and the phase's peak for ``clip`` and
+        ``optimizer``. Middle-layer moments are reduced to their peak (``phase:mid``): they repeat per
+        layer and are not aligned. Computed once per timeline."""
+        if self._peaks is not None:
+            return self._peaks
+        out: dict[str, tuple[int, ...]] = {}
+        totals: dict[str, int] = {}
+        occurrences: dict[str, int] = {}
+        prev, offset = None, 0
+        for label, row in zip(self.phases, self.rows):
+            if label != prev:
+                occurrences[label] = occurrences.get(label, -1) + 1
+                prev, offset = label, 0
+            if label.endswith(":mid") or ":" not in label:
+                key = label
+            else:
+                key = f"{label}#{occurrences[label]}+{offset}"
+            offset += 1
             total = sum(row)
-            if key not in best or total > best[key][0]:
-                best[key] = (total, i)
-        return {k: Breakdown(dict(zip(CATEGORIES, self.rows[i]))) for k, (_, i) in best.items()}
+            if total > totals.get(key, -1):
+                out[key], totals[key] = row, total
+        self._peaks = out
+        return out
 
     def step_memory(self) -> StepMemory:
         return collapse_regions(self.region_peaks())
 
 
-def collapse_regions(region_peaks: dict[str, Breakdown]) -> StepMemory:
-    """Per-phase peaks (max over each phase's regions) and the overall peak."""
-    phase_peaks: dict[str, Breakdown] = {}
-    for key, b in region_peaks.items():
-        phase = key.split(":", 1)[0]
-        if phase not in phase_peaks or b.total_bytes > phase_peaks[phase].total_bytes:
-            phase_peaks[phase] = b
+def collapse_regions(region_peaks: dict[str, tuple[int, ...]]) -> StepMemory:
+    """Per-phase peaks (max over each phase's moments) and the overall peak."""
+    best: dict[str, tuple[int, tuple[int, ...]]] = {}
+    for key, row in region_peaks.items():
+        phase = key.split(":", 1)[0].split("#", 1)[0]
+        total = sum(row)
+        if phase not in best or total > best[phase][0]:
+            best[phase] = (total, row)
+    phase_peaks = {p: Breakdown(dict(zip(CATEGORIES, row))) for p, (_, row) in best.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p].total_bytes)
     return StepMemory(peak=phase_peaks[peak_phase], phase_peaks=phase_peaks, peak_phase=peak_phase)
 

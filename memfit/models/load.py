@@ -151,3 +151,30 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
             "memfit supports Llama-architecture checkpoints"
         )
     return layers
+
+
+def config_for_planning(model: str, attn_implementation: str = "sdpa"):
+    """A model config from a preset name (``llama2-7b`` or ``random:llama2-7b``), the embedded model's
+    name, a checkpoint directory or a ``config.json`` path — no weights are read.
+
+    Raises:
+        UserError: unknown name (with the closest preset) or a path without a config.
+    """
+    from memfit.models.presets import PRESETS
+
+    name = model.split(":", 1)[1] if model.startswith("random:") else model
+    if name in PRESETS:
+        return preset_config(name, attn_implementation)
+    path = Path(model).expanduser()
+    if path.is_file() and path.name.endswith(".json"):
+        config = AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
+        config._attn_implementation = attn_implementation
+        return config
+    if model == EMBEDDED_MODEL or path.is_dir():
+        return model_config(resolve_source(model), ModelConfig(attn_implementation=attn_implementation))
+    from memfit.errors import did_you_mean
+
+    raise UserError(
+        f"--model: '{model}' is not a preset, a checkpoint directory or a config.json{did_you_mean(name, PRESETS)}; "
+        f"presets: {', '.join(PRESETS)}"
+    )

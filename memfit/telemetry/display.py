@@ -59,6 +59,7 @@ def summary_tables(
     states: StateBytes,
     baseline_rss_bytes: int,
     device_label: str,
+    predicted_peak_bytes: int | None = None,
 ) -> tuple[Table, Table, dict[str, Any]]:
     """The run table, the memory table and the summary record (all bytes as ints)."""
     step_times = [r["step_time_s"] for r in steps]
@@ -103,6 +104,9 @@ def summary_tables(
         mem.add_row("activations + temporaries", f"{max(0, peak_alloc - states.total_bytes) / GIB:.3f}",
                     "peak allocated − model states")
         mem.add_row("peak allocated", f"{peak_alloc / GIB:.3f}", "torch.cuda.memory_stats")
+        if predicted_peak_bytes is not None:
+            mem.add_row("planner's predicted peak", f"{predicted_peak_bytes / GIB:.3f}",
+                        f"fake-tensor trace ({100 * (predicted_peak_bytes - peak_alloc) / max(1, peak_alloc):+.1f}% vs allocated)")
         mem.add_row("peak reserved", f"{peak_res / GIB:.3f}", "torch.cuda.memory_stats")
         mem.add_row("reserved − allocated (at peak)", f"{(peak_res - peak_alloc) / GIB:.3f}", "cache the allocator holds")
     elif steps:
@@ -113,4 +117,9 @@ def summary_tables(
                     "peak step RSS − RSS before model load − model states")
         mem.add_row("RSS before model load", f"{baseline_rss_bytes / GIB:.3f}", "runtime, libraries, data")
         mem.add_row("peak RSS during steps", f"{peak_rss / GIB:.3f}", "VmHWM, reset before each step")
+        if predicted_peak_bytes is not None:
+            mem.add_row("planner's predicted tensor peak", f"{predicted_peak_bytes / GIB:.3f}",
+                        "fake-tensor trace of this step (tensors only, no runtime)")
+    if predicted_peak_bytes is not None:
+        summary["predicted_peak_bytes"] = predicted_peak_bytes
     return run, mem, summary

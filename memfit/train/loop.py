@@ -20,6 +20,8 @@ from transformers.utils import logging as hf_logging
 from memfit.config.schema import RunConfig
 from memfit.device import device_name, resolve_device
 from memfit.errors import UserError
+from memfit.memory.categories import StepMemory
+from memfit.memory.plan import check_fits, predict_run
 from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
 from memfit.strategies.allocator import apply_allocator_env, apply_device_limits, maybe_release_cache
 from memfit.strategies.checkpointing import apply_activation_checkpointing
@@ -27,7 +29,7 @@ from memfit.strategies.lora import apply_lora
 from memfit.strategies.optimizer import build_optimizer, build_scheduler, resolve_implementation
 from memfit.strategies.precision import Precision, resolve_precision
 from memfit.telemetry.display import TrainDisplay, summary_tables
-from memfit.telemetry.memory import memory_record, process_rss_bytes, reset_peaks, state_bytes
+from memfit.telemetry.memory import GIB, memory_record, process_rss_bytes, reset_peaks, state_bytes
 from memfit.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from memfit.train.data import IGNORE_INDEX, eval_batches, load_dataset, split, train_loader
 from memfit.train.export import export_model
@@ -137,6 +139,7 @@ class Trainer:
         train_ds, eval_ds = split(load_dataset(cfg.data, self.tokenizer), cfg.data.eval_fraction)
         self.train_ds, self.eval = train_ds, eval_batches(eval_ds, t.micro_batch_size, t.eval_batches)
 
+        self.predicted = self._plan_check(mconf) if t.plan_check else None
         self.baseline_rss_bytes = process_rss_bytes()
         model = build_model(source, cfg.model, self.precision.param_dtype, t.seed)
         if cfg.lora.enabled:
@@ -158,6 +161,22 @@ class Trainer:
         """One optimizer step; returns (mean token loss, gradient norm before clipping)."""
         loss, grad_norm = self.runner.step(batches)
         return float(loss), float(grad_norm)
+
+    def _plan_check(self, mconf) -> StepMemory:
+        """Predict this run's steady-state step peak (memfit plan's engine) before allocating anything.
+
+        Raises:
+            UserError: on a GPU, when the prediction does not fit its memory (or memory_fraction).
+        """
+        cfg, gpu = self.cfg, self.device.type == "cuda"
+        impl = resolve_implementation(cfg.optimizer.implementation, self.device)
+        step = predict_run(mconf, cfg.data.seq_len, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
+                           cfg.strategy.activation_checkpointing, self.precision.name, impl,
+                           cfg.lora if cfg.lora.enabled else None, on_gpu=gpu)
+        if gpu:
+            capacity = int(torch.cuda.get_device_properties(self.device).total_memory * (cfg.allocator.memory_fraction or 1.0))
+            check_fits(step, capacity, device_name(self.device))
+        return step
 
     # -- pieces -----------------------------------------------------------------------------------
 
@@ -197,6 +216,9 @@ class Trainer:
             f"{len(self.train_ds)} train / {sum(len(b[0]) for b in self.eval)} eval sequences of {cfg.data.seq_len} tokens"
             + (f", resuming from {self.resume_from.name}" if self.resume_from else "")
         )
+        if self.predicted is not None:
+            display.log(f"planner: predicted step peak {self.predicted.peak_bytes / GIB:.3f} GiB of tensors "
+                        f"(in {self.predicted.peak_phase})")
         for note in self.notes:
             display.log(f"note: {note}")
 
@@ -253,7 +275,8 @@ class Trainer:
             display.log(f"exported {'LoRA adapter' if cfg.lora.enabled else 'model'} to {self.run.export}")
         states = states_at_step or state_bytes(self.model, self.optimizer)
         run_table, mem_table, summary = summary_tables(
-            result.steps, result.evals, states, self.baseline_rss_bytes, device_name(self.device)
+            result.steps, result.evals, states, self.baseline_rss_bytes, device_name(self.device),
+            self.predicted.peak_bytes if self.predicted else None,
         )
         log.write(summary)
         log.close()

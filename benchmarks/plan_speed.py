@@ -1,0 +1,50 @@
+"""Planner speed on this machine: a full search for Llama-2-7B and Llama-2-70B, and one full-depth trace.
+
+    python benchmarks/plan_speed.py
+
+Targets (issue 3): 7B search (>= 100 candidates) <= 10 s, 70B <= 20 s, one 7B full-depth trace <= 5 s.
+Each search runs in a fresh Predictor (no cached traces). Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from datetime import datetime, timezone
+
+from memfit.memory.hardware import gpu_preset
+from memfit.memory.plan import Cluster, Workload, search
+from memfit.memory.trace import StepSpec, trace_step
+from memfit.models.presets import preset_config
+
+
+def main() -> None:
+    warm = preset_config("tiny")
+    trace_step(StepSpec(warm, 2, 64))  # import/compile warm-up, not timed
+    cases = [
+        ("llama2-7b full FT, 1 x mi210, seq 4096, batch 16", "llama2-7b", 4096, 16, Cluster(gpu_preset("mi210"))),
+        ("llama2-7b full FT, 8 x mi210, seq 4096, batch 64", "llama2-7b", 4096, 64, Cluster(gpu_preset("mi210"), 8)),
+        ("llama2-70b full FT, 8 x mi300x, seq 4096, batch 64", "llama2-70b", 4096, 64, Cluster(gpu_preset("mi300x"), 8)),
+    ]
+    rows = []
+    for label, model, seq, batch, cluster in cases:
+        t0 = time.perf_counter()
+        r = search(Workload(preset_config(model), model, seq, batch), cluster)
+        dt = time.perf_counter() - t0
+        rows.append({"case": label, "seconds": dt, "candidates": len(r.fitting) + len(r.pruned),
+                     "fitting": len(r.fitting), "traces": r.traces})
+    spec = StepSpec(preset_config("llama2-7b"), 1, 4096, "bf16-mixed", "ffn", "fused", round_to=512)
+    t0 = time.perf_counter()
+    trace_step(spec)
+    full_trace_s = time.perf_counter() - t0
+    print(f"{'case':55s} {'seconds':>8s} {'candidates':>10s} {'fit':>5s} {'traces':>7s}")
+    for r in rows:
+        print(f"{r['case']:55s} {r['seconds']:8.2f} {r['candidates']:10d} {r['fitting']:5d} {r['traces']:7d}")
+    print(f"{'one full-depth 32-layer llama2-7b trace (B=1, T=4096)':55s} {full_trace_s:8.2f}")
+    print(json.dumps({"benchmark": "plan_speed", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      "machine": platform.platform(), "searches": rows, "full_trace_7b_s": full_trace_s}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Search: every candidate configuration's per-rank peak, whether it fits, and how fast it should be.
+
+Candidates are checkpointing policy x precision x ZeRO stage x micro-batch (with the gradient
+accumulation that keeps the global batch) x optimizer implementation. Memory comes from the
+``Predictor`` (traces of the trainer's own step) and ``sharding.per_rank``; on top of the predicted
+allocated peak the allocator keeps cached blocks and the runtime its context, modelled until the
+fragmentation model lands as ``reserved = peak x (1 + ALLOCATOR_MARGIN) + CONTEXT_BYTES``.
+A candidate fits when that is at most the GPU's memory x (1 - headroom).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import product
+
+from transformers import PretrainedConfig
+
+from memfit.config.schema import LoraConfig
+from memfit.errors import UserError
+from memfit.memory.categories import Category, StepMemory
+from memfit.memory.cost import Shape, step_flops, step_time_s
+from memfit.memory.hardware import GIB, Gpu
+from memfit.memory.predict import Predictor
+from memfit.memory.sharding import ShardingSpec, comm_bytes_per_step, per_rank, validate
+from memfit.memory.trace import StepSpec
+
+ALLOCATOR_MARGIN = 0.08  # cached-but-free blocks at the peak (typical reserved/allocated of a training step)
+CONTEXT_BYTES = 512 << 20  # CUDA/HIP context, cuBLAS/hipBLASLt workspaces: device memory outside the allocator
+AC_CHOICES = ("none", "every_k:2", "ffn", "full")
+OPTIMIZER_CHOICES = ("fused", "foreach", "for-loop")
+
+
+@dataclass(frozen=True)
+class Workload:
+    model_config: PretrainedConfig
+    model_name: str
+    seq_len: int
+    global_batch: int
+    lora: LoraConfig | None = None
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: Gpu
+    gpus_per_node: int = 1
+    nodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Values the user fixed; ``None`` searches all."""
+
+    ac: str | None = None
+    precision: str | None = None
+    zero: int | None = None
+    micro_batch: int | None = None
+    optimizer: str | None = None
+    engine: str = "fsdp2"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    ac: str
+    precision: str
+    zero: int
+    micro_batch: int
+    grad_accum: int
+    optimizer: str
+    memory: StepMemory  # per rank, allocated bytes
+    reserved_bytes: int  # predicted device memory incl. allocator margin and context
+    usable_bytes: int
+    step_time_s: float
+    comm_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.reserved_bytes <= self.usable_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.usable_bytes - self.reserved_bytes
+
+    def why_not(self) -> str:
+        return (f"needs {self.reserved_bytes / GIB:.2f} GiB > {self.usable_bytes / GIB:.2f} GiB usable "
+                f"(peak in {self.memory.peak_phase}: " +
+                ", ".join(f"{c.value} {self.memory.peak[c] / GIB:.2f}" for c in Category if self.memory.peak[c]) + ")")
+
+
+@dataclass
+class PlanResult:
+    workload: Workload
+    cluster: Cluster
+    headroom: float
+    fitting: list[Candidate] = field(default_factory=list)
+    pruned: list[Candidate] = field(default_factory=list)
+    traces: int = 0
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.fitting[0] if self.fitting else None
+
+
+def precisions_for(gpu: Gpu) -> tuple[str, ...]:
+    return ("bf16-mixed", "bf16-pure") if gpu.bf16 else ("fp16-mixed",)
+
+
+def micro_batches(global_batch: int, world: int) -> list[int]:
+    """Micro-batch sizes that divide the per-rank batch exactly."""
+    if global_batch % world:
+        raise UserError(
+            f"--global-batch {global_batch} is not divisible by the {world} GPUs; use a multiple of {world}"
+        )
+    per_rank_batch = global_batch // world
+    return [b for b in range(1, per_rank_batch + 1) if per_rank_batch % b == 0 and (b & (b - 1) == 0 or b == per_rank_batch)]
+
+
+def _check_pins(pins: Pins, w: Workload, c: Cluster) -> None:
+    if pins.precision and pins.precision.startswith("bf16") and not c.gpu.bf16:
+        raise UserError(f"--precision {pins.precision}: {c.gpu.name} has no bf16; use fp16-mixed")
+    if pins.precision == "auto":
+        raise UserError("--precision auto is for training; the planner needs a concrete precision or none")
+    if pins.zero is not None:
+        validate(pins.zero, c.world_size, pins.engine)
+    if pins.micro_batch is not None:
+        per_rank_batch = w.global_batch // c.world_size
+        if pins.micro_batch <= 0 or per_rank_batch % pins.micro_batch:
+            raise UserError(
+                f"--micro-batch {pins.micro_batch} does not divide the per-GPU batch {per_rank_batch} "
+                f"(global {w.global_batch} / {c.world_size} GPUs)"
+            )
+
+
+def search(w: Workload, c: Cluster, pins: Pins = Pins(), headroom: float = 0.05, predictor: Predictor | None = None) -> PlanResult:
+    """Predict every candidate; fitting ones sorted fastest first, the others with their reasons."""
+    if w.seq_len > w.model_config.max_position_embeddings:
+        raise UserError(f"--seq-len {w.seq_len} exceeds the model's max_position_embeddings {w.model_config.max_position_embeddings}")
+    batches = micro_batches(w.global_batch, c.world_size)
+    _check_pins(pins, w, c)
+    predictor = predictor or Predictor(StepSpec(w.model_config, 1, w.seq_len, lora=w.lora, round_to=512))
+    shape = Shape.of(w.model_config)
+    zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2, 3] if c.world_size > 1 else [0])
+    usable = int(c.gpu.memory_bytes * (1 - headroom))
+    result = PlanResult(w, c, headroom)
+    per_rank_batch = w.global_batch // c.world_size
+    for ac, precision, optimizer, mb in product(
+        [pins.ac] if pins.ac else AC_CHOICES,
+        [pins.precision] if pins.precision else precisions_for(c.gpu),
+        [pins.optimizer] if pins.optimizer else OPTIMIZER_CHOICES,
+        [pins.micro_batch] if pins.micro_batch else batches,
+    ):
+        accum = per_rank_batch // mb
+        single = predictor.predict(ac, precision, optimizer, mb, accum)
+        lowp_param_bytes = shape.matmul_weights * (4 if precision == "fp32" else 2)
+        flops = step_flops(shape, mb * accum * w.seq_len, w.seq_len, w.lora is not None, ac)
+        for zero in zeros:
+            mem = per_rank(single, ShardingSpec(zero, c.world_size, pins.engine, shape.layers))
+            trained_bytes = lowp_param_bytes if w.lora is None else 0  # LoRA: adapters only, negligible
+            comm = comm_bytes_per_step(lowp_param_bytes, trained_bytes, zero, c.world_size, accum)
+            cand = Candidate(
+                ac, precision, zero, mb, accum, optimizer, mem,
+                reserved_estimate(mem.peak_bytes), usable,
+                step_time_s(flops, c.gpu.peak_tflops, precision, comm, c.gpu.link_GBps, c.nodes), comm,
+            )
+            (result.fitting if cand.fits else result.pruned).append(cand)
+    result.fitting.sort(key=lambda k: (k.step_time_s, k.reserved_bytes))
+    result.pruned.sort(key=lambda k: k.reserved_bytes)
+    result.traces = predictor.traces
+    return result
+
+
+def predict_run(model_config: PretrainedConfig, seq_len: int, micro_batch: int, grad_accum: int, ac: str,
+                precision: str, optimizer: str, lora: LoraConfig | None, on_gpu: bool) -> StepMemory:
+    """The planner's prediction for exactly one training configuration on one device."""
+    predictor = Predictor(StepSpec(model_config, 1, seq_len, lora=lora, round_to=512 if on_gpu else 1))
+    return predictor.predict(ac, precision, optimizer, micro_batch, grad_accum)
+
+
+def reserved_estimate(peak_bytes: int) -> int:
+    """Device memory a step with this allocated peak needs: allocator margin plus runtime context."""
+    return int(peak_bytes * (1 + ALLOCATOR_MARGIN)) + CONTEXT_BYTES
+
+
+def check_fits(step: StepMemory, capacity_bytes: int, device_label: str) -> None:
+    """Refuse a single-device run predicted not to fit ``capacity_bytes``.
+
+    Raises:
+        UserError: naming the predicted need, the capacity and the two ways out.
+    """
+    need = reserved_estimate(step.peak_bytes)
+    if need > capacity_bytes:
+        raise UserError(
+            f"predicted to need {need / GIB:.2f} GiB (peak {step.peak_bytes / GIB:.2f} GiB in {step.peak_phase}) but "
+            f"{device_label} offers {capacity_bytes / GIB:.2f} GiB; run `memfit plan --config <this config> "
+            f"--gpu-mem {capacity_bytes / GIB:.0f}GiB` for one that fits, or set train.plan_check=false to try anyway"
+        )

@@ -1,0 +1,155 @@
+"""``memfit plan``: turn command-line inputs (and an optional train config / DeepSpeed JSON) into a
+workload, a cluster and pins; search; print; write the winner."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from memfit.config.schema import LoraConfig, parse_ac_policy
+from memfit.errors import UserError
+from memfit.memory.hardware import custom_gpu, gpu_preset, parse_memory
+from memfit.memory.plan import OPTIMIZER_CHOICES, Cluster, Pins, Workload, search
+from memfit.memory.report import plan_dict, render_explain, render_table, write_deepspeed, write_train_config
+from memfit.models.load import config_for_planning
+
+CONCRETE_PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
+
+
+@dataclass
+class Inputs:
+    model: str | None = None
+    seq_len: int | None = None
+    global_batch: int | None = None
+    lora: LoraConfig | None = None
+    ac: str | None = None
+    precision: str | None = None
+    zero: int | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    optimizer: str | None = None
+    engine: str = "fsdp2"
+
+
+def _from_train_config(path: str, inp: Inputs) -> None:
+    from memfit.config.loader import load_config
+
+    cfg = load_config(path)
+    inp.model = cfg.model.source
+    inp.seq_len = cfg.data.seq_len
+    inp.lora = cfg.lora if cfg.lora.enabled else None
+    inp.ac = cfg.strategy.activation_checkpointing
+    inp.precision = None if cfg.strategy.precision == "auto" else cfg.strategy.precision
+    inp.micro_batch = cfg.train.micro_batch_size
+    inp.grad_accum = cfg.train.grad_accum_steps
+    inp.optimizer = None if cfg.optimizer.implementation == "auto" else cfg.optimizer.implementation
+
+
+def _from_deepspeed(path: str, inp: Inputs) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--deepspeed: '{path}' does not exist")
+    try:
+        ds = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"--deepspeed {path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    stage = ds.get("zero_optimization", {}).get("stage")
+    if stage is not None:
+        inp.zero = int(stage)
+    if ds.get("bf16", {}).get("enabled"):
+        inp.precision = "bf16-mixed"
+    elif ds.get("fp16", {}).get("enabled"):
+        inp.precision = "fp16-mixed"
+    for key, attr in (("train_micro_batch_size_per_gpu", "micro_batch"), ("gradient_accumulation_steps", "grad_accum")):
+        value = ds.get(key)
+        if value is not None and value != "auto":
+            setattr(inp, attr, int(value))
+    inp.engine = "deepspeed"
+
+
+def _inputs(ns) -> Inputs:
+    inp = Inputs()
+    if ns.config:
+        _from_train_config(ns.config, inp)
+    if ns.deepspeed:
+        _from_deepspeed(ns.deepspeed, inp)
+    for attr in ("model", "seq_len", "global_batch", "ac", "precision", "zero", "micro_batch", "optimizer"):
+        if getattr(ns, attr) is not None:
+            setattr(inp, attr, getattr(ns, attr))
+    if ns.engine != "fsdp2":
+        inp.engine = ns.engine
+    if ns.lora:
+        inp.lora = LoraConfig(enabled=True, rank=ns.lora_rank, alpha=2.0 * ns.lora_rank)
+    if inp.model is None:
+        raise UserError("memfit plan needs --model (a preset such as llama2-7b, a checkpoint directory) or --config")
+    if inp.ac is not None:
+        parse_ac_policy(inp.ac)
+    if inp.precision is not None and inp.precision not in CONCRETE_PRECISIONS:
+        raise UserError(f"--precision must be one of {' | '.join(CONCRETE_PRECISIONS)} (got '{inp.precision}')")
+    if inp.optimizer is not None and inp.optimizer not in OPTIMIZER_CHOICES:
+        raise UserError(f"--optimizer must be one of {' | '.join(OPTIMIZER_CHOICES)} (got '{inp.optimizer}')")
+    return inp
+
+
+def _train_source(model: str) -> str:
+    """``model.source`` for the written train config: paths made absolute, bare presets as random:."""
+    from memfit.config.schema import EMBEDDED_MODEL
+    from memfit.models.presets import PRESETS
+
+    if model in PRESETS:
+        return f"random:{model}"
+    if model.startswith("random:") or model == EMBEDDED_MODEL:
+        return model
+    path = Path(model).resolve()
+    return str(path.parent if path.name.endswith(".json") else path)
+
+
+def run_plan(ns) -> int:
+    inp = _inputs(ns)
+    if ns.gpu and ns.gpu_mem:
+        raise UserError("give --gpu or --gpu-mem, not both")
+    if not ns.gpu and not ns.gpu_mem:
+        raise UserError("memfit plan needs --gpu (e.g. mi210, h100) or --gpu-mem (e.g. 64GiB)")
+    gpu = gpu_preset(ns.gpu) if ns.gpu else custom_gpu(parse_memory(ns.gpu_mem))
+    if ns.gpus_per_node < 1 or ns.nodes < 1:
+        raise UserError(f"--gpus-per-node and --nodes must be >= 1 (got {ns.gpus_per_node}, {ns.nodes})")
+    if not 0 <= ns.headroom < 1:
+        raise UserError(f"--headroom must be in [0, 1) (got {ns.headroom})")
+    cluster = Cluster(gpu, ns.gpus_per_node, ns.nodes)
+    if inp.global_batch is None:
+        per_gpu = (inp.micro_batch or 4) * (inp.grad_accum or 1)
+        inp.global_batch = per_gpu * cluster.world_size
+    seq_len = inp.seq_len or 2048
+    if seq_len <= 0 or inp.global_batch <= 0:
+        raise UserError(f"--seq-len and --global-batch must be > 0 (got {seq_len}, {inp.global_batch})")
+    workload = Workload(config_for_planning(inp.model), inp.model, seq_len, inp.global_batch, inp.lora)
+    pins = Pins(inp.ac, inp.precision, inp.zero, inp.micro_batch, inp.optimizer, inp.engine)
+    result = search(workload, cluster, pins, ns.headroom)
+    console = Console() if sys.stdout.isatty() else Console(width=150)  # tables stay whole in logs and pipes
+    if ns.json:
+        print(json.dumps(plan_dict(result)))
+    else:
+        render_table(result, console, ns.top)
+    if result.best is None:
+        closest = result.pruned[0]
+        over = closest.reserved_bytes - closest.usable_bytes
+        raise UserError(
+            f"nothing fits on {gpu.name}: the closest candidate (AC {closest.ac}, {closest.precision}, ZeRO-{closest.zero}, "
+            f"micro-batch {closest.micro_batch}, AdamW {closest.optimizer}) is {over / (1 << 30):.2f} GiB over; "
+            "try LoRA, more GPUs with ZeRO, or a shorter --seq-len"
+        )
+    if ns.explain is not None:
+        if not 1 <= ns.explain <= len(result.fitting):
+            raise UserError(f"--explain {ns.explain}: there are {len(result.fitting)} fitting candidates")
+        render_explain(result.fitting[ns.explain - 1], console)
+    if ns.write_config:
+        write_train_config(result.best, result, _train_source(inp.model), Path(ns.write_config))
+        console.print(f"wrote {ns.write_config}", highlight=False)
+    if ns.write_deepspeed:
+        write_deepspeed(result.best, Path(ns.write_deepspeed))
+        console.print(f"wrote {ns.write_deepspeed}", highlight=False)
+    return 0

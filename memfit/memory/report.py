@@ -1,0 +1,125 @@
+"""Presenting a plan: the rich table, ``--json``, ``--explain``, and the configs it writes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from memfit.memory.categories import PHASES, Category
+from memfit.memory.cost import assumptions
+from memfit.memory.hardware import GIB
+from memfit.memory.plan import ALLOCATOR_MARGIN, CONTEXT_BYTES, Candidate, PlanResult
+
+
+def _g(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _label(c: Candidate) -> str:
+    return f"AC {c.ac}, {c.precision}, ZeRO-{c.zero}, micro-batch {c.micro_batch} x accum {c.grad_accum}, AdamW {c.optimizer}"
+
+
+def candidate_dict(c: Candidate) -> dict[str, Any]:
+    return {
+        "activation_checkpointing": c.ac, "precision": c.precision, "zero_stage": c.zero,
+        "micro_batch_size": c.micro_batch, "grad_accum_steps": c.grad_accum, "optimizer": c.optimizer,
+        "peak_bytes": c.memory.peak_bytes, "peak_phase": c.memory.peak_phase,
+        "peak_by_category_bytes": c.memory.peak.as_dict(),
+        "phase_peaks_bytes": {p: b.as_dict() for p, b in c.memory.phase_peaks.items()},
+        "predicted_reserved_bytes": c.reserved_bytes, "usable_bytes": c.usable_bytes, "fits": c.fits,
+        "estimated_step_time_s": c.step_time_s, "comm_bytes_per_step": c.comm_bytes,
+    }
+
+
+def plan_dict(r: PlanResult) -> dict[str, Any]:
+    w, cl = r.workload, r.cluster
+    return {
+        "model": w.model_name, "seq_len": w.seq_len, "global_batch": w.global_batch, "lora": w.lora is not None,
+        "gpu": cl.gpu.name, "gpu_memory_bytes": cl.gpu.memory_bytes, "gpus_per_node": cl.gpus_per_node, "nodes": cl.nodes,
+        "headroom": r.headroom, "allocator_margin": ALLOCATOR_MARGIN, "context_bytes": CONTEXT_BYTES,
+        "assumptions": assumptions(cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes),
+        "traces": r.traces, "fitting": [candidate_dict(c) for c in r.fitting],
+        "pruned": [dict(candidate_dict(c), reason=c.why_not()) for c in r.pruned],
+    }
+
+
+def render_table(r: PlanResult, console: Console, top: int) -> None:
+    w, cl = r.workload, r.cluster
+    title = (f"{w.model_name}{' + LoRA' if w.lora else ''}, seq {w.seq_len}, global batch {w.global_batch} on "
+             f"{cl.gpus_per_node * cl.nodes} x {cl.gpu.name} ({cl.gpu.memory_bytes / GIB:g} GiB); per-rank GiB")
+    t = Table(title=title)
+    for col in ("#", "AC", "precision", "ZeRO", "mb x acc", "AdamW", "params", "grads", "optim", "activ", "temps",
+                "peak", "reserved*", "free", "step time"):
+        t.add_column(col, justify="right" if col not in ("AC", "precision", "AdamW") else "left")
+    best = r.best.step_time_s if r.best else 1.0
+    for i, c in enumerate(r.fitting[:top], 1):
+        p = c.memory.peak
+        t.add_row(str(i), c.ac, c.precision, str(c.zero), f"{c.micro_batch}x{c.grad_accum}", c.optimizer,
+                  _g(p[Category.PARAMS]), _g(p[Category.GRADS]), _g(p[Category.OPTIMIZER]), _g(p[Category.ACTIVATIONS]),
+                  _g(p[Category.TEMPORARIES]), _g(c.memory.peak_bytes), _g(c.reserved_bytes), _g(c.headroom_bytes),
+                  f"{c.step_time_s / best:.2f}x")
+    console.print(t)
+    console.print(f"{len(r.fitting)} of {len(r.fitting) + len(r.pruned)} candidates fit ({r.traces} traces). "
+                  f"*reserved = peak x {1 + ALLOCATOR_MARGIN:g} + {CONTEXT_BYTES >> 20} MiB context; usable = "
+                  f"{(1 - r.headroom):.0%} of the GPU. Relative step time: {assumptions(cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes)}.",
+                  highlight=False)
+    if r.pruned:
+        console.print("closest that do not fit:", highlight=False)
+        for c in r.pruned[:3]:
+            console.print(f"  {_label(c)}: {c.why_not()}", highlight=False)
+
+
+def render_explain(c: Candidate, console: Console) -> None:
+    t = Table(title=f"per phase peak, GiB per rank: {_label(c)}")
+    t.add_column("phase")
+    for cat in Category:
+        t.add_column(cat.value, justify="right")
+    t.add_column("total", justify="right")
+    for phase in PHASES:
+        if phase in c.memory.phase_peaks:
+            b = c.memory.phase_peaks[phase]
+            mark = " (peak)" if phase == c.memory.peak_phase else ""
+            t.add_row(phase + mark, *(_g(b[cat]) for cat in Category), _g(b.total_bytes))
+    console.print(t)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_train_config(c: Candidate, r: PlanResult, source: str, path: Path) -> None:
+    w = r.workload
+    cfg = {
+        "model": {"source": source},
+        "data": {"seq_len": w.seq_len},
+        "strategy": {"activation_checkpointing": c.ac, "precision": c.precision},
+        "lora": {"enabled": w.lora is not None, **({"rank": w.lora.rank, "alpha": w.lora.alpha} if w.lora else {})},
+        "optimizer": {"implementation": c.optimizer},
+        "train": {"device": "cuda", "micro_batch_size": c.micro_batch, "grad_accum_steps": c.grad_accum},
+    }
+    header = (f"# written by memfit plan: {_label(c)}\n# predicted per-rank peak {_g(c.memory.peak_bytes)} GiB, "
+              f"reserved {_g(c.reserved_bytes)} GiB of {_g(c.usable_bytes)} GiB usable on {r.cluster.gpu.name}\n")
+    if r.cluster.world_size > 1:
+        header += (f"# planned for {r.cluster.world_size} GPUs with ZeRO-{c.zero}: launch with "
+                   f"--nproc-per-node {r.cluster.gpus_per_node} (see configs/llama2-7b-full-zero2.yaml)\n")
+    _atomic_write(path, header + yaml.safe_dump(cfg, sort_keys=False))
+
+
+def write_deepspeed(c: Candidate, path: Path) -> None:
+    ds = {
+        "train_micro_batch_size_per_gpu": c.micro_batch,
+        "gradient_accumulation_steps": c.grad_accum,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": c.zero, "contiguous_gradients": True, "overlap_comm": False},
+        "bf16": {"enabled": c.precision.startswith("bf16")},
+        "fp16": {"enabled": c.precision == "fp16-mixed"},
+    }
+    _atomic_write(path, json.dumps(ds, indent=2) + "\n")
