@@ -60,7 +60,7 @@ def test_cli_reports_user_errors_with_exit_code_2(tmp_path, embedded_dir):
     assert err.strip().splitlines() == [
         "memfit: error: override: unknown key 'train.micro_batch_sise' (did you mean 'micro_batch_size'?); "
         "valid keys of 'train': device, max_steps, micro_batch_size, grad_accum_steps, eval_every, eval_batches, "
-        "log_every, checkpoint_every, keep_checkpoints, resume, seed, threads"
+        "log_every, checkpoint_every, keep_checkpoints, resume, seed, threads, plan_check"
     ]
 
 

@@ -10,6 +10,7 @@ A candidate fits when that is at most the GPU's memory x (1 - headroom).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import product
 
@@ -134,6 +135,22 @@ def _check_pins(pins: Pins, w: Workload, c: Cluster) -> None:
             )
 
 
+PRECISION_PREFERENCE = ("bf16-mixed", "fp16-mixed", "bf16-pure", "fp32")  # numerically safest first
+
+
+def time_bucket(step_time_s: float) -> int:
+    """Step times in 0.5% wide buckets: candidates in one bucket count as equally fast."""
+    return round(math.log(max(step_time_s, 1e-12)) / math.log(1.005))
+
+
+def _rank_key(c: Candidate) -> tuple:
+    """Fastest first; the cost model cannot tell apart candidates with equal FLOPs and traffic, so
+    ties (within 0.5%) go to fp32 master weights, then the larger micro-batch (better kernel
+    efficiency, not modelled), then the fused optimizer, then the smaller footprint."""
+    return (time_bucket(c.step_time_s), PRECISION_PREFERENCE.index(c.precision),
+            -c.micro_batch, OPTIMIZER_CHOICES.index(c.optimizer), c.reserved_bytes)
+
+
 def search(w: Workload, c: Cluster, pins: Pins = Pins(), headroom: float = 0.05, predictor: Predictor | None = None) -> PlanResult:
     """Predict every candidate; fitting ones sorted fastest first, the others with their reasons."""
     if w.seq_len > w.model_config.max_position_embeddings:
@@ -166,7 +183,7 @@ def search(w: Workload, c: Cluster, pins: Pins = Pins(), headroom: float = 0.05,
                 step_time_s(flops, c.gpu.peak_tflops, precision, comm, c.gpu.link_GBps, c.nodes), comm,
             )
             (result.fitting if cand.fits else result.pruned).append(cand)
-    result.fitting.sort(key=lambda k: (k.step_time_s, k.reserved_bytes))
+    result.fitting.sort(key=_rank_key)
     result.pruned.sort(key=lambda k: k.reserved_bytes)
     result.traces = predictor.traces
     return result
