@@ -107,6 +107,21 @@ def add_plan_parser(sub) -> None:
     plan.set_defaults(func=cmd_plan)
 
 
+def cmd_doctor(ns: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from memfit.doctor import render, report
+
+    r = report()
+    if ns.json:
+        print(json.dumps(r))
+    else:
+        render(r, Console())
+    return 1 if r["problems"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memfit", description="Fit LLM fine-tuning into GPU memory, and show where the memory went.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
     train.set_defaults(func=cmd_train)
     add_plan_parser(sub)
+    doctor = sub.add_parser("doctor", help="check the platform: build, devices, precisions, allocator settings")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.set_defaults(func=cmd_doctor)
     return parser
 
 

@@ -1,0 +1,80 @@
+"""memfit doctor and allocator-settings parsing, with recorded ROCm/CUDA build strings as fixtures."""
+
+import json
+
+import pytest
+
+from memfit.cli import main
+from memfit.doctor import report
+from memfit.strategies.alloc_conf import check, parse, rocm_version
+
+ROCM_57 = "5.7.31921-d1770ee1b"  # torch.version.hip of a ROCm 5.7 wheel
+ROCM_70 = "7.0.51831-a3e329ad8"
+
+
+def test_good_strings_parse():
+    c = parse("backend:native,expandable_segments:True,max_split_size_mb:512,garbage_collection_threshold:0.6,"
+              "roundup_power2_divisions:[256:1,512:2,>:4]")
+    assert c.errors == []
+    assert c.settings == {"backend": "native", "expandable_segments": "True", "max_split_size_mb": "512",
+                          "garbage_collection_threshold": "0.6", "roundup_power2_divisions": "[256:1,512:2,>:4]"}
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("expandable_segment:True", "unknown key 'expandable_segment' (did you mean 'expandable_segments'?)"),
+        ("max_split_size_mb:abc", "max_split_size_mb must be an integer > 20"),
+        ("max_split_size_mb:16", "max_split_size_mb must be an integer > 20"),
+        ("garbage_collection_threshold:1.5", "garbage_collection_threshold must be a number in (0, 1)"),
+        ("expandable_segments:yes", "expandable_segments must be True or False"),
+        ("backend:arena", "backend must be one of native"),
+        ("roundup_power2_divisions:3", "roundup_power2_divisions must be a power of two"),
+        ("expandable_segments", "must look like key:value"),
+    ],
+)
+def test_bad_strings_name_the_setting(text, error):
+    assert any(error in e for e in parse(text).errors), parse(text).errors
+
+
+def test_platform_no_ops_are_warned():
+    assert rocm_version(ROCM_57) == (5, 7) and rocm_version(None) is None
+    old = check("expandable_segments:True", ROCM_57)
+    assert any("ignored on ROCm 5.7" in w for w in old.warnings)
+    assert check("expandable_segments:True", ROCM_70).warnings == []
+    assert check("expandable_segments:True", None).warnings == []
+    gc = check("garbage_collection_threshold:0.8", None)
+    assert any("only acts when a memory fraction is set" in w for w in gc.warnings)
+    assert check("garbage_collection_threshold:0.8", None, memory_fraction_set=True).warnings == []
+
+
+def test_report_on_a_recorded_rocm_build_environment():
+    env = {"PYTORCH_HIP_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:10",
+           "PYTORCH_ROCM_ALLOCATOR": "ARENA", "HSA_AMD_SDMA_MAX_WG_SIZE": "16"}
+    r = report(env=env, hip=ROCM_57, cuda=None)
+    assert r["build"] == f"ROCm/HIP {ROCM_57}"
+    assert any("ignored on ROCm 5.7" in w for w in r["warnings"])
+    assert any("max_split_size_mb must be an integer > 20" in p for p in r["problems"])
+    assert any(w.startswith("PYTORCH_ROCM_ALLOCATOR is set") and "PYTORCH_HIP_ALLOC_CONF" in w for w in r["warnings"])
+    assert any(w.startswith("HSA_AMD_SDMA_MAX_WG_SIZE is set") and "HSA_ENABLE_SDMA" in w for w in r["warnings"])
+
+
+def test_hip_variable_on_a_cuda_build_is_flagged():
+    r = report(env={"PYTORCH_HIP_ALLOC_CONF": "expandable_segments:True"}, hip=None, cuda="12.8")
+    assert any("not a ROCm build" in w for w in r["warnings"])
+
+
+def test_doctor_json_on_this_machine(capsys, monkeypatch):
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HSA_QUEUE_PRIORITY", "high")
+    assert main(["doctor", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["torch"] and "gloo" in r["collectives"] and set(r["extras"]) >= {"deepspeed", "amdsmi", "nvidia-ml-py"}
+    assert any("HSA_QUEUE_PRIORITY" in w and "torch.cuda.Stream(priority=-1)" in w for w in r["warnings"])
+
+
+def test_doctor_exit_code_flags_problems(capsys, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:abc")
+    assert main(["doctor"]) == 1
+    assert "problem: PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be an integer > 20" in capsys.readouterr().out.replace("\n", " ")
