@@ -107,6 +107,12 @@ def add_plan_parser(sub) -> None:
     plan.set_defaults(func=cmd_plan)
 
 
+def cmd_frag(ns: argparse.Namespace) -> int:
+    from memfit.memory.frag_command import run_frag
+
+    return run_frag(ns)
+
+
 def cmd_doctor(ns: argparse.Namespace) -> int:
     import json
 
@@ -140,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
     train.set_defaults(func=cmd_train)
     add_plan_parser(sub)
+    frag = sub.add_parser("frag", help="explain fragmentation in a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot)")
+    frag.add_argument("snapshot", help="snapshot pickle (read with a restricted unpickler: plain containers only)")
+    frag.add_argument("--device", type=int, help="device index in the snapshot (default: the first)")
+    frag.add_argument("--out", help="directory for the PNG plots (default: SNAPSHOT.frag/)")
+    frag.add_argument("--top", type=int, default=10, help="segments listed")
+    frag.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    frag.set_defaults(func=cmd_frag)
     doctor = sub.add_parser("doctor", help="check the platform: build, devices, precisions, allocator settings")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(func=cmd_doctor)

@@ -1,0 +1,71 @@
+"""``memfit frag SNAPSHOT``: fragmentation numbers, per-segment breakdown and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from memfit.errors import UserError
+from memfit.memory.snapshot import analyze, devices_in, load_snapshot, oom_events, timeline
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def run_frag(ns) -> int:
+    snap = load_snapshot(ns.snapshot)
+    devices = devices_in(snap)
+    device = ns.device if ns.device is not None else devices[0]
+    if device not in devices:
+        raise UserError(f"--device {device}: the snapshot has segments on device(s) {', '.join(map(str, devices))}")
+    report = analyze(snap, device, where=ns.snapshot)
+    out_dir = Path(ns.out) if ns.out else Path(str(ns.snapshot) + ".frag")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from memfit.telemetry.plots import memory_timeline, segment_map
+
+    pngs = [segment_map(report, out_dir / f"segments_device{device}.png")]
+    points = timeline(snap, report)
+    if points:
+        pngs.append(memory_timeline(points, out_dir / f"timeline_device{device}.png",
+                                    f"{Path(ns.snapshot).name}, device {device}: allocated vs reserved"))
+    ooms = oom_events(snap, device)
+    if ns.json:
+        print(json.dumps({**report.as_dict(), "ooms": len(ooms), "plots": [str(p) for p in pngs]}))
+        return 0
+    console = Console() if sys.stdout.isatty() else Console(width=120)
+    t = Table(title=f"{ns.snapshot}: device {device}")
+    t.add_column("quantity")
+    t.add_column("value", justify="right")
+    t.add_column("meaning")
+    rows = [
+        ("reserved", f"{report.reserved_bytes / GIB:.3f} GiB", "held by the caching allocator (all segments)"),
+        ("allocated", f"{report.allocated_bytes / GIB:.3f} GiB", "active blocks (awaiting-free included)"),
+        ("  awaiting free", f"{report.awaiting_free_bytes / GIB:.3f} GiB", "freed, still in use by another stream"),
+        ("requested", f"{report.requested_bytes / GIB:.3f} GiB", "what tensors asked for"),
+        ("internal free", f"{report.internal_free_bytes / GIB:.3f} GiB", "allocated − requested (rounding)"),
+        ("external free", f"{report.external_free_bytes / GIB:.3f} GiB", "reserved − allocated (inactive blocks)"),
+        ("largest free block", f"{report.largest_free_bytes / MIB:.1f} MiB", "biggest single allocation that fits without a new segment"),
+        ("fragmentation ratio", f"{report.fragmentation_ratio:.3f}", "1 − largest free / external free (0 = one hole, 1 = dust)"),
+        ("reserved overhead", f"{report.reserved_overhead:.3f}", "(reserved − allocated) / reserved"),
+        ("segments", str(len(report.segments)), f"{sum(s.segment_type == 'small' for s in report.segments)} small (2 MiB pool)"),
+    ]
+    for r in rows:
+        t.add_row(*r)
+    console.print(t)
+    seg = Table(title="largest segments")
+    for col in ("address", "type", "size MiB", "allocated MiB", "free MiB", "largest free MiB", "blocks"):
+        seg.add_column(col, justify="right")
+    for s in sorted(report.segments, key=lambda s: s.total_bytes, reverse=True)[: ns.top]:
+        seg.add_row(hex(s.address), s.segment_type, f"{s.total_bytes / MIB:.1f}", f"{s.allocated_bytes / MIB:.1f}",
+                    f"{(s.total_bytes - s.allocated_bytes) / MIB:.1f}", f"{s.largest_free_bytes / MIB:.1f}", str(len(s.blocks)))
+    console.print(seg)
+    for e in ooms:
+        console.print(f"OOM in the trace: asked for {int(e.get('size', 0)) / MIB:.1f} MiB with "
+                      f"{int(e.get('device_free', 0)) / MIB:.1f} MiB free on the device", highlight=False)
+    for p in pngs:
+        console.print(f"wrote {p}", highlight=False)
+    return 0

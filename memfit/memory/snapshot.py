@@ -1,0 +1,181 @@
+"""Read PyTorch memory snapshots safely and explain their fragmentation.
+
+Input is the pickle ``torch.cuda.memory._dump_snapshot(path)`` writes (CUDA and ROCm builds alike).
+Fields used (see the ``Snapshot``/``Segment``/``Block``/``TraceEntry`` TypedDicts documented in
+``torch.cuda.memory._snapshot``):
+
+    segments[i]: device, address, total_size, stream, segment_type ("small" | "large"), blocks
+    blocks[j]:   size, requested_size, address, state ("active_allocated" | "active_awaiting_free" | "inactive")
+    device_traces[d][k]: action (alloc, free_requested, free_completed, segment_alloc, segment_free,
+                 segment_map, segment_unmap, oom, snapshot), size, time_us (newer releases)
+
+Definitions (PRODUCT.md): requested = bytes live tensors asked for; allocated = bytes of active blocks
+(awaiting-free included); reserved = bytes of all segments; internal free = allocated - requested;
+external free = reserved - allocated; fragmentation ratio = 1 - largest free block / external free;
+reserved overhead = (reserved - allocated) / reserved. reserved == requested + internal + external.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import UserError
+
+ACTIVE_STATES = ("active_allocated", "active_awaiting_free")
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Only dicts, lists, tuples, strings, numbers, booleans and None: any class or function is refused."""
+
+    def find_class(self, module: str, name: str):
+        raise UserError(
+            f"snapshot refers to the Python object '{module}.{name}'; memfit only reads snapshots made of plain "
+            "containers (torch.cuda.memory._dump_snapshot output) and never runs code from a file"
+        )
+
+
+def load_snapshot(path: str | Path) -> dict[str, Any]:
+    """Load a snapshot pickle through the restricted unpickler.
+
+    Raises:
+        UserError: missing file, not a pickle, a pickle that needs classes, or not a snapshot.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"snapshot '{path}' does not exist; write one with torch.cuda.memory._dump_snapshot(path)")
+    try:
+        data = _PlainUnpickler(io.BytesIO(p.read_bytes())).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, IndexError) as e:
+        raise UserError(f"snapshot '{path}' is not a readable pickle ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("segments"), list):
+        raise UserError(f"snapshot '{path}' has no 'segments' list; is it a torch.cuda.memory._dump_snapshot file?")
+    return data
+
+
+@dataclass(frozen=True)
+class SegmentStats:
+    address: int
+    device: int
+    stream: int
+    segment_type: str
+    total_bytes: int
+    allocated_bytes: int
+    requested_bytes: int
+    largest_free_bytes: int
+    blocks: tuple[tuple[int, int, str], ...]  # (offset in segment, size, state)
+
+
+@dataclass(frozen=True)
+class FragReport:
+    """One device's numbers (bytes as int)."""
+
+    device: int
+    reserved_bytes: int
+    allocated_bytes: int
+    awaiting_free_bytes: int
+    requested_bytes: int
+    largest_free_bytes: int
+    segments: tuple[SegmentStats, ...] = field(default_factory=tuple)
+
+    @property
+    def internal_free_bytes(self) -> int:
+        return self.allocated_bytes - self.requested_bytes
+
+    @property
+    def external_free_bytes(self) -> int:
+        return self.reserved_bytes - self.allocated_bytes
+
+    @property
+    def fragmentation_ratio(self) -> float:
+        ext = self.external_free_bytes
+        return 0.0 if ext == 0 else 1.0 - self.largest_free_bytes / ext
+
+    @property
+    def reserved_overhead(self) -> float:
+        return 0.0 if self.reserved_bytes == 0 else (self.reserved_bytes - self.allocated_bytes) / self.reserved_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device, "reserved_bytes": self.reserved_bytes, "allocated_bytes": self.allocated_bytes,
+            "awaiting_free_bytes": self.awaiting_free_bytes, "requested_bytes": self.requested_bytes,
+            "internal_free_bytes": self.internal_free_bytes, "external_free_bytes": self.external_free_bytes,
+            "largest_free_bytes": self.largest_free_bytes, "fragmentation_ratio": self.fragmentation_ratio,
+            "reserved_overhead": self.reserved_overhead, "segments": len(self.segments),
+        }
+
+
+def devices_in(snapshot: dict[str, Any]) -> list[int]:
+    found = {s.get("device", 0) for s in snapshot["segments"]}
+    return sorted(found) or [0]
+
+
+def _segment_stats(seg: dict[str, Any], where: str) -> SegmentStats:
+    try:
+        base, blocks = seg["address"], seg["blocks"]
+        total = int(seg["total_size"])
+        rows, alloc, req, largest = [], 0, 0, 0
+        for b in blocks:
+            size, state = int(b["size"]), b["state"]
+            rows.append((int(b["address"]) - base, size, state))
+            if state in ACTIVE_STATES:
+                alloc += size
+                req += int(b.get("requested_size", size))
+            else:
+                largest = max(largest, size)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{where}: malformed segment ({e!r} missing or wrong); not a PyTorch snapshot?") from None
+    return SegmentStats(base, seg.get("device", 0), seg.get("stream", 0), seg.get("segment_type", "large"),
+                        total, alloc, req, largest, tuple(rows))
+
+
+def analyze(snapshot: dict[str, Any], device: int = 0, where: str = "snapshot") -> FragReport:
+    """The fragmentation report of ``device``."""
+    segs = tuple(_segment_stats(s, where) for s in snapshot["segments"] if s.get("device", 0) == device)
+    awaiting = sum(size for s in segs for _, size, state in s.blocks if state == "active_awaiting_free")
+    return FragReport(
+        device=device,
+        reserved_bytes=sum(s.total_bytes for s in segs),
+        allocated_bytes=sum(s.allocated_bytes for s in segs),
+        awaiting_free_bytes=awaiting,
+        requested_bytes=sum(s.requested_bytes for s in segs),
+        largest_free_bytes=max((s.largest_free_bytes for s in segs), default=0),
+        segments=segs,
+    )
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    index: int
+    time_us: int | None
+    allocated_bytes: int
+    reserved_bytes: int
+
+
+def timeline(snapshot: dict[str, Any], report: FragReport) -> list[TimelinePoint]:
+    """Allocated and reserved bytes after each trace entry of the device, anchored so that the last
+    point equals the snapshot's own totals (a trace may start after the first allocations)."""
+    traces = snapshot.get("device_traces") or []
+    entries = traces[report.device] if report.device < len(traces) else []
+    deltas = []
+    for e in entries:
+        action, size = e.get("action"), int(e.get("size", 0))
+        d_alloc = {"alloc": size, "free_completed": -size}.get(action, 0)
+        d_res = {"segment_alloc": size, "segment_map": size, "segment_free": -size, "segment_unmap": -size}.get(action, 0)
+        deltas.append((d_alloc, d_res, e.get("time_us")))
+    alloc = report.allocated_bytes - sum(d[0] for d in deltas)
+    res = report.reserved_bytes - sum(d[1] for d in deltas)
+    points = []
+    for i, (da, dr, t) in enumerate(deltas):
+        alloc, res = alloc + da, res + dr
+        points.append(TimelinePoint(i, t, alloc, res))
+    return points
+
+
+def oom_events(snapshot: dict[str, Any], device: int) -> list[dict[str, Any]]:
+    traces = snapshot.get("device_traces") or []
+    entries = traces[device] if device < len(traces) else []
+    return [e for e in entries if e.get("action") == "oom"]

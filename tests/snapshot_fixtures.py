@@ -1,0 +1,43 @@
+"""Hand-built snapshots in PyTorch's format (torch.cuda.memory._snapshot), for CPU tests.
+
+Only the fields memfit reads are filled: segments[i] = {device, address, total_size, stream,
+segment_type, allocated_size, active_size, requested_size, blocks}; blocks[j] = {address, size,
+requested_size, state, frames}; device_traces[d][k] = {action, addr, size, stream, time_us, frames}.
+"""
+
+MIB = 1 << 20
+
+
+def segment(address, blocks, device=0, stream=0, segment_type="large"):
+    """blocks: (size, state, requested_size or None) in address order; addresses are laid out contiguously."""
+    out, offset = [], 0
+    for size, state, requested in blocks:
+        out.append({"address": address + offset, "size": size, "state": state,
+                    "requested_size": size if requested is None else requested, "frames": []})
+        offset += size
+    active = sum(b["size"] for b in out if b["state"] != "inactive")
+    return {"device": device, "address": address, "total_size": offset, "stream": stream,
+            "segment_type": segment_type, "segment_pool_id": (0, 0), "allocated_size": active, "active_size": active,
+            "requested_size": sum(b["requested_size"] for b in out if b["state"] != "inactive"), "blocks": out}
+
+
+def snapshot(segments, traces=None):
+    return {"segments": segments, "device_traces": traces or [[]], "allocator_settings": {}}
+
+
+def fragmented():
+    """Two large segments with holes, one small segment; an awaiting-free block; a short trace."""
+    a = segment(0x7F0000000000, [(40 * MIB, "active_allocated", 40 * MIB - 300), (12 * MIB, "inactive", 0),
+                                 (20 * MIB, "active_allocated", 20 * MIB), (8 * MIB, "inactive", 0)])
+    b = segment(0x7F0010000000, [(6 * MIB, "inactive", 0), (10 * MIB, "active_awaiting_free", 10 * MIB - 512),
+                                 (4 * MIB, "inactive", 0)])
+    c = segment(0x7F0020000000, [(512, "active_allocated", 100), (2 * MIB - 512, "inactive", 0)], segment_type="small")
+    trace = [
+        {"action": "segment_alloc", "addr": 0x7F0000000000, "size": 80 * MIB, "stream": 0, "time_us": 1_000, "frames": []},
+        {"action": "alloc", "addr": 0x7F0000000000, "size": 40 * MIB, "stream": 0, "time_us": 1_010, "frames": []},
+        {"action": "alloc", "addr": 0x7F0002800000, "size": 12 * MIB, "stream": 0, "time_us": 1_020, "frames": []},
+        {"action": "free_requested", "addr": 0x7F0002800000, "size": 12 * MIB, "stream": 0, "time_us": 1_030, "frames": []},
+        {"action": "free_completed", "addr": 0x7F0002800000, "size": 12 * MIB, "stream": 0, "time_us": 1_031, "frames": []},
+        {"action": "oom", "size": 64 * MIB, "device_free": 3 * MIB, "stream": 0, "time_us": 1_040, "frames": []},
+    ]
+    return snapshot([a, b, c], [trace])

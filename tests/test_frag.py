@@ -1,0 +1,103 @@
+"""memfit frag on hand-built snapshots; expected numbers worked out here from the block lists."""
+
+import json
+import pickle
+
+import pytest
+
+from memfit.cli import main
+from memfit.errors import UserError
+from memfit.memory.snapshot import analyze, load_snapshot, timeline
+
+from snapshot_fixtures import MIB, fragmented, segment, snapshot
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write(tmp_path, data, name="snap.pickle"):
+    p = tmp_path / name
+    p.write_bytes(pickle.dumps(data))
+    return p
+
+
+def test_numbers_match_the_definitions(tmp_path):
+    r = analyze(load_snapshot(_write(tmp_path, fragmented())))
+    reserved = 80 * MIB + 20 * MIB + 2 * MIB
+    allocated = 40 * MIB + 20 * MIB + 10 * MIB + 512  # active blocks, awaiting-free included
+    requested = (40 * MIB - 300) + 20 * MIB + (10 * MIB - 512) + 100
+    external = 12 * MIB + 8 * MIB + 6 * MIB + 4 * MIB + (2 * MIB - 512)
+    assert r.reserved_bytes == reserved and r.allocated_bytes == allocated and r.requested_bytes == requested
+    assert r.awaiting_free_bytes == 10 * MIB
+    assert r.internal_free_bytes == 300 + 512 + 412
+    assert r.external_free_bytes == external
+    assert r.requested_bytes + r.internal_free_bytes + r.external_free_bytes == r.reserved_bytes
+    assert r.largest_free_bytes == 12 * MIB
+    assert r.fragmentation_ratio == pytest.approx(1 - 12 * MIB / external)
+    assert r.reserved_overhead == pytest.approx(external / reserved)
+    assert len(r.segments) == 3 and sum(s.segment_type == "small" for s in r.segments) == 1
+
+
+def test_one_hole_is_zero_fragmentation_and_dust_approaches_one():
+    one = analyze(snapshot([segment(0, [(8 * MIB, "active_allocated", None), (24 * MIB, "inactive", 0)])]))
+    assert one.fragmentation_ratio == 0.0
+    blocks = [(1 * MIB, "active_allocated" if i % 2 else "inactive", 0 if i % 2 == 0 else None) for i in range(64)]
+    dust = analyze(snapshot([segment(0, blocks)]))
+    assert dust.fragmentation_ratio == pytest.approx(1 - 1 / 32)
+    empty = analyze(snapshot([segment(0, [(4 * MIB, "active_allocated", None)])]))
+    assert empty.external_free_bytes == 0 and empty.fragmentation_ratio == 0.0
+
+
+def test_timeline_is_anchored_to_the_snapshot_totals():
+    snap = fragmented()
+    r = analyze(snap)
+    points = timeline(snap, r)
+    assert len(points) == 6
+    assert points[-1].allocated_bytes == r.allocated_bytes and points[-1].reserved_bytes == r.reserved_bytes
+    # the trace's own deltas: +40 MiB, +12 MiB, -12 MiB allocated; +80 MiB reserved at the start
+    assert points[2].allocated_bytes - points[0].allocated_bytes == 52 * MIB
+    assert points[4].allocated_bytes == points[1].allocated_bytes
+    assert points[0].reserved_bytes == r.reserved_bytes
+
+
+def test_restricted_unpickler_refuses_objects(tmp_path):
+    import collections
+
+    p = _write(tmp_path, {"segments": [], "x": collections.OrderedDict()}, "evil.pickle")
+    with pytest.raises(UserError, match="refers to the Python object 'collections.OrderedDict'"):
+        load_snapshot(p)
+
+    class Boom:
+        def __reduce__(self):
+            import os
+
+            return (os.system, ("echo pwned",))
+
+    q = _write(tmp_path, {"segments": [], "boom": Boom()}, "boom.pickle")
+    with pytest.raises(UserError, match="posix.system|os.system"):
+        load_snapshot(q)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [(b"not a pickle", "is not a readable pickle"), (pickle.dumps([1, 2]), "has no 'segments' list")],
+)
+def test_bad_files_are_one_line(tmp_path, capsys, content, message):
+    p = tmp_path / "bad.pickle"
+    p.write_bytes(content)
+    assert main(["frag", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_frag_command_writes_report_and_pngs(tmp_path, capsys):
+    p = _write(tmp_path, fragmented())
+    out = tmp_path / "plots"
+    assert main(["frag", str(p), "--out", str(out), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["reserved_bytes"] == 102 * MIB and r["ooms"] == 1
+    assert r["requested_bytes"] + r["internal_free_bytes"] + r["external_free_bytes"] == r["reserved_bytes"]
+    for png in r["plots"]:
+        assert open(png, "rb").read(8) == PNG_MAGIC
+    assert main(["frag", str(p), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fragmentation ratio" in text and "OOM in the trace: asked for 64.0 MiB" in text
