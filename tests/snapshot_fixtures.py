@@ -41,3 +41,17 @@ def fragmented():
         {"action": "oom", "size": 64 * MIB, "device_free": 3 * MIB, "stream": 0, "time_us": 1_040, "frames": []},
     ]
     return snapshot([a, b, c], [trace])
+
+
+def sawtooth(steps=30):
+    """A trace of growing temporaries freed between long-lived allocations (classic fragmentation),
+    with the final snapshot state consistent with the trace."""
+    trace, addr, t = [], 0x7F0000000000, 0
+    for i in range(1, steps + 1):
+        tmp = {"action": "alloc", "addr": addr, "size": i * 3 * MIB + 512, "stream": 0, "time_us": t, "frames": []}
+        keep = {"action": "alloc", "addr": addr + 1, "size": 5 * MIB, "stream": 0, "time_us": t + 1, "frames": []}
+        free = {"action": "free_completed", "addr": addr, "size": i * 3 * MIB + 512, "stream": 0, "time_us": t + 2, "frames": []}
+        trace += [tmp, keep, free]
+        addr += 16
+        t += 10
+    return snapshot([segment(0x7E0000000000, [(5 * MIB, "active_allocated", None)] * steps)], [trace])

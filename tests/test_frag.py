@@ -101,3 +101,32 @@ def test_frag_command_writes_report_and_pngs(tmp_path, capsys):
     assert main(["frag", str(p), "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "fragmentation ratio" in text and "OOM in the trace: asked for 64.0 MiB" in text
+
+
+def test_simulate_compares_settings_and_recommends(tmp_path, capsys):
+    from snapshot_fixtures import sawtooth
+
+    p = _write(tmp_path, sawtooth())
+    assert main(["frag", str(p), "--out", str(tmp_path / "o"), "--simulate", "--hip-version", "5.7.31921"]) == 0
+    text = capsys.readouterr().out.replace("\n", " ")
+    assert "what-if replay of 90 trace events" in text
+    assert "expandable_segments is ignored on ROCm 5.7" in text
+    assert "recommendation:" in text
+    assert main(["frag", str(p), "--out", str(tmp_path / "o"), "--simulate", "--capacity", "200MiB"]) == 2
+
+
+def test_whatif_replay_numbers_follow_the_model():
+    from memfit.memory.allocator_model import AllocatorSettings
+    from memfit.memory.whatif import compare, replay
+    from snapshot_fixtures import sawtooth
+
+    entries = sawtooth()["device_traces"][0]
+    default = replay(entries, AllocatorSettings(), 1 << 40)
+    expandable = replay(entries, AllocatorSettings(expandable_segments=True), 1 << 40)
+    # same requests; allocated differs only by the remainders each layout cannot split off
+    assert abs(default.peak_allocated_bytes - expandable.peak_allocated_bytes) <= 0.01 * default.peak_allocated_bytes
+    assert expandable.peak_reserved_bytes < default.peak_reserved_bytes
+    results, best = compare(entries, 1 << 40, hip=None)
+    assert best is not None and best.peak_reserved_bytes == min(r.peak_reserved_bytes for r in results)
+    tight = replay(entries, AllocatorSettings(), default.peak_allocated_bytes)  # no room for any cache
+    assert tight.oom or tight.alloc_retries > 0

@@ -68,4 +68,38 @@ def run_frag(ns) -> int:
                       f"{int(e.get('device_free', 0)) / MIB:.1f} MiB free on the device", highlight=False)
     for p in pngs:
         console.print(f"wrote {p}", highlight=False)
+    if ns.simulate:
+        simulate(snap, report, ns, console)
     return 0
+
+
+def simulate(snap, report, ns, console) -> None:
+    """Replay the snapshot's trace under several allocator settings, side by side."""
+    import torch
+
+    from memfit.memory.hardware import parse_memory
+    from memfit.memory.whatif import compare, no_op_reason
+
+    traces = snap.get("device_traces") or []
+    entries = traces[report.device] if report.device < len(traces) else []
+    if not any(e.get("action") == "alloc" for e in entries):
+        raise UserError(f"{ns.snapshot} has no alloc entries for device {report.device}; record with "
+                        "torch.cuda.memory._record_memory_history() before the workload to use --simulate")
+    capacity = parse_memory(ns.capacity) if ns.capacity else 1 << 62
+    hip = ns.hip_version if ns.hip_version is not None else torch.version.hip
+    results, best = compare(entries, capacity, hip)
+    t = Table(title=f"what-if replay of {results[0].events} trace events"
+              + (f" at capacity {capacity / GIB:.1f} GiB" if ns.capacity else " (no capacity limit)"))
+    for col in ("settings", "peak reserved GiB", "peak allocated GiB", "segments mapped", "retries", "OOM", "note"):
+        t.add_column(col, justify="left" if col in ("settings", "note") else "right")
+    for r in results:
+        t.add_row(r.settings.label(), f"{r.peak_reserved_bytes / GIB:.3f}", f"{r.peak_allocated_bytes / GIB:.3f}",
+                  str(r.segment_allocs), str(r.alloc_retries), "yes" if r.oom else "no",
+                  ("no-op here" if no_op_reason(r.settings, hip) else "") + ("recommended" if r is best else ""))
+    console.print(t)
+    for reason in {no_op_reason(r.settings, hip) for r in results} - {None}:
+        console.print(f"note: {reason}", highlight=False)
+    if best is not None:
+        console.print(f"recommendation: PYTORCH_{'HIP' if hip else 'CUDA'}_ALLOC_CONF={best.settings.label()}"
+                      if best.settings.label() != "default" else "recommendation: keep the default settings",
+                      highlight=False)

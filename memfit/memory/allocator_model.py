@@ -1,0 +1,329 @@
+"""A model of PyTorch's native CUDA/HIP caching allocator that replays alloc/free traces.
+
+Rules and constants follow ``c10/cuda/CUDACachingAllocator.cpp`` (and ``CUDAAllocatorConfig``):
+
+    kMinBlockSize  = 512        every request is rounded up to a multiple of 512 bytes
+    kSmallSize     = 1 MiB      requests <= 1 MiB use the small pool
+    kSmallBuffer   = 2 MiB      small-pool segments are 2 MiB
+    kMinLargeAlloc = 10 MiB     large requests below this get a kLargeBuffer (20 MiB) segment
+    kRoundLarge    = 2 MiB      larger requests get a segment rounded up to 2 MiB
+    best fit:      the smallest free block of the same pool and stream that is large enough
+    split:         small pool if the rest >= 512 B; large pool if the rest > 1 MiB and the request
+                   is below max_split_size
+    max_split_size_mb: blocks at or above it are never split; small requests may not take them, and
+                   an oversize request may not take one 20 MiB (kLargeBuffer) or more larger than itself
+    merge:         a freed block merges with free neighbours in its segment
+    roundup_power2_divisions: sizes round up to the next 1/N step between powers of two
+    out of memory: a new segment beyond capacity first triggers garbage collection (only with a memory
+                   fraction and garbage_collection_threshold), then the release of cached oversize
+                   blocks, then of every wholly free segment (``num_alloc_retries`` += 1), then OOM
+    expandable_segments: one growing segment per pool and stream, mapped in pages of 2 MiB (small) or
+                   20 MiB (large); a request that fits nowhere maps pages at the segment's end
+
+Known limitations: streams only separate pools (no cross-stream free delays); GC ages are counted in
+allocations; with expandable segments ``empty_cache`` unmaps only the free tail of a segment.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+K_MIN_BLOCK = 512
+K_SMALL_SIZE = 1 << 20
+K_SMALL_BUFFER = 2 << 20
+K_LARGE_BUFFER = 20 << 20
+K_MIN_LARGE_ALLOC = 10 << 20
+K_ROUND_LARGE = 2 << 20
+
+
+@dataclass(frozen=True)
+class AllocatorSettings:
+    max_split_size_mb: int | None = None
+    roundup_power2_divisions: int | None = None
+    garbage_collection_threshold: float | None = None
+    memory_fraction: float | None = None
+    expandable_segments: bool = False
+
+    def label(self) -> str:
+        parts = []
+        if self.expandable_segments:
+            parts.append("expandable_segments:True")
+        if self.max_split_size_mb is not None:
+            parts.append(f"max_split_size_mb:{self.max_split_size_mb}")
+        if self.roundup_power2_divisions is not None:
+            parts.append(f"roundup_power2_divisions:{self.roundup_power2_divisions}")
+        if self.garbage_collection_threshold is not None:
+            parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
+        label = ",".join(parts) or "default"
+        if self.memory_fraction is not None:
+            label += f" + memory fraction {self.memory_fraction}"
+        return label
+
+
+@dataclass
+class Block:
+    segment: "Segment"
+    offset: int
+    size: int
+    allocated: bool = False
+    last_used: int = 0  # allocation counter when last freed (GC age)
+
+
+@dataclass
+class Segment:
+    sid: int
+    pool: str
+    stream: int
+    size: int  # mapped bytes
+    expandable: bool = False
+    blocks: list[Block] = field(default_factory=list)
+
+    def wholly_free(self) -> bool:
+        return all(not b.allocated for b in self.blocks)
+
+
+class OutOfMemory(Exception):
+    def __init__(self, size: int, reserved: int, capacity: int):
+        super().__init__(f"OOM: {size} bytes requested, {reserved} reserved of {capacity}")
+        self.size, self.reserved, self.capacity = size, reserved, capacity
+
+
+def round_size(size: int, divisions: int | None = None) -> int:
+    """Request size -> block size (512-byte multiples, or the next 1/N power-of-two step)."""
+    if size < K_MIN_BLOCK:
+        return K_MIN_BLOCK
+    if divisions and divisions > 1 and size > K_MIN_BLOCK:
+        floor = 1 << (size.bit_length() - 1)
+        if floor == size:
+            return size
+        step = floor // divisions
+        if step > K_MIN_BLOCK:
+            return size if size % step == 0 else (size // step + 1) * step
+    return (size + K_MIN_BLOCK - 1) // K_MIN_BLOCK * K_MIN_BLOCK
+
+
+def allocation_size(size: int) -> int:
+    """Block size -> size of a new segment for it."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
+
+
+class CachingAllocatorModel:
+    """Replay ``malloc``/``free``/``empty_cache`` against a device of ``capacity`` bytes."""
+
+    def __init__(self, capacity: int, settings: AllocatorSettings = AllocatorSettings()):
+        self.capacity, self.s = capacity, settings
+        self.max_split = settings.max_split_size_mb * (1 << 20) if settings.max_split_size_mb else None
+        self.segments: dict[int, Segment] = {}
+        self._free: dict[tuple[str, int], list[tuple[int, int, int, Block]]] = {}
+        self._ids = itertools.count()
+        self._tick = 0
+        self.reserved = self.allocated = self.requested = 0
+        self.peak_reserved = self.peak_allocated = 0
+        self.num_alloc_retries = self.num_ooms = self.segment_allocs = 0
+
+    # -- free-block index ---------------------------------------------------------------------------
+
+    def _key(self, b: Block) -> tuple:
+        return (b.size, b.segment.sid, b.offset, b)
+
+    def _index_add(self, b: Block) -> None:
+        lst = self._free.setdefault((b.segment.pool, b.segment.stream), [])
+        bisect.insort(lst, self._key(b)[:3] + (b,), key=lambda k: k[:3])
+
+    def _index_remove(self, b: Block) -> None:
+        lst = self._free[(b.segment.pool, b.segment.stream)]
+        i = bisect.bisect_left(lst, (b.size, b.segment.sid, b.offset), key=lambda k: k[:3])
+        assert lst[i][3] is b
+        del lst[i]
+
+    # -- policy pieces ------------------------------------------------------------------------------
+
+    def _usable(self, block_size: int, size: int) -> bool:
+        if self.max_split is None:
+            return True
+        if size < self.max_split and block_size >= self.max_split:
+            return False  # do not hand oversize blocks to small requests
+        if size >= self.max_split and block_size >= size + K_LARGE_BUFFER:
+            return False  # nor much larger oversize blocks to oversize requests
+        return True
+
+    def _best_fit(self, pool: str, stream: int, size: int) -> Block | None:
+        lst = self._free.get((pool, stream), [])
+        i = bisect.bisect_left(lst, (size, -1, -1), key=lambda k: k[:3])
+        for entry in lst[i:]:
+            if self._usable(entry[0], size):
+                return entry[3]
+            if self.max_split is not None and size < self.max_split and entry[0] >= self.max_split:
+                return None  # all the rest are oversize too
+        return None
+
+    def _should_split(self, block: Block, size: int) -> bool:
+        rest = block.size - size
+        if block.segment.pool == "small":
+            return rest >= K_MIN_BLOCK
+        return (self.max_split is None or size < self.max_split) and rest > K_SMALL_SIZE
+
+    def _limit(self) -> int:
+        return int(self.capacity * self.s.memory_fraction) if self.s.memory_fraction else self.capacity
+
+    def _new_segment(self, pool: str, stream: int, size: int) -> Block | None:
+        seg_size = allocation_size(size)
+        if self.reserved + seg_size > self._limit():
+            return None
+        seg = Segment(next(self._ids), pool, stream, seg_size)
+        block = Block(seg, 0, seg_size)
+        seg.blocks.append(block)
+        self.segments[seg.sid] = seg
+        self.reserved += seg_size
+        self.segment_allocs += 1
+        return block
+
+    def _expand(self, pool: str, stream: int, size: int) -> Block | None:
+        """Grow (or create) the pool's expandable segment by whole pages until ``size`` fits at its end."""
+        page = K_SMALL_BUFFER if pool == "small" else K_LARGE_BUFFER
+        seg = next((s for s in self.segments.values() if s.expandable and s.pool == pool and s.stream == stream), None)
+        if seg is None:
+            seg = Segment(next(self._ids), pool, stream, 0, expandable=True)
+            self.segments[seg.sid] = seg
+        tail = seg.blocks[-1] if seg.blocks and not seg.blocks[-1].allocated else None
+        have = tail.size if tail else 0
+        pages = -(-(size - have) // page)
+        if self.reserved + pages * page > self._limit():
+            if not seg.blocks:
+                del self.segments[seg.sid]
+            return None
+        self.reserved += pages * page
+        self.segment_allocs += 1
+        if tail:
+            self._index_remove(tail)
+            tail.size += pages * page
+        else:
+            tail = Block(seg, seg.size, pages * page)
+            seg.blocks.append(tail)
+        seg.size += pages * page
+        return tail
+
+    def _release_segment(self, seg: Segment) -> None:
+        for b in seg.blocks:
+            self._index_remove(b)
+        self.reserved -= seg.size
+        del self.segments[seg.sid]
+
+    def _release(self, candidates: list[Segment]) -> int:
+        freed = 0
+        for seg in candidates:
+            freed += seg.size
+            self._release_segment(seg)
+        return freed
+
+    def _garbage_collect(self) -> None:
+        """Free the oldest wholly free segments until reserved <= threshold x allowed memory."""
+        target = self.s.garbage_collection_threshold * self._limit()
+        if self.reserved <= target:
+            return
+        old = sorted((s for s in self.segments.values() if not s.expandable and s.wholly_free()),
+                     key=lambda s: s.blocks[0].last_used)
+        for seg in old:
+            if self.reserved <= target:
+                break
+            self._release_segment(seg)
+
+    def _release_oversize(self, size: int) -> bool:
+        if self.max_split is None:
+            return False
+        big = sorted((s for s in self.segments.values() if not s.expandable and s.wholly_free() and s.size >= self.max_split),
+                     key=lambda s: s.size, reverse=True)
+        return self._release(big) > 0
+
+    def empty_cache(self) -> None:
+        """Return every wholly free segment (and free expandable tails) to the device."""
+        self._release([s for s in self.segments.values() if not s.expandable and s.wholly_free()])
+        page_of = {"small": K_SMALL_BUFFER, "large": K_LARGE_BUFFER}
+        for seg in [s for s in self.segments.values() if s.expandable]:
+            tail = seg.blocks[-1] if seg.blocks and not seg.blocks[-1].allocated else None
+            if tail is None:
+                continue
+            page = page_of[seg.pool]
+            drop = tail.size // page * page
+            if drop:
+                self._index_remove(tail)
+                tail.size -= drop
+                seg.size -= drop
+                self.reserved -= drop
+                if tail.size:
+                    self._index_add(tail)
+                else:
+                    seg.blocks.pop()
+            if not seg.blocks:
+                del self.segments[seg.sid]
+
+    # -- the allocator API --------------------------------------------------------------------------
+
+    def malloc(self, requested: int, stream: int = 0) -> Block:
+        size = round_size(requested, self.s.roundup_power2_divisions)
+        pool = "small" if size <= K_SMALL_SIZE else "large"
+        self._tick += 1
+        block = self._best_fit(pool, stream, size)
+        if block is not None:
+            self._index_remove(block)
+        else:
+            grow = self._expand if self.s.expandable_segments else self._new_segment
+            if self.s.memory_fraction and self.s.garbage_collection_threshold:
+                self._garbage_collect()
+            block = grow(pool, stream, size)
+            if block is None and self._release_oversize(size):
+                block = grow(pool, stream, size)
+            if block is None:
+                self.num_alloc_retries += 1
+                self.empty_cache()
+                block = grow(pool, stream, size)
+            if block is None:
+                self.num_ooms += 1
+                raise OutOfMemory(size, self.reserved, self._limit())
+        if self._should_split(block, size):
+            seg = block.segment
+            rest = Block(seg, block.offset + size, block.size - size, last_used=self._tick)
+            seg.blocks.insert(seg.blocks.index(block) + 1, rest)
+            block.size = size
+            self._index_add(rest)
+        block.allocated = True
+        self.allocated += block.size
+        self.requested += requested
+        block.requested = requested  # type: ignore[attr-defined]
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return block
+
+    def free(self, block: Block) -> None:
+        seg = block.segment
+        block.allocated = False
+        block.last_used = self._tick
+        self.allocated -= block.size
+        self.requested -= getattr(block, "requested", block.size)
+        i = seg.blocks.index(block)
+        for j in (i + 1, i - 1):  # merge the next, then the previous free neighbour
+            if 0 <= j < len(seg.blocks) and not seg.blocks[j].allocated:
+                other = seg.blocks[j]
+                self._index_remove(other)
+                lo, hi = (block, other) if j > i else (other, block)
+                lo.size += hi.size
+                lo.last_used = max(lo.last_used, hi.last_used)
+                seg.blocks.remove(hi)
+                block = lo
+                i = seg.blocks.index(block)
+        self._index_add(block)
+
+    # -- observations -------------------------------------------------------------------------------
+
+    def largest_free_block(self) -> int:
+        return max((b.size for lst in self._free.values() for *_, b in lst), default=0)
+
+    def fragmentation_ratio(self) -> float:
+        external = self.reserved - self.allocated
+        return 0.0 if external == 0 else 1.0 - self.largest_free_block() / external

@@ -1,0 +1,69 @@
+"""Replay a recorded allocator trace under other settings and say which one helps.
+
+The trace is a snapshot's ``device_traces[d]`` (``alloc`` / ``free_completed`` entries with address,
+size and stream). Allocations made before recording started are not in the trace, so start recording
+(``torch.cuda.memory._record_memory_history``) before the model is built for a faithful replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.memory.allocator_model import AllocatorSettings, CachingAllocatorModel, OutOfMemory
+from memfit.strategies.alloc_conf import rocm_version
+
+SCENARIOS = (
+    AllocatorSettings(),
+    AllocatorSettings(expandable_segments=True),
+    AllocatorSettings(max_split_size_mb=128),
+    AllocatorSettings(max_split_size_mb=512),
+    AllocatorSettings(roundup_power2_divisions=4),
+    AllocatorSettings(garbage_collection_threshold=0.8, memory_fraction=0.95),
+)
+
+
+@dataclass(frozen=True)
+class Replay:
+    settings: AllocatorSettings
+    peak_reserved_bytes: int
+    peak_allocated_bytes: int
+    segment_allocs: int
+    alloc_retries: int
+    oom: bool
+    fragmentation_at_end: float
+    events: int
+
+
+def replay(entries: list[dict[str, Any]], settings: AllocatorSettings, capacity: int) -> Replay:
+    model = CachingAllocatorModel(capacity, settings)
+    live: dict[int, object] = {}
+    oom, n = False, 0
+    for e in entries:
+        action = e.get("action")
+        if action == "alloc":
+            try:
+                live[e["addr"]] = model.malloc(int(e["size"]), int(e.get("stream", 0)))
+            except OutOfMemory:
+                oom = True
+                break
+        elif action == "free_completed" and e.get("addr") in live:
+            model.free(live.pop(e["addr"]))
+        n += 1
+    return Replay(settings, model.peak_reserved, model.peak_allocated, model.segment_allocs,
+                  model.num_alloc_retries, oom, model.fragmentation_ratio(), n)
+
+
+def no_op_reason(settings: AllocatorSettings, hip: str | None) -> str | None:
+    rocm = rocm_version(hip)
+    if settings.expandable_segments and rocm is not None and rocm < (7, 0):
+        return f"expandable_segments is ignored on ROCm {rocm[0]}.{rocm[1]} (needs >= 7.0)"
+    return None
+
+
+def compare(entries: list[dict[str, Any]], capacity: int, hip: str | None) -> tuple[list[Replay], Replay | None]:
+    """Replays of every scenario and the recommended one: no OOM, applicable here, lowest peak reserved."""
+    results = [replay(entries, s, capacity) for s in SCENARIOS]
+    usable = [r for r in results if not r.oom and no_op_reason(r.settings, hip) is None]
+    best = min(usable, key=lambda r: (r.peak_reserved_bytes, r.alloc_retries), default=None)
+    return results, best
