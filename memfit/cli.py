@@ -60,8 +60,29 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return 0
     from memfit.train.loop import Trainer
 
-    Trainer(cfg).fit()
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
     return 0
+
+
+def cmd_exporter(ns: argparse.Namespace) -> int:
+    import time
+
+    from memfit.telemetry.prometheus import serve_exporter
+
+    try:
+        server, backend = serve_exporter(ns.port, ns.host)
+    except OSError as e:
+        raise UserError(f"--port {ns.port}: cannot listen on {ns.host} ({e.strerror}); pick a free port") from None
+    print(f"memfit exporter: device memory from {backend} at http://{ns.host}:{server.server_port}/metrics", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        server.shutdown()
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
@@ -156,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     frag.add_argument("--capacity", help="device memory for --simulate, e.g. 64GiB (default: unlimited)")
     frag.add_argument("--hip-version", help="judge settings for this ROCm version, e.g. 5.7 (default: this build)")
     frag.set_defaults(func=cmd_frag)
+    exporter = sub.add_parser("exporter", help="serve per-device memory as Prometheus metrics (amdsmi / NVML / CPU fallback)")
+    exporter.add_argument("--port", type=int, default=9400)
+    exporter.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    exporter.set_defaults(func=cmd_exporter)
     doctor = sub.add_parser("doctor", help="check the platform: build, devices, precisions, allocator settings")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.set_defaults(func=cmd_doctor)

@@ -125,6 +125,8 @@ class TrainConfig:
     resume: bool = _f(False, "continue the run in output.dir from its latest checkpoint")
     seed: int = _f(1234, "seed for weights init, data order and dropout")
     threads: Optional[int] = _f(None, "CPU threads for torch (None = torch's default)")
+    metrics_port: Optional[int] = _f(None, "serve memfit_* Prometheus metrics on this port (0 = any free port)")
+    metrics_host: str = _f("127.0.0.1", "address the metrics endpoint binds (default loopback only)")
     plan_check: bool = _f(
         True, "predict the step's peak before allocating; on a GPU refuse a run predicted not to fit"
     )
@@ -228,6 +230,10 @@ def check(cfg: RunConfig) -> RunConfig:
         f"data.prefetch_factor needs data.num_workers > 0 (got num_workers={d.num_workers})",
     )
     _need(t.threads is None or t.threads > 0, f"train.threads must be > 0 or null (got {t.threads})")
+    _need(
+        t.metrics_port is None or 0 <= t.metrics_port <= 65535,
+        f"train.metrics_port must be in 0..65535 or null (got {t.metrics_port})",
+    )
     _need(
         a.memory_fraction is None or 0 < a.memory_fraction <= 1,
         f"allocator.memory_fraction must be in (0, 1] (got {a.memory_fraction})",

@@ -30,6 +30,7 @@ from memfit.strategies.optimizer import build_optimizer, build_scheduler, resolv
 from memfit.strategies.precision import Precision, resolve_precision
 from memfit.telemetry.display import TrainDisplay, summary_tables
 from memfit.telemetry.memory import GIB, memory_record, process_rss_bytes, reset_peaks, state_bytes
+from memfit.telemetry.prometheus import TrainerMetrics
 from memfit.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from memfit.train.data import IGNORE_INDEX, eval_batches, load_dataset, split, train_loader
 from memfit.train.export import export_model
@@ -156,6 +157,8 @@ class Trainer:
             self.model, self.params, self.optimizer, self.precision, self.device, cfg.optimizer.grad_clip, self.scaler
         )
         self.display_console = display_console
+        self.metrics: TrainerMetrics | None = None
+        self.metrics_port: int | None = None
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step; returns (mean token loss, gradient norm before clipping)."""
@@ -221,6 +224,14 @@ class Trainer:
                         f"(in {self.predicted.peak_phase})")
         for note in self.notes:
             display.log(f"note: {note}")
+        if t.metrics_port is not None and self.metrics is None:
+            self.metrics = TrainerMetrics()
+            try:
+                self.metrics_port = self.metrics.serve(t.metrics_port, t.metrics_host)
+            except OSError as e:
+                raise UserError(f"train.metrics_port {t.metrics_port}: cannot listen on {t.metrics_host} ({e.strerror}); "
+                                "pick a free port or 0") from None
+            display.log(f"metrics: http://{t.metrics_host}:{self.metrics_port}/metrics")
 
         def do_eval(step: int) -> None:
             rec = {"kind": "eval", "step": step, "eval_loss": self.evaluate()}
@@ -260,6 +271,8 @@ class Trainer:
                     "tokens_seen": state.tokens_seen, **memory_record(self.device),
                 }
                 result.steps.append(rec)
+                if self.metrics is not None:
+                    self.metrics.update(rec)
                 if step % t.log_every == 0 or step == t.max_steps:
                     log.write(rec)
                     display.update(rec)
@@ -284,3 +297,9 @@ class Trainer:
         display.console.print(mem_table)
         result.summary = summary
         return result
+
+    def close(self) -> None:
+        """Stop the metrics endpoint, if one was started."""
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None

@@ -1,0 +1,146 @@
+"""Prometheus endpoints: the trainer's own ``memfit_*`` metrics, and ``memfit exporter``'s per-device
+memory for a node (amdsmi on AMD, nvidia-ml-py on NVIDIA, else torch's view of the GPUs, else the
+host's memory, so it runs anywhere). Both bind 127.0.0.1 unless told otherwise."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from memfit.telemetry.memory import process_rss_bytes
+
+# step-record key -> (metric name, help)
+TRAINER_METRICS = {
+    "allocated_bytes": ("memfit_allocated_bytes", "bytes in active allocator blocks now"),
+    "reserved_bytes": ("memfit_reserved_bytes", "bytes the caching allocator holds now"),
+    "peak_allocated_bytes": ("memfit_peak_allocated_bytes", "peak allocated bytes during the last step"),
+    "peak_reserved_bytes": ("memfit_peak_reserved_bytes", "peak reserved bytes during the last step"),
+    "peak_active_bytes": ("memfit_active_bytes", "peak active bytes (allocated + awaiting free) in the last step"),
+    "fragmentation_ratio": ("memfit_fragmentation_ratio", "1 - largest free block / external free"),
+    "largest_free_block_bytes": ("memfit_largest_free_block_bytes", "largest inactive block"),
+    "alloc_retries": ("memfit_alloc_retries", "allocations that needed the cache freed first (cumulative)"),
+    "ooms": ("memfit_ooms", "out-of-memory errors raised by the allocator (cumulative)"),
+    "step_time_s": ("memfit_step_time_seconds", "wall time of the last optimizer step"),
+    "tokens_per_s": ("memfit_tokens_per_second", "input tokens per second in the last step"),
+    "loss": ("memfit_loss", "training loss of the last step"),
+    "step": ("memfit_step", "optimizer steps done"),
+    "rss_bytes": ("memfit_process_rss_bytes", "resident set size of the trainer process (CPU runs)"),
+}
+
+
+class TrainerMetrics:
+    """Gauges the trainer updates from each step record, served over HTTP on request."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.gauges = {key: Gauge(name, doc, registry=self.registry) for key, (name, doc) in TRAINER_METRICS.items()}
+        self._server = None
+
+    def update(self, record: dict[str, Any]) -> None:
+        for key, gauge in self.gauges.items():
+            if key in record and record[key] is not None:
+                gauge.set(float(record[key]))
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Start the endpoint in a background thread; returns the bound port (useful with port 0)."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            key, value = line.split(":", 1)
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class DeviceMemoryCollector:
+    """Collects per-device total/used memory at scrape time from the best source available."""
+
+    def __init__(self) -> None:
+        self.backend = self._pick()
+
+    @staticmethod
+    def _pick() -> str:
+        if importlib.util.find_spec("amdsmi") is not None:
+            return "amdsmi"
+        if importlib.util.find_spec("pynvml") is not None:
+            return "nvml"
+        import torch
+
+        return "torch" if torch.cuda.is_available() else "host"
+
+    def _devices(self) -> list[tuple[str, str, int, int]]:
+        """(device label, name, total bytes, used bytes) per device."""
+        if self.backend == "amdsmi":
+            import amdsmi
+
+            amdsmi.amdsmi_init()
+            try:
+                out = []
+                for i, h in enumerate(amdsmi.amdsmi_get_processor_handles()):
+                    total = amdsmi.amdsmi_get_gpu_memory_total(h, amdsmi.AmdSmiMemoryType.VRAM)
+                    used = amdsmi.amdsmi_get_gpu_memory_usage(h, amdsmi.AmdSmiMemoryType.VRAM)
+                    out.append((str(i), "amd-gpu", int(total), int(used)))
+                return out
+            finally:
+                amdsmi.amdsmi_shut_down()
+        if self.backend == "nvml":
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                out = []
+                for i in range(pynvml.nvmlDeviceGetCount()):
+                    h = pynvml.nvmlDeviceGetHandleByIndex(i)
+                    info = pynvml.nvmlDeviceGetMemoryInfo(h)
+                    name = pynvml.nvmlDeviceGetName(h)
+                    out.append((str(i), name.decode() if isinstance(name, bytes) else name, int(info.total), int(info.used)))
+                return out
+            finally:
+                pynvml.nvmlShutdown()
+        if self.backend == "torch":
+            import torch
+
+            out = []
+            for i in range(torch.cuda.device_count()):
+                free, total = torch.cuda.mem_get_info(i)
+                out.append((str(i), torch.cuda.get_device_name(i), int(total), int(total - free)))
+            return out
+        info = _meminfo()
+        return [("host", "host-memory", info["MemTotal"], info["MemTotal"] - info["MemAvailable"])]
+
+    def collect(self):
+        total = GaugeMetricFamily("memfit_device_memory_total_bytes", "device memory capacity", labels=["device", "name", "source"])
+        used = GaugeMetricFamily("memfit_device_memory_used_bytes", "device memory in use (all processes)", labels=["device", "name", "source"])
+        for dev, name, t, u in self._devices():
+            total.add_metric([dev, name, self.backend], t)
+            used.add_metric([dev, name, self.backend], u)
+        yield total
+        yield used
+        rss = GaugeMetricFamily("memfit_exporter_rss_bytes", "resident memory of the exporter itself")
+        rss.add_metric([], process_rss_bytes())
+        yield rss
+
+
+def serve_exporter(port: int, host: str = "127.0.0.1") -> tuple[Any, str]:
+    """Start ``memfit exporter``'s endpoint; returns (server, backend)."""
+    registry = CollectorRegistry()
+    collector = DeviceMemoryCollector()
+    registry.register(collector)
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return server, collector.backend
+
+
+__all__ = ["DeviceMemoryCollector", "TrainerMetrics", "serve_exporter"]

@@ -1,0 +1,101 @@
+"""Real HTTP endpoints on loopback, scraped and parsed with prometheus_client's text parser."""
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from memfit.telemetry.prometheus import DeviceMemoryCollector, TrainerMetrics, serve_exporter
+from memfit.train.loop import Trainer
+
+
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, list]:
+    body = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(body)}
+
+
+def test_trainer_metrics_endpoint_serves_every_gauge():
+    m = TrainerMetrics()
+    port = m.serve(0)
+    try:
+        m.update({"loss": 2.5, "step": 7, "tokens_per_s": 1234.5, "peak_allocated_bytes": 1 << 30, "fragmentation_ratio": 0.42})
+        got = scrape(port)
+        assert got["memfit_loss"][0].value == 2.5 and got["memfit_step"][0].value == 7
+        assert got["memfit_tokens_per_second"][0].value == 1234.5
+        assert got["memfit_peak_allocated_bytes"][0].value == 1 << 30
+        assert got["memfit_fragmentation_ratio"][0].value == 0.42
+        assert {"memfit_reserved_bytes", "memfit_alloc_retries", "memfit_ooms", "memfit_step_time_seconds",
+                "memfit_largest_free_block_bytes", "memfit_active_bytes"} <= set(got)
+    finally:
+        m.close()
+
+
+def test_trainer_binds_loopback_and_exports_its_steps(tiny_cfg):
+    trainer = Trainer(tiny_cfg("train.metrics_port=0", "train.max_steps=3"))
+    try:
+        result = trainer.fit()
+        got = scrape(trainer.metrics_port)
+        assert got["memfit_step"][0].value == 3
+        assert got["memfit_loss"][0].value == pytest.approx(result.steps[-1]["loss"])
+        assert got["memfit_process_rss_bytes"][0].value > 0
+        assert trainer.metrics._server.server_address[0] == "127.0.0.1"
+    finally:
+        trainer.close()
+
+
+def test_exporter_falls_back_to_host_memory_here():
+    server, backend = serve_exporter(0)
+    try:
+        assert backend == DeviceMemoryCollector._pick()
+        got = scrape(server.server_port)
+        totals = got["memfit_device_memory_total_bytes"]
+        assert totals and all(s.value > 0 for s in totals)
+        used = got["memfit_device_memory_used_bytes"]
+        assert all(0 < u.value <= t.value for u, t in zip(used, totals))
+        if backend == "host":
+            assert totals[0].labels == {"device": "host", "name": "host-memory", "source": "host"}
+    finally:
+        server.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.integration
+def test_memfit_exporter_command_serves_until_stopped():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "memfit.cli", "exporter", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                got = scrape(port)
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else "timeout"
+                time.sleep(0.2)
+        assert "memfit_device_memory_total_bytes" in got
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_grafana_dashboard_uses_only_metrics_we_serve():
+    import json
+    import pathlib
+    import re
+
+    from memfit.telemetry.prometheus import TRAINER_METRICS
+
+    dash = json.loads((pathlib.Path(__file__).parent.parent / "deploy/grafana/memfit-dashboard.json").read_text())
+    served = {name for name, _ in TRAINER_METRICS.values()} | {"memfit_device_memory_used_bytes", "memfit_device_memory_total_bytes"}
+    used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"memfit_[a-z_]+", t["expr"])}
+    assert used and used <= served, used - served
