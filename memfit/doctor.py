@@ -17,7 +17,7 @@ import torch
 
 from memfit.strategies import alloc_conf
 
-EXTRAS = {"deepspeed": "deepspeed", "amdsmi": "amdsmi", "nvidia-ml-py": "pynvml", "prometheus_client": "prometheus_client"}
+EXTRAS = {"deepspeed": "deepspeed", "amdsmi": "amdsmi", "nvidia-ml-py": "pynvml"}
 GIB = 1 << 30
 
 
