@@ -129,12 +129,10 @@ class CachingAllocatorModel:
 
     # -- free-block index ---------------------------------------------------------------------------
 
-    def _key(self, b: Block) -> tuple:
-        return (b.size, b.segment.sid, b.offset, b)
-
     def _index_add(self, b: Block) -> None:
+        """Free blocks per (pool, stream), ordered by (size, segment, offset) as the allocator's set is."""
         lst = self._free.setdefault((b.segment.pool, b.segment.stream), [])
-        bisect.insort(lst, self._key(b)[:3] + (b,), key=lambda k: k[:3])
+        bisect.insort(lst, (b.size, b.segment.sid, b.offset, b), key=lambda k: k[:3])
 
     def _index_remove(self, b: Block) -> None:
         lst = self._free[(b.segment.pool, b.segment.stream)]

@@ -30,10 +30,6 @@ class Breakdown:
     def total_bytes(self) -> int:
         return sum(self.bytes_by_category.values())
 
-    def scaled(self, other: "Breakdown", k: float) -> "Breakdown":
-        """``self + k * (other - self)`` per category, rounded to whole bytes (linear extrapolation)."""
-        return Breakdown({c: round(self[c] + k * (other[c] - self[c])) for c in Category})
-
     def as_dict(self) -> dict[str, int]:
         return {c.value: self[c] for c in Category}
 

@@ -144,10 +144,3 @@ def extrapolated_step(spec: StepSpec) -> StepMemory:
         return trace_step(spec)
     ra, rb = (trace_timeline(spec, n).region_peaks() for n in (la, lb))
     return steady_state(collapse_regions(extrapolate_regions(ra, rb, la, lb, depth)))
-
-
-def with_batch(spec: StepSpec, micro_batch_size: int) -> StepSpec:
-    return replace(spec, micro_batch_size=micro_batch_size)
-
-
-__all__ = ["Breakdown", "StepSpec", "extrapolated_step", "trace_step", "with_batch"]

@@ -268,6 +268,3 @@ class StepTracker(TorchDispatchMode):
             rows.append(tuple(totals))
             phases.append(phase)
         return Timeline(phases, rows)
-
-    def result(self) -> StepMemory:
-        return self.timeline().step_memory()

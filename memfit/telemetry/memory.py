@@ -106,8 +106,3 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
         for state in optimizer.state.values():
             opt_b += sum(_tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
     return StateBytes(params_b, trainable_b, grads_b, opt_b, n, n_train)
-
-
-def gib(n_bytes: int) -> str:
-    """Bytes as a labelled GiB string for display."""
-    return f"{n_bytes / GIB:.3f} GiB"
