@@ -22,3 +22,12 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str:
     """Return ``" (did you mean 'x'?)"`` for the closest choice, or ``""`` when none is close."""
     close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+EXIT_OUT_OF_MEMORY = 3
+
+
+class OutOfMemoryExit(UserError):
+    """The run ran out of memory; the run directory is left as it was (exit code 3)."""
+
+    exit_code = EXIT_OUT_OF_MEMORY

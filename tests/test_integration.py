@@ -81,3 +81,24 @@ def test_real_smollm2_lora_lowers_heldout_loss(tmp_path):
     assert 2.0 < first < 6.0, "a pretrained model starts far below ln(49152) = 10.8"
     assert last < first - 0.05, (first, last)
     assert (tmp_path / "run" / "export" / "adapter_model.safetensors").is_file()
+
+
+def test_out_of_memory_exits_3_with_one_line_and_keeps_the_run_dir(tmp_path, embedded_dir):
+    """A memory cap on the subprocess (RLIMIT_AS) makes the CPU allocator fail mid-run."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "memfit.cli", "train", "tiny-cpu",
+         *tiny_overrides(out, "train.micro_batch_size=64", "data.seq_len=512", "data.max_documents=20", "output.export=false")],
+        capture_output=True, text=True, preexec_fn=cap, timeout=300,
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("memfit: error: out of memory at step 1: an allocation of")
+    assert "planner predicted" in lines[0]
+    assert (out / "config.yaml").is_file() and (out / "metrics.jsonl").is_file()
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").glob(".tmp-*"))

@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from memfit.config.schema import RunConfig
 from memfit.device import device_name, resolve_device
-from memfit.errors import UserError
+from memfit.errors import OutOfMemoryExit, UserError
 from memfit.memory.categories import StepMemory
 from memfit.memory.plan import check_fits, predict_run
 from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
@@ -30,6 +30,7 @@ from memfit.strategies.optimizer import build_optimizer, build_scheduler, resolv
 from memfit.strategies.precision import Precision, resolve_precision
 from memfit.telemetry.display import TrainDisplay, summary_tables
 from memfit.telemetry.memory import GIB, memory_record, process_rss_bytes, reset_peaks, state_bytes
+from memfit.telemetry.oom import oom_request_bytes
 from memfit.telemetry.prometheus import TrainerMetrics
 from memfit.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from memfit.train.data import IGNORE_INDEX, eval_batches, load_dataset, split, train_loader
@@ -242,47 +243,53 @@ class Trainer:
         loader = iter(train_loader(self.train_ds, cfg.data, t.micro_batch_size, t.seed, state.micro_batches, self.device))
         states_at_step = None
         self.model.train()
-        with display:
-            if state.step == 0:
-                do_eval(0)
-            for step in range(state.step + 1, t.max_steps + 1):
-                reset_peaks(self.device)
-                start = time.perf_counter()
-                batches = [next(loader) for _ in range(t.grad_accum_steps)]
-                lr = self.scheduler.get_last_lr()[0]
-                loss, grad_norm = self.train_step(batches)
-                if states_at_step is None:
-                    states_at_step = state_bytes(self.model, self.optimizer)  # grads still alive here
-                self.runner.zero_grad()
-                self.scheduler.step()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                step_time_s = time.perf_counter() - start
-                n_in = sum(tok[:, :-1].numel() for tok, _ in batches)
-                state = TrainerState(
-                    step=step,
-                    micro_batches=state.micro_batches + t.grad_accum_steps,
-                    tokens_seen=state.tokens_seen + n_in,
-                    scaler=self.scaler.state_dict() if self.scaler else None,
-                )
-                rec = {
-                    "kind": "step", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                    "step_time_s": step_time_s, "tokens_per_s": n_in / step_time_s,
-                    "tokens_seen": state.tokens_seen, **memory_record(self.device),
-                }
-                result.steps.append(rec)
-                if self.metrics is not None:
-                    self.metrics.update(rec)
-                if step % t.log_every == 0 or step == t.max_steps:
-                    log.write(rec)
-                    display.update(rec)
-                maybe_release_cache(cfg.allocator, self.device, step)
-                if t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
-                    do_eval(step)
-                if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.max_steps:
-                    self._checkpoint(state)
-            if not result.evals or result.evals[-1]["step"] != t.max_steps:
-                do_eval(t.max_steps)
+        try:
+            with display:
+                if state.step == 0:
+                    do_eval(0)
+                for step in range(state.step + 1, t.max_steps + 1):
+                    reset_peaks(self.device)
+                    start = time.perf_counter()
+                    batches = [next(loader) for _ in range(t.grad_accum_steps)]
+                    lr = self.scheduler.get_last_lr()[0]
+                    loss, grad_norm = self.train_step(batches)
+                    if states_at_step is None:
+                        states_at_step = state_bytes(self.model, self.optimizer)  # grads still alive here
+                    self.runner.zero_grad()
+                    self.scheduler.step()
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    step_time_s = time.perf_counter() - start
+                    n_in = sum(tok[:, :-1].numel() for tok, _ in batches)
+                    state = TrainerState(
+                        step=step,
+                        micro_batches=state.micro_batches + t.grad_accum_steps,
+                        tokens_seen=state.tokens_seen + n_in,
+                        scaler=self.scaler.state_dict() if self.scaler else None,
+                    )
+                    rec = {
+                        "kind": "step", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                        "step_time_s": step_time_s, "tokens_per_s": n_in / step_time_s,
+                        "tokens_seen": state.tokens_seen, **memory_record(self.device),
+                    }
+                    result.steps.append(rec)
+                    if self.metrics is not None:
+                        self.metrics.update(rec)
+                    if step % t.log_every == 0 or step == t.max_steps:
+                        log.write(rec)
+                        display.update(rec)
+                    maybe_release_cache(cfg.allocator, self.device, step)
+                    if t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
+                        do_eval(step)
+                    if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.max_steps:
+                        self._checkpoint(state)
+                if not result.evals or result.evals[-1]["step"] != t.max_steps:
+                    do_eval(t.max_steps)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            requested = oom_request_bytes(e)
+            if requested is None:
+                raise
+            raise self._out_of_memory(state.step + 1, requested) from None
         if cfg.output.export:
             export_model(self.model, self.tokenizer, self.source, self.run.export)
             display.log(f"exported {'LoRA adapter' if cfg.lora.enabled else 'model'} to {self.run.export}")
@@ -297,6 +304,22 @@ class Trainer:
         display.console.print(mem_table)
         result.summary = summary
         return result
+
+    def _out_of_memory(self, step: int, requested: int) -> OutOfMemoryExit:
+        """Dump a snapshot on a GPU, and say what was asked, what was predicted and what to try."""
+        where = ""
+        if self.device.type == "cuda":
+            path = self.run.root / f"oom_step{step}_snapshot.pickle"
+            torch.cuda.memory._dump_snapshot(str(path))
+            where = f"; snapshot {path} (memfit frag {path} --simulate)"
+        predicted = ""
+        if self.predicted is not None:
+            parts = ", ".join(f"{c.value} {v / GIB:.2f}" for c, v in self.predicted.peak.bytes_by_category.items() if v)
+            predicted = f"; planner predicted a {self.predicted.peak_bytes / GIB:.2f} GiB peak in {self.predicted.peak_phase} ({parts})"
+        return OutOfMemoryExit(
+            f"out of memory at step {step}: an allocation of {requested / GIB:.2f} GiB ({requested} bytes) failed"
+            f"{predicted}{where}; try `memfit plan --config {self.run.config_path}` for a configuration that fits"
+        )
 
     def close(self) -> None:
         """Stop the metrics endpoint, if one was started."""
