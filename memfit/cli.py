@@ -134,6 +134,63 @@ def cmd_frag(ns: argparse.Namespace) -> int:
     return run_frag(ns)
 
 
+def cmd_bench(ns: argparse.Namespace) -> int:
+    import json
+    import platform
+    import sys as _sys
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from memfit.config.loader import load_config
+    from memfit.memory.hardware import parse_memory
+    from memfit.telemetry.bench import cells_summary, matrix, rows, run_cell, flag_losses, write_outputs
+
+    config = str(resolve_config_path(ns.config))
+    load_config(config, ns.set)  # validate the base config and overrides before spawning anything
+    def split(text: str) -> list[str]:
+        return [v.strip() for v in text.split(",") if v.strip()]
+    try:
+        micro = [int(v) for v in split(ns.micro_batch)]
+    except ValueError:
+        raise UserError(f"--micro-batch must be comma-separated integers (got '{ns.micro_batch}')") from None
+    loras = [{"true": True, "false": False}.get(v.lower()) for v in split(ns.lora)]
+    if None in loras:
+        raise UserError(f"--lora must be a comma-separated list of true/false (got '{ns.lora}')")
+    for policy in split(ns.ac):
+        from memfit.config.schema import parse_ac_policy
+
+        parse_ac_policy(policy)
+    cells = matrix(split(ns.ac), split(ns.precision), micro, loras)
+    global_batch = ns.global_batch or max(micro)
+    out = Path(ns.out or f"runs/bench-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out '{out}' is not empty; choose a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    mem_limit = parse_memory(ns.mem_limit) if ns.mem_limit else None
+    console = Console(stderr=True)
+    for i, cell in enumerate(cells, 1):
+        run_cell(config, cell, out, ns.warmup, ns.steps, global_batch, ns.set, mem_limit)
+        console.print(f"[{i}/{len(cells)}] {cell.name}: {cell.status}", highlight=False)
+    flag_losses(cells)
+    context = (f"memfit bench {Path(config).name} {' '.join(ns.set)}: {ns.warmup} warm-up + {ns.steps} measured steps, "
+               f"global batch {global_batch}; {datetime.now(timezone.utc).date()} on {platform.node() or 'this machine'} "
+               f"({platform.machine()}, {'GPU' if any(c.peak_allocated_bytes for c in cells) else 'CPU'})")
+    paths = write_outputs(cells, out, context)
+    header, body = rows(cells)
+    table = Table(title=context)
+    for col in header:
+        table.add_column(col)
+    for r in body:
+        table.add_row(*r)
+    Console(width=200 if not _sys.stdout.isatty() else None).print(table)
+    print(json.dumps({"benchmark": "memfit bench", "out": str(out), **cells_summary(cells),
+                      "files": {k: str(v) for k, v in paths.items()}}))
+    return 0
+
+
 def cmd_doctor(ns: argparse.Namespace) -> int:
     import json
 
@@ -177,6 +234,19 @@ def build_parser() -> argparse.ArgumentParser:
     frag.add_argument("--capacity", help="device memory for --simulate, e.g. 64GiB (default: unlimited)")
     frag.add_argument("--hip-version", help="judge settings for this ROCm version, e.g. 5.7 (default: this build)")
     frag.set_defaults(func=cmd_frag)
+    bench = sub.add_parser("bench", help="run a matrix of strategies, each in its own process, and tabulate memory and speed")
+    bench.add_argument("config", nargs="?", help=f"base train config or shipped name (default {DEFAULT_CONFIG})")
+    bench.add_argument("--ac", default="none,full", help="comma-separated checkpointing policies")
+    bench.add_argument("--precision", default="fp32", help="comma-separated precisions")
+    bench.add_argument("--micro-batch", default="2", help="comma-separated micro-batch sizes")
+    bench.add_argument("--lora", default="true", help="comma-separated true/false")
+    bench.add_argument("--global-batch", type=int, help="sequences per step in every cell (default: the largest micro-batch)")
+    bench.add_argument("--steps", type=int, default=4, help="measured steps per cell")
+    bench.add_argument("--warmup", type=int, default=1, help="warm-up steps per cell (not measured)")
+    bench.add_argument("--mem-limit", help="cap each cell's address space (CPU OOM injection), e.g. 3GiB")
+    bench.add_argument("--out", help="output directory (default runs/bench-<time>)")
+    bench.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides applied to every cell")
+    bench.set_defaults(func=cmd_bench)
     exporter = sub.add_parser("exporter", help="serve per-device memory as Prometheus metrics (amdsmi / NVML / CPU fallback)")
     exporter.add_argument("--port", type=int, default=9400)
     exporter.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -58,6 +59,61 @@ def memory_timeline(points: list[TimelinePoint], path: Path, title: str) -> Path
     ax.set_ylabel("GiB")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def bench_memory(cells, path: Path, title: str) -> Path:
+    """Peak memory per cell, stacked by category where known (model states exact; the rest measured)."""
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cells) + 2), 4.8))
+    names = [c.name for c in cells]
+    for i, c in enumerate(cells):
+        if c.status != "ok" or c.peak_bytes is None:
+            ax.bar(i, 0.02, color="#c0392b")
+            ax.text(i, 0.03, c.status.upper(), ha="center", va="bottom", fontsize=8, color="#c0392b", rotation=90)
+            continue
+        states = [c.params_bytes or 0, c.grads_bytes or 0, c.optimizer_bytes or 0]
+        bottom = 0.0
+        for value, color in zip(states, ("#3b6fb6", "#e59b2e", "#7d3c98")):
+            ax.bar(i, value / GIB, bottom=bottom, color=color)
+            bottom += value / GIB
+        ax.bar(i, max(0.0, c.peak_bytes / GIB - bottom), bottom=bottom, color="#95a5a6")
+        if c.predicted_peak_bytes:
+            ax.plot([i - 0.4, i + 0.4], [c.predicted_peak_bytes / GIB] * 2, color="black", linewidth=1.2)
+    ax.set_xticks(range(len(cells)), names, rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("GiB at the step peak")
+    ax.set_title(textwrap.fill(title, 110), fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), handles=[Patch(color="#3b6fb6", label="parameters"), Patch(color="#e59b2e", label="gradients"),
+                       Patch(color="#7d3c98", label="optimizer state"),
+                       Patch(color="#95a5a6", label="activations, temporaries (and runtime on CPU)"),
+                       plt.Line2D([0], [0], color="black", label="planner prediction (tensors)")], fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def bench_pareto(cells, path: Path, title: str) -> Path:
+    """Tokens/s against peak memory; the Pareto front (no cell faster with less memory) is joined."""
+    ok = [c for c in cells if c.status == "ok" and c.peak_bytes and c.tokens_per_s]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for c in ok:
+        ax.scatter(c.peak_bytes / GIB, c.tokens_per_s, color="#3b6fb6")
+        ax.annotate(c.name, (c.peak_bytes / GIB, c.tokens_per_s), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    front, best = [], -1.0
+    for c in sorted(ok, key=lambda c: (c.peak_bytes, -c.tokens_per_s)):
+        if c.tokens_per_s > best:
+            front.append(c)
+            best = c.tokens_per_s
+    if front:
+        ax.plot([c.peak_bytes / GIB for c in front], [c.tokens_per_s for c in front], color="#c0392b", label="Pareto front")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("peak memory (GiB)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(textwrap.fill(title, 90), fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,0 +1,177 @@
+"""``memfit bench``: run a matrix of strategies, each cell its own ``memfit train`` subprocess (clean
+allocator state), and tabulate what was measured beside what the planner predicted.
+
+A cell runs ``warmup + steps`` optimizer steps; statistics use the steps after warm-up. The global batch
+is the same in every cell (micro-batch x gradient accumulation), so cells of one precision must reach
+the same loss: a cell that does not is flagged. A cell that runs out of memory (exit code 3) is reported
+as OOM with the bytes its failed allocation asked for.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import re
+import resource
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from memfit.errors import UserError
+from memfit.train.run_dir import read_metrics
+
+GIB = 1 << 30
+LOSS_TOLERANCE = {"fp32": 1e-3}  # relative; others (bf16/fp16) use DEFAULT_TOLERANCE
+DEFAULT_TOLERANCE = 3e-2
+_OOM = re.compile(r"an allocation of [\d.]+ GiB \((\d+) bytes\) failed")
+
+
+@dataclass
+class Cell:
+    ac: str
+    precision: str
+    micro_batch: int
+    lora: bool
+    status: str = "pending"  # ok | oom | failed
+    grad_accum: int = 1
+    median_step_time_s: float | None = None
+    step_time_spread_s: float | None = None
+    tokens_per_s: float | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+    predicted_peak_bytes: int | None = None
+    prediction_error_pct: float | None = None
+    params_bytes: int | None = None
+    grads_bytes: int | None = None
+    optimizer_bytes: int | None = None
+    loss: float | None = None
+    oom_request_bytes: int | None = None
+    loss_flag: str = ""
+    message: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"ac-{self.ac.replace(':', '')}_{self.precision}_mb{self.micro_batch}_{'lora' if self.lora else 'full'}"
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return self.peak_allocated_bytes if self.peak_allocated_bytes is not None else self.peak_rss_bytes
+
+
+def matrix(acs: list[str], precisions: list[str], micro_batches: list[int], loras: list[bool]) -> list[Cell]:
+    return [Cell(a, p, m, lo) for a, p, m, lo in itertools.product(acs, precisions, micro_batches, loras)]
+
+
+def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: int, extra: list[str]) -> list[str]:
+    if global_batch % cell.micro_batch:
+        raise UserError(f"--micro-batch {cell.micro_batch} does not divide the global batch {global_batch}")
+    cell.grad_accum = global_batch // cell.micro_batch
+    return [
+        sys.executable, "-m", "memfit.cli", "train", config, *extra,
+        f"strategy.activation_checkpointing={cell.ac}", f"strategy.precision={cell.precision}",
+        f"train.micro_batch_size={cell.micro_batch}", f"train.grad_accum_steps={cell.grad_accum}",
+        f"lora.enabled={'true' if cell.lora else 'false'}", f"train.max_steps={steps}", "train.eval_every=0",
+        "train.eval_batches=1", "train.checkpoint_every=0", "train.log_every=1", "output.export=false",
+        f"output.dir={out / 'cells' / cell.name}",
+    ]
+
+
+def run_cell(config: str, cell: Cell, out: Path, warmup: int, steps: int, global_batch: int,
+             extra: list[str], mem_limit: int | None) -> Cell:
+    cmd = _cell_command(config, cell, out, warmup + steps, global_batch, extra)
+
+    def cap() -> None:
+        if mem_limit:
+            resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
+
+    proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=cap)
+    if proc.returncode == 3:
+        m = _OOM.search(proc.stderr)
+        cell.status, cell.oom_request_bytes = "oom", int(m.group(1)) if m else None
+        cell.message = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+        return cell
+    if proc.returncode != 0:
+        cell.status = "failed"
+        cell.message = (proc.stderr.strip().splitlines() or ["exit code %d" % proc.returncode])[-1]
+        return cell
+    records = read_metrics(out / "cells" / cell.name / "metrics.jsonl")
+    measured = [r for r in records if r["kind"] == "step" and r["step"] > warmup]
+    summary = next(r for r in records if r["kind"] == "summary")
+    times = [r["step_time_s"] for r in measured]
+    cell.status = "ok"
+    cell.median_step_time_s = statistics.median(times)
+    cell.step_time_spread_s = max(times) - min(times)
+    cell.tokens_per_s = statistics.median(r["tokens_per_s"] for r in measured)
+    cell.loss = measured[-1]["loss"]
+    if "peak_allocated_bytes" in measured[0]:
+        cell.peak_allocated_bytes = max(r["peak_allocated_bytes"] for r in measured)
+        cell.peak_reserved_bytes = max(r["peak_reserved_bytes"] for r in measured)
+    else:
+        cell.peak_rss_bytes = max(r["peak_rss_bytes"] for r in measured)
+    cell.predicted_peak_bytes = summary.get("predicted_peak_bytes")
+    if cell.predicted_peak_bytes and cell.peak_allocated_bytes:
+        cell.prediction_error_pct = 100 * (cell.predicted_peak_bytes - cell.peak_allocated_bytes) / cell.peak_allocated_bytes
+    cell.params_bytes, cell.grads_bytes, cell.optimizer_bytes = (summary["params_bytes"], summary["grads_bytes"], summary["optimizer_bytes"])
+    return cell
+
+
+def flag_losses(cells: list[Cell]) -> None:
+    """Cells of one precision and tuning (full/LoRA) share the global batch: their losses must agree."""
+    groups: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        if c.status == "ok":
+            groups.setdefault((c.precision, c.lora), []).append(c)
+    for (precision, _), group in groups.items():
+        ref = statistics.median(c.loss for c in group)
+        tol = LOSS_TOLERANCE.get(precision, DEFAULT_TOLERANCE)
+        for c in group:
+            if abs(c.loss - ref) > tol * abs(ref):
+                c.loss_flag = f"loss {c.loss:.5f} differs from the {precision} median {ref:.5f} by more than {tol:g}"
+
+
+def _fmt_gib(n: int | None) -> str:
+    return "" if n is None else f"{n / GIB:.3f}"
+
+
+def rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
+    header = ["cell", "status", "mb x acc", "peak GiB", "reserved GiB", "predicted GiB", "error %", "step s (median)",
+              "spread s", "tokens/s", "loss", "note"]
+    body = []
+    for c in cells:
+        note = c.loss_flag or (f"OOM asking for {c.oom_request_bytes / GIB:.2f} GiB" if c.status == "oom" and c.oom_request_bytes else c.message)
+        body.append([
+            c.name, c.status, f"{c.micro_batch}x{c.grad_accum}", _fmt_gib(c.peak_bytes), _fmt_gib(c.peak_reserved_bytes),
+            _fmt_gib(c.predicted_peak_bytes), "" if c.prediction_error_pct is None else f"{c.prediction_error_pct:+.1f}",
+            "" if c.median_step_time_s is None else f"{c.median_step_time_s:.3f}",
+            "" if c.step_time_spread_s is None else f"{c.step_time_spread_s:.3f}",
+            "" if c.tokens_per_s is None else f"{c.tokens_per_s:.0f}", "" if c.loss is None else f"{c.loss:.5f}", note,
+        ])
+    return header, body
+
+
+def write_outputs(cells: list[Cell], out: Path, context: str) -> dict[str, Path]:
+    header, body = rows(cells)
+    paths = {"csv": out / "results.csv", "md": out / "results.md", "json": out / "results.json"}
+    with paths["csv"].open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(header)
+        writer.writerows(body)
+    md = [f"{context}\n", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    md += ["| " + " | ".join(r) + " |" for r in body]
+    paths["md"].write_text("\n".join(md) + "\n")
+    paths["json"].write_text(json.dumps([asdict(c) | {"name": c.name} for c in cells], indent=1) + "\n")
+    from memfit.telemetry.plots import bench_memory, bench_pareto
+
+    paths["memory_png"] = bench_memory(cells, out / "memory_per_cell.png", context)
+    paths["pareto_png"] = bench_pareto(cells, out / "pareto.png", context)
+    return paths
+
+
+def cells_summary(cells: list[Cell]) -> dict[str, Any]:
+    return {"cells": len(cells), "ok": sum(c.status == "ok" for c in cells), "oom": sum(c.status == "oom" for c in cells),
+            "failed": sum(c.status == "failed" for c in cells), "loss_flags": sum(bool(c.loss_flag) for c in cells)}

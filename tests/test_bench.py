@@ -1,0 +1,52 @@
+"""memfit bench on the tiny preset (integration tier: every cell is a real `memfit train` subprocess)."""
+
+import csv
+import json
+
+import pytest
+
+from memfit.cli import main
+
+pytestmark = pytest.mark.integration
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_bench_2x2_matrix_on_cpu(tmp_path, capsys, embedded_dir):
+    out = tmp_path / "bench"
+    code = main(["bench", "tiny-cpu", "--ac", "none,full", "--lora", "false,true", "--micro-batch", "2",
+                 "--steps", "2", "--warmup", "1", "--out", str(out), "--set", "data.seq_len=32", "data.max_documents=1"])
+    assert code == 0
+    summary = _last_json(capsys.readouterr().out)
+    assert summary["cells"] == 4 and summary["ok"] == 4 and summary["loss_flags"] == 0
+    with open(out / "results.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {r["cell"] for r in rows} == {"ac-none_fp32_mb2_full", "ac-full_fp32_mb2_full", "ac-none_fp32_mb2_lora", "ac-full_fp32_mb2_lora"}
+    cells = json.loads((out / "results.json").read_text())
+    assert all(c["status"] == "ok" and c["tokens_per_s"] > 0 and c["predicted_peak_bytes"] > 0 for c in cells)
+    # checkpointing does not change the loss: same precision and tuning agree
+    by = {c["name"]: c["loss"] for c in cells}
+    assert by["ac-none_fp32_mb2_full"] == pytest.approx(by["ac-full_fp32_mb2_full"], rel=1e-5)
+    for png in ("memory_per_cell.png", "pareto.png"):
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC
+    assert "| cell | status |" in (out / "results.md").read_text()
+
+
+def test_bench_reports_an_oom_cell(tmp_path, capsys, embedded_dir):
+    out = tmp_path / "bench"
+    code = main(["bench", "tiny-cpu", "--ac", "none", "--lora", "false", "--micro-batch", "64", "--steps", "1",
+                 "--warmup", "0", "--mem-limit", "3GiB", "--out", str(out),
+                 "--set", "data.seq_len=512", "data.max_documents=20"])
+    assert code == 0
+    summary = _last_json(capsys.readouterr().out)
+    assert summary["oom"] == 1
+    cell = json.loads((out / "results.json").read_text())[0]
+    assert cell["status"] == "oom" and cell["oom_request_bytes"] > 1 << 30
+
+
+def test_bench_refuses_bad_matrix(tmp_path, capsys):
+    assert main(["bench", "tiny-cpu", "--ac", "sometimes", "--out", str(tmp_path / "b")]) == 2
+    assert "strategy.activation_checkpointing must be" in capsys.readouterr().err
