@@ -225,3 +225,17 @@ def test_trainer_plan_check_refuses_what_does_not_fit():
     check_fits(step, reserved_estimate(step.peak_bytes), "test GPU")  # exactly enough: accepted
     with pytest.raises(UserError, match=r"predicted to need .* but test GPU offers .*train.plan_check=false"):
         check_fits(step, reserved_estimate(step.peak_bytes) - 1, "test GPU")
+
+
+def test_traced_step_replays_through_the_allocator_model():
+    """The planner's allocation stream, replayed: reserved >= allocated, allocated peak = the traced
+    first-step peak rounded to 512-byte blocks (the model rounds the same way)."""
+    from memfit.memory.trace import trace_allocations, trace_timeline
+    from memfit.memory.whatif import replay_allocations
+
+    spec = StepSpec(preset_config("tiny"), 2, 64, "fp32", "ffn", "foreach", round_to=512)
+    model = replay_allocations(trace_allocations(spec))
+    first_step_peak = trace_timeline(spec).step_memory().peak_bytes
+    assert model.peak_reserved >= model.peak_allocated >= first_step_peak
+    assert model.peak_allocated <= first_step_peak * 1.02  # only unsplittable block remainders on top
+    assert model.allocated == 0 or model.allocated < model.peak_allocated

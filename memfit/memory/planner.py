@@ -108,6 +108,17 @@ def _train_source(model: str) -> str:
     return str(path.parent if path.name.endswith(".json") else path)
 
 
+def _replayed(w: Workload, c) -> tuple[int, int]:
+    """Peak reserved and allocated of the candidate's full-depth step replayed through the allocator model
+    (two micro-batches stand for any longer accumulation: later ones repeat the second's pattern)."""
+    from memfit.memory.trace import StepSpec, trace_allocations
+    from memfit.memory.whatif import replay_allocations
+
+    spec = StepSpec(w.model_config, c.micro_batch, w.seq_len, c.precision, c.ac, c.optimizer, w.lora, min(c.grad_accum, 2), 512)
+    model = replay_allocations(trace_allocations(spec))
+    return model.peak_reserved, model.peak_allocated
+
+
 def run_plan(ns) -> int:
     inp = _inputs(ns)
     if ns.gpu and ns.gpu_mem:
@@ -145,7 +156,8 @@ def run_plan(ns) -> int:
     if ns.explain is not None:
         if not 1 <= ns.explain <= len(result.fitting):
             raise UserError(f"--explain {ns.explain}: there are {len(result.fitting)} fitting candidates")
-        render_explain(result.fitting[ns.explain - 1], console)
+        chosen = result.fitting[ns.explain - 1]
+        render_explain(chosen, console, _replayed(workload, chosen))
     if ns.write_config:
         write_train_config(result.best, result, _train_source(inp.model), Path(ns.write_config))
         console.print(f"wrote {ns.write_config}", highlight=False)

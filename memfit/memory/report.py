@@ -75,7 +75,7 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
             console.print(f"  {_label(c)}: {c.why_not()}", highlight=False)
 
 
-def render_explain(c: Candidate, console: Console) -> None:
+def render_explain(c: Candidate, console: Console, replayed: tuple[int, int] | None = None) -> None:
     t = Table(title=f"per phase peak, GiB per rank: {_label(c)}")
     t.add_column("phase")
     for cat in Category:
@@ -87,6 +87,11 @@ def render_explain(c: Candidate, console: Console) -> None:
             mark = " (peak)" if phase == c.memory.peak_phase else ""
             t.add_row(phase + mark, *(_g(b[cat]) for cat in Category), _g(b.total_bytes))
     console.print(t)
+    if replayed is not None:
+        reserved, allocated = replayed
+        console.print(f"allocator model, first step (up to 2 micro-batches) replayed on one device (ZeRO not applied): peak reserved "
+                      f"{_g(reserved)} GiB for a peak allocated {_g(allocated)} GiB ({reserved / max(1, allocated) - 1:+.1%}); "
+                      f"the table's margin model assumes +{ALLOCATOR_MARGIN:.0%}", highlight=False)
 
 
 def _atomic_write(path: Path, text: str) -> None:

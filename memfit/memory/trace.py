@@ -84,6 +84,15 @@ def trace_step(spec: StepSpec, num_layers: int | None = None) -> StepMemory:
 
 def trace_timeline(spec: StepSpec, num_layers: int | None = None) -> Timeline:
     """Bytes per category after every op of one (first) optimizer step of ``spec``, on fake tensors."""
+    return _traced(spec, num_layers).timeline()
+
+
+def trace_allocations(spec: StepSpec, num_layers: int | None = None) -> list[tuple[int, int]]:
+    """The (first) step's storage allocations and releases in order: input for the allocator model."""
+    return _traced(spec, num_layers).allocation_events()
+
+
+def _traced(spec: StepSpec, num_layers: int | None) -> StepTracker:
     from memfit.train.loop import StepRunner  # the trainer's step; imported here to keep layers acyclic
 
     depth = num_layers or spec.model_config.num_hidden_layers
@@ -101,7 +110,7 @@ def trace_timeline(spec: StepSpec, num_layers: int | None = None) -> Timeline:
         with tracker:
             runner.step(batches)
             runner.zero_grad()
-    return tracker.timeline()
+    return tracker
 
 
 def steady_state(first: StepMemory) -> StepMemory:

@@ -255,6 +255,10 @@ class StepTracker(TorchDispatchMode):
 
     # -- results ------------------------------------------------------------------------------------
 
+    def allocation_events(self) -> list[tuple[int, int]]:
+        """Every storage allocation (+bytes) and release (-bytes) in order, keyed by storage serial."""
+        return list(self._events)
+
     def timeline(self) -> Timeline:
         """Bytes per category after each op; categories as the storages turned out to be."""
         index = {c: i for i, c in enumerate(CATEGORIES)}

@@ -67,3 +67,16 @@ def compare(entries: list[dict[str, Any]], capacity: int, hip: str | None) -> tu
     usable = [r for r in results if not r.oom and no_op_reason(r.settings, hip) is None]
     best = min(usable, key=lambda r: (r.peak_reserved_bytes, r.alloc_retries), default=None)
     return results, best
+
+
+def replay_allocations(events: list[tuple[int, int]], settings: AllocatorSettings = AllocatorSettings(),
+                       capacity: int = 1 << 62) -> CachingAllocatorModel:
+    """Replay a traced step's storage allocations (``trace_allocations``) through the allocator model."""
+    model = CachingAllocatorModel(capacity, settings)
+    live: dict[int, object] = {}
+    for serial, delta in events:
+        if delta > 0:
+            live[serial] = model.malloc(delta)
+        elif serial in live:
+            model.free(live.pop(serial))
+    return model
