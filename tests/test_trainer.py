@@ -162,3 +162,8 @@ def test_output_dir_with_a_different_run_is_refused(tiny_cfg, capsys, tmp_path):
     assert "holds a different run (train.max_steps: 2 there, 3 here)" in err
     err = _fails(capsys, tiny_overrides(tmp_path / "run", "train.max_steps=2"))
     assert "pass train.resume=true" in err
+
+
+def test_gpu_only_memory_recording_is_a_noted_no_op_on_cpu(tiny_cfg):
+    trainer = Trainer(tiny_cfg("train.record_memory_history=true", "train.snapshot_at_step=1"))
+    assert "train.record_memory_history / snapshot_at_step apply to CUDA/ROCm devices only" in trainer.notes

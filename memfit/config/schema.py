@@ -125,6 +125,11 @@ class TrainConfig:
     resume: bool = _f(False, "continue the run in output.dir from its latest checkpoint")
     seed: int = _f(1234, "seed for weights init, data order and dropout")
     threads: Optional[int] = _f(None, "CPU threads for torch (None = torch's default)")
+    frag_every: int = _f(
+        50, "on a GPU, read fragmentation from torch.cuda.memory_snapshot() every N steps (0 = never)"
+    )
+    record_memory_history: bool = _f(False, "on a GPU, record allocator history (torch.cuda.memory._record_memory_history)")
+    snapshot_at_step: Optional[int] = _f(None, "on a GPU, dump a memory snapshot to the run directory after this step")
     metrics_port: Optional[int] = _f(None, "serve memfit_* Prometheus metrics on this port (0 = any free port)")
     metrics_host: str = _f("127.0.0.1", "address the metrics endpoint binds (default loopback only)")
     plan_check: bool = _f(
@@ -213,6 +218,7 @@ def check(cfg: RunConfig) -> RunConfig:
         ("optimizer.weight_decay", o.weight_decay),
         ("optimizer.grad_clip", o.grad_clip),
         ("allocator.empty_cache_every", a.empty_cache_every),
+        ("train.frag_every", t.frag_every),
         ("allocator.prewarm_gib", a.prewarm_gib),
     ):
         _need(value >= 0, f"{name} must be >= 0 (got {value})")

@@ -22,6 +22,7 @@ from memfit.device import device_name, resolve_device
 from memfit.errors import OutOfMemoryExit, UserError
 from memfit.memory.categories import StepMemory
 from memfit.memory.plan import check_fits, predict_run
+from memfit.memory.snapshot import analyze
 from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
 from memfit.strategies.allocator import apply_allocator_env, apply_device_limits, maybe_release_cache
 from memfit.strategies.checkpointing import apply_activation_checkpointing
@@ -149,6 +150,10 @@ class Trainer:
         self.wrapped = apply_activation_checkpointing(model, cfg.strategy.activation_checkpointing)
         self.model = model.to(self.device)
         self.notes = apply_device_limits(cfg.allocator, self.device)
+        if self.device.type == "cuda" and t.record_memory_history:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        elif t.record_memory_history or t.snapshot_at_step is not None:
+            self.notes.append("train.record_memory_history / snapshot_at_step apply to CUDA/ROCm devices only")
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.params, cfg.optimizer, self.device)
@@ -272,6 +277,7 @@ class Trainer:
                         "step_time_s": step_time_s, "tokens_per_s": n_in / step_time_s,
                         "tokens_seen": state.tokens_seen, **memory_record(self.device),
                     }
+                    self._gpu_memory_extras(step, rec)
                     result.steps.append(rec)
                     if self.metrics is not None:
                         self.metrics.update(rec)
@@ -304,6 +310,18 @@ class Trainer:
         display.console.print(mem_table)
         result.summary = summary
         return result
+
+    def _gpu_memory_extras(self, step: int, rec: dict[str, Any]) -> None:
+        """On a GPU: fragmentation every ``train.frag_every`` steps (into the step record and metrics)
+        and the snapshot asked for by ``train.snapshot_at_step``."""
+        t = self.cfg.train
+        if self.device.type != "cuda":
+            return
+        if t.frag_every and step % t.frag_every == 0:
+            report = analyze({"segments": torch.cuda.memory_snapshot()}, self.device.index or 0)
+            rec.update(fragmentation_ratio=report.fragmentation_ratio, largest_free_block_bytes=report.largest_free_bytes)
+        if t.snapshot_at_step == step:
+            torch.cuda.memory._dump_snapshot(str(self.run.root / f"snapshot_step{step}.pickle"))
 
     def _out_of_memory(self, step: int, requested: int) -> OutOfMemoryExit:
         """Dump a snapshot on a GPU, and say what was asked, what was predicted and what to try."""
