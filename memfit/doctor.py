@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from memfit.strategies import alloc_conf
+from memfit.units import GIB
 
 EXTRAS = {"deepspeed": "deepspeed", "amdsmi": "amdsmi", "nvidia-ml-py": "pynvml"}
-GIB = 1 << 30
 
 
 def _tf32(props, hip: str | None) -> bool:

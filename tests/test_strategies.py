@@ -132,5 +132,9 @@ def test_allocator_settings_string():
     cfg = AllocatorConfig(expandable_segments=True, max_split_size_mb=256, garbage_collection_threshold=0.8)
     assert alloc_conf_items(cfg) == {"expandable_segments": "True", "max_split_size_mb": "256", "garbage_collection_threshold": "0.8"}
     assert merge_conf("backend:native, max_split_size_mb:128", {"max_split_size_mb": "256"}) == "backend:native,max_split_size_mb:256"
+    # a bracketed list with commas survives the merge whole
+    assert merge_conf("roundup_power2_divisions:[256:1,512:2,>:4]", {"expandable_segments": "True"}) == (
+        "roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:True"
+    )
     assert apply_device_limits(cfg, CPU) == ["allocator settings apply to CUDA/ROCm devices only; ignored on CPU"]
     assert apply_device_limits(AllocatorConfig(), CPU) == []

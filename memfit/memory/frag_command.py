@@ -11,9 +11,8 @@ from rich.table import Table
 
 from memfit.errors import UserError
 from memfit.memory.snapshot import analyze, devices_in, load_snapshot, oom_events, timeline
+from memfit.units import GIB, MIB
 
-GIB = 1 << 30
-MIB = 1 << 20
 
 
 def run_frag(ns) -> int:

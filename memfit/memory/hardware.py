@@ -10,8 +10,8 @@ import re
 from dataclasses import dataclass
 
 from memfit.errors import UserError, did_you_mean
+from memfit.units import GIB
 
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)

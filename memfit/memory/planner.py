@@ -13,6 +13,7 @@ from rich.console import Console
 from memfit.config.schema import LoraConfig, parse_ac_policy
 from memfit.errors import UserError
 from memfit.memory.hardware import custom_gpu, gpu_preset, parse_memory
+from memfit.units import GIB
 from memfit.memory.plan import OPTIMIZER_CHOICES, Cluster, Pins, Workload, search
 from memfit.memory.report import plan_dict, render_explain, render_table, write_deepspeed, write_train_config
 from memfit.models.load import config_for_planning
@@ -150,7 +151,7 @@ def run_plan(ns) -> int:
         over = closest.reserved_bytes - closest.usable_bytes
         raise UserError(
             f"nothing fits on {gpu.name}: the closest candidate (AC {closest.ac}, {closest.precision}, ZeRO-{closest.zero}, "
-            f"micro-batch {closest.micro_batch}, AdamW {closest.optimizer}) is {over / (1 << 30):.2f} GiB over; "
+            f"micro-batch {closest.micro_batch}, AdamW {closest.optimizer}) is {over / GIB:.2f} GiB over; "
             "try LoRA, more GPUs with ZeRO, or a shorter --seq-len"
         )
     if ns.explain is not None:

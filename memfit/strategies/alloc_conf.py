@@ -84,14 +84,15 @@ def _check_value(key: str, value: str, conf: AllocConf) -> None:
         conf.errors.append(f"pinned_num_register_threads must be an integer (got '{value}')")
 
 
+def split_pairs(text: str) -> list[str]:
+    """The ``key:value`` items of a settings string; a bracketed list (roundup_power2_divisions) stays whole."""
+    return [p.strip() for p in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", text) if p.strip()]
+
+
 def parse(text: str) -> AllocConf:
     """Split and validate one settings string (no platform knowledge)."""
     conf = AllocConf()
-    # roundup_power2_divisions may hold a bracketed list with commas: keep brackets together
-    parts = re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", text)
-    for raw in (p.strip() for p in parts):
-        if not raw:
-            continue
+    for raw in split_pairs(text):
         key, sep, value = raw.partition(":")
         key, value = key.strip(), value.strip()
         if not sep or not value:

@@ -14,9 +14,10 @@ import os
 import torch
 
 from memfit.config.schema import AllocatorConfig
+from memfit.strategies.alloc_conf import split_pairs
 from memfit.device import is_rocm
+from memfit.units import GIB
 
-GIB = 1 << 30
 
 
 def alloc_conf_items(cfg: AllocatorConfig) -> dict[str, str]:
@@ -38,7 +39,7 @@ def env_var_name() -> str:
 def merge_conf(existing: str, items: dict[str, str]) -> str:
     """Merge our items into an existing ``k:v,k:v`` string; ours win, the user's other keys stay."""
     merged: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in existing.split(","))):
+    for part in split_pairs(existing):
         key, _, value = part.partition(":")
         merged[key.strip()] = value.strip()
     merged.update(items)

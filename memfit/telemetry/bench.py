@@ -23,8 +23,8 @@ from typing import Any
 
 from memfit.errors import UserError
 from memfit.train.run_dir import read_metrics
+from memfit.units import GIB
 
-GIB = 1 << 30
 LOSS_TOLERANCE = {"fp32": 1e-3}  # relative; others (bf16/fp16) use DEFAULT_TOLERANCE
 DEFAULT_TOLERANCE = 3e-2
 _OOM = re.compile(r"an allocation of [\d.]+ GiB \((\d+) bytes\) failed")

@@ -12,8 +12,8 @@ import resource
 from dataclasses import dataclass
 
 import torch
+from memfit.units import GIB
 
-GIB = 1 << 30
 
 
 def process_rss_bytes() -> int:

@@ -12,9 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 from matplotlib.patches import Patch  # noqa: E402
 
 from memfit.memory.snapshot import FragReport, TimelinePoint  # noqa: E402
+from memfit.units import GIB, MIB
 
-MIB = 1 << 20
-GIB = 1 << 30
 COLORS = {"active_allocated": "#3b6fb6", "active_awaiting_free": "#e59b2e", "inactive": "#d9d9d9"}
 
 
