@@ -20,7 +20,8 @@ from memfit.config.schema import LoraConfig
 from memfit.errors import UserError
 from memfit.memory.categories import Category, StepMemory
 from memfit.memory.cost import Shape, step_flops, step_time_s
-from memfit.memory.hardware import GIB, Gpu
+from memfit.memory.hardware import Gpu
+from memfit.units import GIB
 from memfit.memory.predict import Predictor
 from memfit.memory.sharding import ShardingSpec, comm_bytes_per_step, per_rank, validate
 from memfit.memory.trace import StepSpec

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from memfit.memory.categories import PHASES, Category
 from memfit.memory.cost import assumptions
-from memfit.memory.hardware import GIB
+from memfit.units import GIB
 from memfit.memory.plan import ALLOCATOR_MARGIN, CONTEXT_BYTES, Candidate, PlanResult
 
 
