@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -58,14 +59,38 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if ns.print_config:
         print(dump_config(cfg), end="")
         return 0
+    if ns.nproc_per_node is not None or ns.nnodes > 1:
+        from memfit.dist.launch import LaunchSpec, launch
+
+        spec = LaunchSpec(ns.nproc_per_node or 1, ns.nnodes, ns.node_rank, ns.rdzv_endpoint)
+        return launch(spec, cfg, resolve_config_path(config_arg), overrides)
     from memfit.train.loop import Trainer
 
-    trainer = Trainer(cfg)
     try:
-        trainer.fit()
-    finally:
-        trainer.close()
+        trainer = Trainer(cfg)
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+    except torch_dist_error() as e:
+        from memfit.errors import RankFailedExit
+
+        rank = os.environ.get("RANK", "?")
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RankFailedExit(f"rank {rank} lost contact with its peers ({first}); another rank has probably died") from None
     return 0
+
+
+def torch_dist_error() -> type[BaseException]:
+    """The exception a collective raises when a peer rank is gone (a class that never matches when
+    torch.distributed is unavailable)."""
+    import torch.distributed as dist
+
+    return getattr(dist, "DistError", _NeverRaised) if dist.is_available() else _NeverRaised
+
+
+class _NeverRaised(Exception):
+    pass
 
 
 def cmd_exporter(ns: argparse.Namespace) -> int:
@@ -171,6 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("args", nargs="*", metavar="CONFIG | key=value")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    dist = train.add_argument_group("distributed (launches torchrun; engine and ZeRO stage come from distributed.*)")
+    dist.add_argument("--nproc-per-node", type=int, help="processes (GPUs) per node")
+    dist.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
+    dist.add_argument("--node-rank", type=int, default=0, help="this node's rank among --nnodes")
+    dist.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous, the same on every node")
     train.set_defaults(func=cmd_train)
     add_plan_parser(sub)
     frag = sub.add_parser("frag", help="explain fragmentation in a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot)")
@@ -211,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except UserError as e:
-        print(f"memfit: error: {e}", file=sys.stderr)
+        if getattr(e, "echo", True):
+            rank = os.environ.get("RANK")
+            where = f"[rank {rank}] " if rank not in (None, "0") else ""
+            print(f"memfit: error: {where}{e}", file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)

@@ -31,3 +31,18 @@ class OutOfMemoryExit(UserError):
     """The run ran out of memory; the run directory is left as it was (exit code 3)."""
 
     exit_code = EXIT_OUT_OF_MEMORY
+
+
+EXIT_RANK_FAILED = 4
+
+
+class RankFailedExit(UserError):
+    """A rank of a multi-process run died or lost its peers; the others were stopped (exit code 4)."""
+
+    exit_code = EXIT_RANK_FAILED
+
+
+class ReportedByRankZero(UserError):
+    """An error rank 0 found and printed; the other ranks exit with it silently."""
+
+    echo = False

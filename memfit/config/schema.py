@@ -21,6 +21,8 @@ PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 DATA_FORMATS = ("auto", "text", "chat")
 ATTN_IMPLS = ("sdpa", "eager")
+DIST_ENGINES = ("fsdp2", "deepspeed")
+DIST_BACKENDS = ("auto", "nccl", "gloo")
 
 
 def _f(default, help: str, **kw):
@@ -115,8 +117,13 @@ class AllocatorConfig:
 class TrainConfig:
     device: str = _f("auto", "auto | cpu | cuda | cuda:N (ROCm builds use the cuda name too)")
     max_steps: int = _f(100, "optimizer steps")
-    micro_batch_size: int = _f(4, "sequences per forward/backward")
-    grad_accum_steps: int = _f(1, "micro-batches per optimizer step")
+    micro_batch_size: int = _f(4, "sequences per forward/backward (per rank)")
+    grad_accum_steps: int = _f(1, "micro-batches per optimizer step (per rank)")
+    global_batch_size: Optional[int] = _f(
+        None,
+        "sequences per optimizer step across all ranks; when set, grad_accum_steps is derived as "
+        "global / (world size x micro_batch_size) (None = world size x micro x grad_accum_steps)",
+    )
     eval_every: int = _f(25, "optimizer steps between eval-loss passes (0 = only at start and end)")
     eval_batches: int = _f(8, "held-out micro-batches per eval pass")
     log_every: int = _f(1, "optimizer steps between metric records")
@@ -138,6 +145,21 @@ class TrainConfig:
 
 
 @dataclass
+class DistributedConfig:
+    engine: str = _f(
+        "fsdp2",
+        "fsdp2 (zero_stage 0 = DDP, 1 = DDP + ZeroRedundancyOptimizer, 2/3 = fully_shard with "
+        "reshard_after_forward False/True) | deepspeed (needs the [deepspeed] extra)",
+    )
+    zero_stage: int = _f(2, "ZeRO stage 0-3 when more than one rank runs (ignored on one process)")
+    backend: str = _f("auto", "auto (nccl on CUDA/ROCm, which is RCCL on ROCm; gloo on CPU) | nccl | gloo")
+    deepspeed_config: Optional[str] = _f(
+        None, "DeepSpeed JSON for engine deepspeed (a path, or a shipped name such as ds-zero2-article)"
+    )
+    timeout_s: int = _f(300, "seconds a rank waits in a collective before giving up on a silent peer")
+
+
+@dataclass
 class OutputConfig:
     dir: str = _f("runs/default", "run directory: config, metrics.jsonl, checkpoints/, export/")
     export: bool = _f(True, "write the final model (or adapter) in Hugging Face format to export/")
@@ -152,6 +174,7 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
 
@@ -199,6 +222,18 @@ def check(cfg: RunConfig) -> RunConfig:
     _choice("data.format", d.format, DATA_FORMATS)
     _choice("strategy.precision", cfg.strategy.precision, PRECISIONS)
     _choice("optimizer.implementation", o.implementation, OPTIMIZER_IMPLS)
+    _choice("distributed.engine", cfg.distributed.engine, DIST_ENGINES)
+    _choice("distributed.backend", cfg.distributed.backend, DIST_BACKENDS)
+    _need(cfg.distributed.zero_stage in (0, 1, 2, 3), f"distributed.zero_stage must be 0, 1, 2 or 3 (got {cfg.distributed.zero_stage})")
+    _need(cfg.distributed.timeout_s > 0, f"distributed.timeout_s must be > 0 (got {cfg.distributed.timeout_s})")
+    _need(
+        cfg.distributed.engine != "deepspeed" or cfg.distributed.deepspeed_config is not None,
+        "distributed.engine deepspeed needs distributed.deepspeed_config (a DeepSpeed JSON path)",
+    )
+    _need(
+        t.global_batch_size is None or t.global_batch_size > 0,
+        f"train.global_batch_size must be > 0 or null (got {t.global_batch_size})",
+    )
     parse_ac_policy(cfg.strategy.activation_checkpointing)
     for name, value in (
         ("data.seq_len", d.seq_len),
@@ -258,3 +293,29 @@ def check(cfg: RunConfig) -> RunConfig:
         f"train.device must be auto | cpu | cuda | cuda:N (got '{dev}')",
     )
     return cfg
+
+
+def grad_accum_steps(cfg: RunConfig, world_size: int) -> int:
+    """Micro-batches per rank per optimizer step for ``world_size`` ranks.
+
+    Raises:
+        UserError: train.global_batch_size is not a multiple of world size x micro_batch_size, or it
+            disagrees with an explicit train.grad_accum_steps.
+    """
+    t = cfg.train
+    if t.global_batch_size is None:
+        return t.grad_accum_steps
+    per_pass = world_size * t.micro_batch_size
+    if t.global_batch_size % per_pass:
+        raise UserError(
+            f"train.global_batch_size {t.global_batch_size} is not divisible by world size {world_size} x "
+            f"train.micro_batch_size {t.micro_batch_size} = {per_pass}; pick a multiple of {per_pass}"
+        )
+    accum = t.global_batch_size // per_pass
+    if t.grad_accum_steps not in (1, accum):
+        raise UserError(
+            f"train.grad_accum_steps {t.grad_accum_steps} disagrees with train.global_batch_size "
+            f"{t.global_batch_size} on {world_size} rank(s) x micro-batch {t.micro_batch_size} (needs {accum}); "
+            "set only one of them"
+        )
+    return accum

@@ -20,22 +20,25 @@ def resolve_implementation(name: str, device: torch.device) -> str:
     return name
 
 
-def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over ``params`` (weight decay on matrices only, as is usual for transformers)."""
-    impl = resolve_implementation(cfg.implementation, device)
+def adamw_groups(params: list[torch.nn.Parameter], cfg: OptimizerConfig) -> list[dict]:
+    """Parameter groups: weight decay on matrices only, as is usual for transformers."""
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
-    return torch.optim.AdamW(
-        groups,
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        foreach=impl == "foreach",
-        fused=impl == "fused",
-    )
+    return groups
+
+
+def adamw_kwargs(cfg: OptimizerConfig, impl: str) -> dict:
+    """AdamW's hyper-parameters and implementation flags (without the weight decay of a group)."""
+    return {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
+            "foreach": impl == "foreach", "fused": impl == "fused"}
+
+
+def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over ``params`` with the implementation ``optimizer.implementation`` resolves to."""
+    return torch.optim.AdamW(adamw_groups(params, cfg), **adamw_kwargs(cfg, resolve_implementation(cfg.implementation, device)))
 
 
 def lr_at(step: int, max_steps: int, cfg: OptimizerConfig) -> float:

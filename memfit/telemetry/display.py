@@ -16,9 +16,10 @@ from memfit.telemetry.memory import GIB, StateBytes
 class TrainDisplay:
     """Progress for ``total`` optimizer steps; ``update`` takes the step record."""
 
-    def __init__(self, total: int, start: int, console: Console | None = None):
+    def __init__(self, total: int, start: int, console: Console | None = None, enabled: bool = True):
+        self.enabled = enabled  # False on ranks other than 0: they only print what concerns them alone
         self.console = console or Console()
-        self.interactive = self.console.is_terminal
+        self.interactive = self.console.is_terminal and enabled
         self.progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(),
@@ -46,11 +47,16 @@ class TrainDisplay:
             f"peak {label} {mem:.2f} GiB"
         )
         self.progress.update(self.task, completed=rec["step"], status=status)
-        if not self.interactive:
+        if not self.interactive and self.enabled:
             self.console.print(f"step {rec['step']:>5}  {status}", highlight=False)
 
-    def log(self, message: str) -> None:
-        self.console.print(message, highlight=False)
+    def log(self, message: str, everywhere: bool = False) -> None:
+        if self.enabled or everywhere:
+            self.console.print(message, highlight=False)
+
+    def print(self, renderable) -> None:
+        if self.enabled:
+            self.console.print(renderable)
 
 
 def summary_tables(
@@ -120,6 +126,23 @@ def summary_tables(
         if predicted_peak_bytes is not None:
             mem.add_row("planner's predicted tensor peak", f"{predicted_peak_bytes / GIB:.3f}",
                         "fake-tensor trace of this step (tensors only, no runtime)")
+    rank_peaks = _rank_peaks(steps)
+    if rank_peaks:
+        key, values = rank_peaks
+        summary["rank_peak_bytes"] = values
+        summary[f"{key}_min_rank"] = min(values)
+        mem.add_row(f"{key.replace('_bytes', '').replace('_', ' ')} per rank, max / min",
+                    f"{max(values) / GIB:.3f} / {min(values) / GIB:.3f}",
+                    f"ranks 0..{len(values) - 1}: " + ", ".join(f"{v / GIB:.3f}" for v in values))
     if predicted_peak_bytes is not None:
         summary["predicted_peak_bytes"] = predicted_peak_bytes
     return run, mem, summary
+
+
+def _rank_peaks(steps: list[dict[str, Any]]) -> tuple[str, list[int]] | None:
+    """(peak key, each rank's highest value over the steps) of a multi-rank run, else None."""
+    per_step = [r["rank_memory"] for r in steps if "rank_memory" in r]
+    if not per_step:
+        return None
+    key = "peak_allocated_bytes" if "peak_allocated_bytes" in per_step[0] else "peak_rss_bytes"
+    return key, [max(m[key][i] for m in per_step) for i in range(len(per_step[0][key]))]

@@ -47,23 +47,42 @@ def _fsync_dir(path: Path) -> None:
 
 def _fsync_tree(path: Path) -> None:
     for f in path.iterdir():
+        if f.is_dir():
+            _fsync_tree(f)
+            continue
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     _fsync_dir(path)
 
 
-def atomic_dir(target: Path, write) -> None:
-    """Call ``write(tmp_dir)``, then rename ``tmp_dir`` to ``target`` (replacing it) after fsync."""
-    tmp = target.parent / f"{_TMP_PREFIX}{target.name}"
+def temp_dir_for(target: Path) -> Path:
+    """The temporary sibling a checkpoint or export is written into before it is renamed into place."""
+    return target.parent / f"{_TMP_PREFIX}{target.name}"
+
+
+def begin_atomic(target: Path) -> Path:
+    """Create an empty temporary directory for ``target`` and return it."""
+    tmp = temp_dir_for(target)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit_atomic(tmp: Path, target: Path) -> None:
+    """fsync everything in ``tmp``, then rename it to ``target`` (replacing an older one)."""
+    _fsync_tree(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    _fsync_dir(target.parent)
+
+
+def atomic_dir(target: Path, write) -> None:
+    """Call ``write(tmp_dir)``, then rename ``tmp_dir`` to ``target`` (replacing it) after fsync."""
+    tmp = begin_atomic(target)
     try:
         write(tmp)
-        _fsync_tree(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        commit_atomic(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -81,6 +100,15 @@ class TrainerState:
     micro_batches: int
     tokens_seen: int
     scaler: dict[str, Any] | None = None
+    world_size: int = 1
+    engine: str = "single"
+
+    def write(self, directory: Path) -> None:
+        (directory / "trainer_state.json").write_text(json.dumps(self.__dict__))
+
+    @classmethod
+    def read(cls, directory: Path) -> "TrainerState":
+        return cls(**json.loads((directory / "trainer_state.json").read_text()))
 
 
 def rng_state() -> dict[str, Any]:
@@ -112,7 +140,7 @@ def save_checkpoint(root: Path, model, optimizer, scheduler, state: TrainerState
         save_file(tensors, tmp / "trainable.safetensors")
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
         torch.save(rng_state(), tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(state.__dict__))
+        state.write(tmp)
 
     atomic_dir(target, write)
     for old in list_checkpoints(root)[:-keep]:
@@ -141,4 +169,4 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, device: torch.devic
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     set_rng_state(torch.load(path / "rng.pt", weights_only=True))
-    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+    return TrainerState.read(path)

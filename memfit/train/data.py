@@ -179,15 +179,21 @@ class EpochBatchSampler(torch.utils.data.Sampler):
 
     Batch ``b`` belongs to epoch ``b // batches_per_epoch`` and takes its slice of that epoch's
     permutation (seeded by ``seed + epoch``); the last partial batch of an epoch is dropped.
+    With ``world_size`` ranks, batch ``b`` is the global batch of ``world_size * batch_size`` rows
+    and rank ``r`` takes the r-th ``batch_size`` of it, so N ranks see exactly the rows one process
+    with an N-times larger micro-batch would.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int, start_batch: int = 0):
-        if n < batch_size:
+    def __init__(self, n: int, batch_size: int, seed: int, start_batch: int = 0, rank: int = 0, world_size: int = 1):
+        per_pass = batch_size * world_size
+        if n < per_pass:
             raise UserError(
-                f"train.micro_batch_size {batch_size} is larger than the {n} training rows; lower it or give more data"
+                f"train.micro_batch_size {batch_size} x {world_size} rank(s) is larger than the {n} training rows; "
+                "lower it or give more data"
             )
-        self.n, self.batch_size, self.seed, self.start_batch = n, batch_size, seed, start_batch
-        self.batches_per_epoch = n // batch_size
+        self.n, self.batch_size, self.seed, self.start_batch = n, per_pass, seed, start_batch
+        self.rank_slice = slice(rank * batch_size, (rank + 1) * batch_size)
+        self.batches_per_epoch = n // per_pass
         self._perm: tuple[int, torch.Tensor] | None = None  # (epoch, permutation) of the current epoch
 
     def batch(self, b: int) -> list[int]:
@@ -195,7 +201,7 @@ class EpochBatchSampler(torch.utils.data.Sampler):
         if self._perm is None or self._perm[0] != epoch:
             self._perm = (epoch, torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)))
         perm = self._perm[1]
-        return perm[within * self.batch_size : (within + 1) * self.batch_size].tolist()
+        return perm[within * self.batch_size : (within + 1) * self.batch_size][self.rank_slice].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         b = self.start_batch
@@ -204,8 +210,9 @@ class EpochBatchSampler(torch.utils.data.Sampler):
             b += 1
 
 
-def train_loader(ds: TokenDataset, cfg: DataConfig, batch_size: int, seed: int, start_batch: int, device: torch.device):
-    """A DataLoader over endless seeded batches, starting at micro-batch ``start_batch``."""
+def train_loader(ds: TokenDataset, cfg: DataConfig, batch_size: int, seed: int, start_batch: int, device: torch.device,
+                 rank: int = 0, world_size: int = 1):
+    """A DataLoader over endless seeded batches (this rank's share), starting at micro-batch ``start_batch``."""
     gpu = device.type == "cuda"
     workers = cfg.num_workers if cfg.num_workers is not None else (2 if gpu else 0)
     kwargs = {}
@@ -213,7 +220,7 @@ def train_loader(ds: TokenDataset, cfg: DataConfig, batch_size: int, seed: int, 
         kwargs = {"prefetch_factor": cfg.prefetch_factor or 2, "persistent_workers": True}
     return torch.utils.data.DataLoader(
         ds,
-        batch_sampler=EpochBatchSampler(len(ds), batch_size, seed, start_batch),
+        batch_sampler=EpochBatchSampler(len(ds), batch_size, seed, start_batch, rank, world_size),
         num_workers=workers,
         pin_memory=cfg.pin_memory if cfg.pin_memory is not None else gpu,
         **kwargs,

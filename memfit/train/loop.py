@@ -7,21 +7,33 @@ model built in the precision's parameter dtype; LoRA adapters before activation-
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from transformers.utils import logging as hf_logging
 
-from memfit.config.schema import RunConfig
+from memfit.config.schema import RunConfig, grad_accum_steps
 from memfit.device import device_name, resolve_device
+from memfit.dist.checkpoint import (
+    check_compatible,
+    dcp_reader,
+    dcp_writer,
+    full_state_dict,
+    load_distributed,
+    save_distributed,
+)
+from memfit.dist.engines import Parallel, clip_grad_norm, engine_name, parallelize
+from memfit.dist.runtime import DistContext, init_distributed, on_main, shutdown
 from memfit.errors import OutOfMemoryExit, UserError
 from memfit.memory.categories import StepMemory
 from memfit.memory.plan import check_fits, predict_run
+from memfit.memory.sharding import ShardingSpec, per_rank
 from memfit.memory.snapshot import analyze
 from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
 from memfit.strategies.allocator import apply_allocator_env, apply_device_limits, maybe_release_cache
@@ -36,7 +48,7 @@ from memfit.telemetry.prometheus import TrainerMetrics
 from memfit.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from memfit.train.data import IGNORE_INDEX, eval_batches, load_dataset, split, train_loader
 from memfit.train.export import export_model
-from memfit.train.run_dir import MetricsLog, prepare_run_dir, write_config
+from memfit.train.run_dir import MetricsLog, NullLog, prepare_run_dir, write_config
 
 
 def token_loss_sum(model, tokens: torch.Tensor, labels: torch.Tensor, precision, device) -> torch.Tensor:
@@ -53,9 +65,19 @@ def token_loss_sum(model, tokens: torch.Tensor, labels: torch.Tensor, precision,
     )
 
 
+def _no_sync_needed(is_last: bool):
+    return contextlib.nullcontext()
+
+
 @dataclass
 class StepRunner:
-    """One optimizer step of the trainer; the planner traces this same object under FakeTensorMode."""
+    """One optimizer step of the trainer; the planner traces this same object under FakeTensorMode.
+
+    With several ranks (``ctx``), each rank's loss is normalised by the supervised tokens of the
+    whole *global* step and multiplied by the world size, so the engines' mean over ranks gives the
+    gradient one process would get from the same global batch. ``grad_sync(is_last)`` wraps each
+    micro-batch (DDP skips its all-reduce until the last one).
+    """
 
     model: torch.nn.Module
     params: list[torch.nn.Parameter]
@@ -64,6 +86,8 @@ class StepRunner:
     device: torch.device
     grad_clip: float
     scaler: torch.amp.GradScaler | None = None
+    ctx: DistContext = field(default_factory=DistContext)
+    grad_sync: Callable[[bool], Any] = _no_sync_needed
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over ``batches`` (gradient accumulation), clip, optimizer step, free grads.
@@ -72,26 +96,30 @@ class StepRunner:
         micro-batches gives the same update as one batch k times larger.
 
         Returns:
-            (loss, grad_norm) as 0-d tensors; loss is the mean token loss of the step.
+            (loss, grad_norm) as 0-d tensors; loss is the mean token loss of the (global) step.
         """
         # a tensor, not an int: no host sync, and traceable under FakeTensorMode
-        n_tokens = sum((labels[:, 1:] != IGNORE_INDEX).sum() for _, labels in batches).clamp_min(1).to(self.device)
+        n_tokens = sum((labels[:, 1:] != IGNORE_INDEX).sum() for _, labels in batches).to(self.device)
+        n_tokens = self.ctx.all_reduce_sum(n_tokens).clamp_min(1)
+        world = self.ctx.world_size
         loss_sum = torch.zeros((), device=self.device)
-        for tokens, labels in batches:
+        for i, (tokens, labels) in enumerate(batches):
             tokens = tokens.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            loss = token_loss_sum(self.model, tokens, labels, self.precision, self.device) / n_tokens
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            with self.grad_sync(i == len(batches) - 1):
+                loss = token_loss_sum(self.model, tokens, labels, self.precision, self.device) / n_tokens
+                scaled = loss * world if world > 1 else loss
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip or float("inf"))
+        grad_norm = clip_grad_norm(self.params, self.grad_clip or float("inf"))
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
-        return loss_sum, grad_norm
+        return self.ctx.all_reduce_sum(loss_sum), grad_norm
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -108,23 +136,34 @@ class TrainResult:
 class Trainer:
     """Builds everything a run needs from a validated ``RunConfig``; ``fit()`` trains and exports.
 
+    Under torchrun every rank builds one; rank 0 owns the run directory, the display, the metrics
+    file and the export, and every rank takes part in collectives, checkpoints and evaluation.
+
     Raises (from the constructor):
         UserError: any problem with the config that shows once files and the device are known.
     """
 
     def __init__(self, cfg: RunConfig, display_console=None):
         self.cfg = cfg
-        t = cfg.train
+        t, d = cfg.train, cfg.distributed
         if t.threads:
             torch.set_num_threads(t.threads)
         random.seed(t.seed)
-        torch.manual_seed(t.seed)
+        torch.manual_seed(t.seed)  # the same on every rank: identical initial weights and adapters
         apply_allocator_env(cfg.allocator)  # before anything allocates on a GPU
-        self.device = resolve_device(t.device)
+        gpu = t.device.startswith("cuda") or (t.device == "auto" and torch.cuda.is_available())
+        self.ctx = init_distributed(d.backend, "cuda" if gpu else "cpu", d.timeout_s)
+        ctx = self.ctx
+        self.device = torch.device("cuda", ctx.local_rank) if ctx.distributed and gpu else resolve_device(t.device)
+        self.kind = engine_name(ctx, d.engine, d.zero_stage)
+        self.accum = grad_accum_steps(cfg, ctx.world_size)
         self.precision = resolve_precision(cfg.strategy.precision, self.device)
-        self.run, self.resume_from = prepare_run_dir(cfg)
+        self.run, self.resume_from = on_main(ctx, lambda: prepare_run_dir(cfg))
 
-        source = resolve_source(cfg.model.source)  # may convert the embedded GGUF (with its progress bar)
+        # may convert the embedded GGUF (with its progress bar): rank 0 first, the others then hit the cache
+        source = on_main(ctx, lambda: resolve_source(cfg.model.source))
+        if not ctx.is_main:
+            source = resolve_source(cfg.model.source)
         hf_logging.disable_progress_bar()  # loading/saving bars would tear the training display
         mconf = model_config(source, cfg.model)
         if cfg.data.seq_len > mconf.max_position_embeddings:
@@ -138,33 +177,54 @@ class Trainer:
                 f"model.source: the tokenizer has {len(self.tokenizer)} tokens but the model only "
                 f"{mconf.vocab_size} embeddings; use a checkpoint directory with its own tokenizer"
             )
-        self.source = source
+        self.source, self.mconf = source, mconf
         train_ds, eval_ds = split(load_dataset(cfg.data, self.tokenizer), cfg.data.eval_fraction)
         self.train_ds, self.eval = train_ds, eval_batches(eval_ds, t.micro_batch_size, t.eval_batches)
 
         self.predicted = self._plan_check(mconf) if t.plan_check else None
         self.baseline_rss_bytes = process_rss_bytes()
-        model = build_model(source, cfg.model, self.precision.param_dtype, t.seed)
-        if cfg.lora.enabled:
-            model = apply_lora(model, cfg.lora)
+        model = self._plain_model()
         self.wrapped = apply_activation_checkpointing(model, cfg.strategy.activation_checkpointing)
-        self.model = model.to(self.device)
+        model = model.to(self.device)
         self.notes = apply_device_limits(cfg.allocator, self.device)
         if self.device.type == "cuda" and t.record_memory_history:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         elif t.record_memory_history or t.snapshot_at_step is not None:
             self.notes.append("train.record_memory_history / snapshot_at_step apply to CUDA/ROCm devices only")
 
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg.optimizer, self.device)
+        if self.kind == "deepspeed":
+            self.par, self.runner = self._deepspeed(model)
+        else:
+            self.par = parallelize(model, self.kind, d.zero_stage, self.precision, self.device, cfg.optimizer)
+            self.scaler = None
+            if self.precision.grad_scaler:
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+                self.scaler = ShardedGradScaler() if self.kind == "fsdp2" else torch.amp.GradScaler(self.device.type)
+            self.runner = StepRunner(self.par.model, self.par.params, self.par.optimizer, self.par.precision,
+                                     self.device, cfg.optimizer.grad_clip, self.scaler, ctx, self.par.grad_sync)
+        self.model, self.optimizer, self.params = self.par.module, self.par.optimizer, self.par.params
         self.scheduler = build_scheduler(self.optimizer, t.max_steps, cfg.optimizer)
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.precision.grad_scaler else None
-        self.runner = StepRunner(
-            self.model, self.params, self.optimizer, self.precision, self.device, cfg.optimizer.grad_clip, self.scaler
-        )
         self.display_console = display_console
         self.metrics: TrainerMetrics | None = None
         self.metrics_port: int | None = None
+
+    def _plain_model(self) -> torch.nn.Module:
+        """The model as configured (weights, LoRA adapters) on CPU, before any wrapper or engine."""
+        model = build_model(self.source, self.cfg.model, self.precision.param_dtype, self.cfg.train.seed)
+        return apply_lora(model, self.cfg.lora) if self.cfg.lora.enabled else model
+
+    def _deepspeed(self, model):
+        from memfit.dist.deepspeed_engine import DeepSpeedRunner, initialize, reconcile, resolve_ds_path
+
+        ds_config = reconcile(resolve_ds_path(self.cfg.distributed.deepspeed_config), self.cfg, self.precision,
+                              self.ctx.world_size, self.accum)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = build_optimizer(params, self.cfg.optimizer, self.device)
+        engine = initialize(model, optimizer, ds_config)
+        self.scaler = None
+        no_autocast = Precision(self.precision.name, self.precision.param_dtype, None, False)
+        return Parallel("deepspeed", engine, engine.module, optimizer, params, no_autocast), DeepSpeedRunner(engine, self.ctx, self.device)
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step; returns (mean token loss, gradient norm before clipping)."""
@@ -172,16 +232,20 @@ class Trainer:
         return float(loss), float(grad_norm)
 
     def _plan_check(self, mconf) -> StepMemory:
-        """Predict this run's steady-state step peak (memfit plan's engine) before allocating anything.
+        """Predict this rank's steady-state step peak (memfit plan's engine) before allocating anything.
 
         Raises:
             UserError: on a GPU, when the prediction does not fit its memory (or memory_fraction).
         """
         cfg, gpu = self.cfg, self.device.type == "cuda"
         impl = resolve_implementation(cfg.optimizer.implementation, self.device)
-        step = predict_run(mconf, cfg.data.seq_len, cfg.train.micro_batch_size, cfg.train.grad_accum_steps,
+        step = predict_run(mconf, cfg.data.seq_len, cfg.train.micro_batch_size, self.accum,
                            cfg.strategy.activation_checkpointing, self.precision.name, impl,
                            cfg.lora if cfg.lora.enabled else None, on_gpu=gpu)
+        if self.ctx.distributed:
+            engine = "deepspeed" if self.kind == "deepspeed" else "fsdp2"
+            step = per_rank(step, ShardingSpec(cfg.distributed.zero_stage, self.ctx.world_size, engine,
+                                               mconf.num_hidden_layers))
         if gpu:
             capacity = int(torch.cuda.get_device_properties(self.device).total_memory * (cfg.allocator.memory_fraction or 1.0))
             check_fits(step, capacity, device_name(self.device))
@@ -191,53 +255,114 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean token loss over the fixed held-out batches."""
-        self.model.eval()
+        """Mean token loss over the fixed held-out batches (every rank runs them all: FSDP2 needs
+        each rank in each forward, and the number is then the single-process one)."""
+        model = self.par.model if self.kind == "fsdp2" else self.par.module
+        model.eval()
         total, count = 0.0, 0
         for tokens, labels in self.eval:
             tokens, labels = tokens.to(self.device), labels.to(self.device)
-            total += float(token_loss_sum(self.model, tokens, labels, self.precision, self.device))
+            total += float(token_loss_sum(model, tokens, labels, self.par.precision, self.device))
             count += int((labels[:, 1:] != IGNORE_INDEX).sum())
-        self.model.train()
+        model.train()
         return total / max(1, count)
 
+    def _shard_io(self):
+        """The engine's collective (writer, reader) of a multi-rank checkpoint."""
+        if self.kind == "deepspeed":
+            from memfit.dist.deepspeed_engine import ds_reader, ds_writer
+
+            return ds_writer(self.par.model), ds_reader(self.par.model)
+        return dcp_writer(self.ctx, self.par), dcp_reader(self.ctx, self.par)
+
     def _checkpoint(self, state: TrainerState) -> None:
-        save_checkpoint(self.run.checkpoints, self.model, self.optimizer, self.scheduler, state, self.cfg.train.keep_checkpoints)
+        keep = self.cfg.train.keep_checkpoints
+        if self.kind == "single":
+            save_checkpoint(self.run.checkpoints, self.model, self.optimizer, self.scheduler, state, keep)
+        else:
+            save_distributed(self.ctx, self.run.checkpoints, state, self.scheduler, keep, self._shard_io()[0])
+
+    def _resume(self, path: Path) -> TrainerState:
+        state = check_compatible(path, self.ctx.world_size, self.kind)
+        if self.kind == "single":
+            state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self.device)
+        else:
+            load_distributed(self.ctx, path, self.scheduler, self._shard_io()[1])
+        if self.scaler and state.scaler:
+            self.scaler.load_state_dict(state.scaler)
+        return state
+
+    def _memory(self) -> dict[str, Any]:
+        """This step's memory fields; with several ranks the worst rank's value, and every rank's
+        in ``rank_memory``."""
+        mem = memory_record(self.device)
+        if not self.ctx.distributed:
+            return mem
+        keys = list(mem)
+        per_rank = self.ctx.gather_numbers([float(mem[k]) for k in keys])
+        out: dict[str, Any] = {k: int(max(r[i] for r in per_rank)) for i, k in enumerate(keys)}
+        out["rank_memory"] = {k: [int(r[i]) for r in per_rank] for i, k in enumerate(keys)}
+        return out
+
+    def _export(self, display: TrainDisplay) -> None:
+        """The final model or adapter in HF format, consolidated on rank 0."""
+        if self.kind == "fsdp2":
+            full = full_state_dict(self.par)  # collective: every rank sends its shards
+            module = None
+            if self.ctx.is_main:
+                module = self._plain_model()
+                module.load_state_dict(full)
+        else:
+            module = self.par.module
+        if self.ctx.is_main:
+            export_model(module, self.tokenizer, self.source, self.run.export)
+            display.log(f"exported {'LoRA adapter' if self.cfg.lora.enabled else 'model'} to {self.run.export}")
+        self.ctx.barrier()
+
+    def _start_metrics(self, display: TrainDisplay) -> None:
+        t = self.cfg.train
+        if t.metrics_port is None or self.metrics is not None:
+            return
+        port = t.metrics_port + self.ctx.local_rank if t.metrics_port else 0  # one port per local rank
+        self.metrics = TrainerMetrics()
+        try:
+            self.metrics_port = self.metrics.serve(port, t.metrics_host)
+        except OSError as e:
+            raise UserError(f"train.metrics_port {port}: cannot listen on {t.metrics_host} ({e.strerror}); "
+                            "pick a free port or 0") from None
+        where = f"rank {self.ctx.rank} " if self.ctx.distributed else ""
+        display.log(f"metrics: {where}http://{t.metrics_host}:{self.metrics_port}/metrics", everywhere=True)
 
     # -- the loop ---------------------------------------------------------------------------------
 
     def fit(self) -> TrainResult:
-        cfg, t = self.cfg, self.cfg.train
-        state = TrainerState(step=0, micro_batches=0, tokens_seen=0)
+        cfg, t, ctx = self.cfg, self.cfg.train, self.ctx
+        state = TrainerState(step=0, micro_batches=0, tokens_seen=0, world_size=ctx.world_size, engine=self.kind)
         if self.resume_from is not None:
-            state = load_checkpoint(self.resume_from, self.model, self.optimizer, self.scheduler, self.device)
-            if self.scaler and state.scaler:
-                self.scaler.load_state_dict(state.scaler)
-        write_config(self.run, cfg)
-        log = MetricsLog(self.run.metrics_path, keep_through_step=state.step)
+            state = self._resume(self.resume_from)
+        if ctx.is_main:
+            write_config(self.run, cfg)
+        log = MetricsLog(self.run.metrics_path, keep_through_step=state.step) if ctx.is_main else NullLog()
         result = TrainResult(self.run.root)
-        display = TrainDisplay(t.max_steps, state.step, self.display_console)
+        display = TrainDisplay(t.max_steps, state.step, self.display_console, enabled=ctx.is_main)
         label = f"{device_name(self.device)}, {self.precision.name}, AC {cfg.strategy.activation_checkpointing}"
+        ranks = ""
+        if ctx.distributed:
+            ranks = f" x {ctx.world_size} ranks ({self.kind}, ZeRO-{cfg.distributed.zero_stage}, {ctx.backend})"
         display.log(
-            f"memfit train: {cfg.model.source} on {label}, "
+            f"memfit train: {cfg.model.source} on {label}{ranks}, "
             f"{'LoRA r=' + str(cfg.lora.rank) if cfg.lora.enabled else 'full fine-tune'}, "
             f"AdamW {resolve_implementation(cfg.optimizer.implementation, self.device)}, "
-            f"{len(self.train_ds)} train / {sum(len(b[0]) for b in self.eval)} eval sequences of {cfg.data.seq_len} tokens"
+            f"{len(self.train_ds)} train / {sum(len(b[0]) for b in self.eval)} eval sequences of {cfg.data.seq_len} tokens, "
+            f"global batch {ctx.world_size * t.micro_batch_size * self.accum}"
             + (f", resuming from {self.resume_from.name}" if self.resume_from else "")
         )
         if self.predicted is not None:
             display.log(f"planner: predicted step peak {self.predicted.peak_bytes / GIB:.3f} GiB of tensors "
-                        f"(in {self.predicted.peak_phase})")
+                        f"{'per rank ' if ctx.distributed else ''}(in {self.predicted.peak_phase})")
         for note in self.notes:
             display.log(f"note: {note}")
-        if t.metrics_port is not None and self.metrics is None:
-            self.metrics = TrainerMetrics()
-            try:
-                self.metrics_port = self.metrics.serve(t.metrics_port, t.metrics_host)
-            except OSError as e:
-                raise UserError(f"train.metrics_port {t.metrics_port}: cannot listen on {t.metrics_host} ({e.strerror}); "
-                                "pick a free port or 0") from None
-            display.log(f"metrics: http://{t.metrics_host}:{self.metrics_port}/metrics")
+        self._start_metrics(display)
 
         def do_eval(step: int) -> None:
             rec = {"kind": "eval", "step": step, "eval_loss": self.evaluate()}
@@ -245,9 +370,10 @@ class Trainer:
             result.evals.append(rec)
             display.log(f"step {step:>5}  eval loss {rec['eval_loss']:.4f}")
 
-        loader = iter(train_loader(self.train_ds, cfg.data, t.micro_batch_size, t.seed, state.micro_batches, self.device))
+        loader = iter(train_loader(self.train_ds, cfg.data, t.micro_batch_size, t.seed, state.micro_batches,
+                                   self.device, ctx.rank, ctx.world_size))
         states_at_step = None
-        self.model.train()
+        self.par.model.train()
         try:
             with display:
                 if state.step == 0:
@@ -255,27 +381,29 @@ class Trainer:
                 for step in range(state.step + 1, t.max_steps + 1):
                     reset_peaks(self.device)
                     start = time.perf_counter()
-                    batches = [next(loader) for _ in range(t.grad_accum_steps)]
+                    batches = [next(loader) for _ in range(self.accum)]
                     lr = self.scheduler.get_last_lr()[0]
                     loss, grad_norm = self.train_step(batches)
                     if states_at_step is None:
-                        states_at_step = state_bytes(self.model, self.optimizer)  # grads still alive here
+                        states_at_step = state_bytes(self.model, self.par.local_optimizer())  # grads still alive here
                     self.runner.zero_grad()
                     self.scheduler.step()
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     step_time_s = time.perf_counter() - start
-                    n_in = sum(tok[:, :-1].numel() for tok, _ in batches)
+                    n_in = ctx.world_size * sum(tok[:, :-1].numel() for tok, _ in batches)
                     state = TrainerState(
                         step=step,
-                        micro_batches=state.micro_batches + t.grad_accum_steps,
+                        micro_batches=state.micro_batches + self.accum,
                         tokens_seen=state.tokens_seen + n_in,
                         scaler=self.scaler.state_dict() if self.scaler else None,
+                        world_size=ctx.world_size,
+                        engine=self.kind,
                     )
                     rec = {
                         "kind": "step", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                         "step_time_s": step_time_s, "tokens_per_s": n_in / step_time_s,
-                        "tokens_seen": state.tokens_seen, **memory_record(self.device),
+                        "tokens_seen": state.tokens_seen, **self._memory(),
                     }
                     self._gpu_memory_extras(step, rec)
                     result.steps.append(rec)
@@ -297,17 +425,21 @@ class Trainer:
                 raise
             raise self._out_of_memory(state.step + 1, requested) from None
         if cfg.output.export:
-            export_model(self.model, self.tokenizer, self.source, self.run.export)
-            display.log(f"exported {'LoRA adapter' if cfg.lora.enabled else 'model'} to {self.run.export}")
-        states = states_at_step or state_bytes(self.model, self.optimizer)
+            self._export(display)
+        states = states_at_step or state_bytes(self.model, self.par.local_optimizer())
         run_table, mem_table, summary = summary_tables(
             result.steps, result.evals, states, self.baseline_rss_bytes, device_name(self.device),
             self.predicted.peak_bytes if self.predicted else None,
         )
+        if ctx.distributed:
+            held = ctx.gather_numbers([states.params_bytes, states.grads_bytes, states.optimizer_bytes])
+            summary.update(world_size=ctx.world_size, engine=self.kind, zero_stage=cfg.distributed.zero_stage,
+                           rank_states=[dict(zip(("params_bytes", "grads_bytes", "optimizer_bytes"), map(int, r)))
+                                        for r in held])
         log.write(summary)
         log.close()
-        display.console.print(run_table)
-        display.console.print(mem_table)
+        display.print(run_table)
+        display.print(mem_table)
         result.summary = summary
         return result
 
@@ -340,7 +472,8 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Stop the metrics endpoint, if one was started."""
+        """Stop the metrics endpoint, if one was started, and leave the process group."""
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        shutdown(self.ctx)

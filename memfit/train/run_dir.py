@@ -126,5 +126,15 @@ class MetricsLog:
         self._fh.close()
 
 
+class NullLog:
+    """The metrics log of ranks other than 0 (rank 0 writes the run's one metrics file)."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

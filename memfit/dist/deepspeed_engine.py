@@ -1,0 +1,181 @@
+"""DeepSpeed ZeRO as an engine: the user's DeepSpeed JSON, reconciled with memfit's config.
+
+The JSON is taken as the user wrote it (e.g. the article's stage 2 with ``contiguous_gradients``,
+``overlap_comm: false``, ``bf16`` and ``gradient_accumulation_steps: 4``). Every setting memfit
+also has — micro batch, accumulation, global batch, ZeRO stage, precision, clipping, AdamW's
+hyper-parameters — must agree with memfit's value or be absent / ``"auto"`` (then memfit's value is
+filled in); a disagreement is an error naming both. memfit builds the AdamW optimizer and drives the
+warmup + cosine schedule itself, so a ``scheduler`` section is refused and an ``optimizer`` section
+only checked. DeepSpeed is an optional extra: ``pip install 'memfit[deepspeed]'``.
+
+On CPU DeepSpeed needs ``DS_ACCELERATOR=cpu`` (the launcher sets it); the process group is the
+one memfit started (gloo on CPU, nccl/RCCL on GPUs).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.config.schema import RunConfig
+from memfit.errors import UserError
+from memfit.strategies.precision import Precision
+from memfit.train.data import IGNORE_INDEX
+
+SUPPORTED_STAGES = (1, 2)
+
+
+def require_deepspeed():
+    try:
+        import deepspeed
+    except ImportError:
+        raise UserError(
+            "distributed.engine deepspeed: DeepSpeed is not installed; install the extra with "
+            "pip install 'memfit[deepspeed]' (or use distributed.engine=fsdp2)"
+        ) from None
+    return deepspeed
+
+
+def resolve_ds_path(value: str) -> Path:
+    """A DeepSpeed JSON path, or the name of one shipped in memfit's configs (e.g. ds-zero2-article)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path
+    from importlib import resources
+
+    shipped = Path(str(resources.files("memfit") / "configs" / f"{Path(value).stem}.json"))
+    if shipped.is_file():
+        return shipped
+    raise UserError(f"distributed.deepspeed_config: '{value}' does not exist; give a DeepSpeed JSON file")
+
+
+def _get(d: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def _put(d: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        d = d.setdefault(part, {})
+    d[last] = value
+
+
+def _agree(ds: dict, dotted: str, ours: Any, our_name: str, path: Path) -> None:
+    theirs = _get(ds, dotted)
+    if theirs is None or theirs == "auto":
+        _put(ds, dotted, ours)
+    elif theirs != ours and not (isinstance(ours, float) and isinstance(theirs, (int, float)) and abs(theirs - ours) <= 1e-12 * max(1.0, abs(ours))):
+        raise UserError(f"{path}: {dotted} is {theirs!r} but {our_name} is {ours!r}; make them agree (or drop it from the JSON)")
+
+
+def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int, accum: int) -> dict[str, Any]:
+    """The DeepSpeed config to run: the user's JSON with memfit's values filled in where absent.
+
+    Raises:
+        UserError: unreadable JSON, a value that disagrees with memfit's config (naming both), a
+            ``scheduler`` section, or a ZeRO stage this engine does not run.
+    """
+    try:
+        ds = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"distributed.deepspeed_config: cannot read '{path}' as JSON ({e})") from None
+    if not isinstance(ds, dict):
+        raise UserError(f"distributed.deepspeed_config: '{path}' must hold a JSON object")
+    ds = copy.deepcopy(ds)
+    t, o = cfg.train, cfg.optimizer
+    _agree(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size", path)
+    _agree(ds, "gradient_accumulation_steps", accum, "train.grad_accum_steps (derived)", path)
+    _agree(ds, "train_batch_size", world_size * t.micro_batch_size * accum, "world size x micro-batch x accumulation", path)
+    _agree(ds, "zero_optimization.stage", cfg.distributed.zero_stage, "distributed.zero_stage", path)
+    _agree(ds, "gradient_clipping", o.grad_clip, "optimizer.grad_clip", path)
+    if precision.name == "bf16-pure":
+        raise UserError("strategy.precision bf16-pure: DeepSpeed keeps fp32 master weights; use bf16-mixed with engine deepspeed")
+    _agree(ds, "bf16.enabled", precision.name == "bf16-mixed", f"strategy.precision ({precision.name})", path)
+    _agree(ds, "fp16.enabled", precision.name == "fp16-mixed", f"strategy.precision ({precision.name})", path)
+    if "scheduler" in ds:
+        raise UserError(
+            f"{path}: has a 'scheduler' section ({_get(ds, 'scheduler.type')}) but memfit drives the LR with "
+            f"optimizer.warmup_steps={o.warmup_steps} and a cosine decay; remove the section"
+        )
+    if "optimizer" in ds:
+        kind = str(_get(ds, "optimizer.type") or "").lower()
+        if kind not in ("adam", "adamw"):
+            raise UserError(f"{path}: optimizer.type is {kind!r} but memfit trains with AdamW; use AdamW or remove the section")
+        _agree(ds, "optimizer.params.lr", o.lr, "optimizer.lr", path)
+        _agree(ds, "optimizer.params.betas", [o.beta1, o.beta2], "optimizer.beta1/beta2", path)
+        _agree(ds, "optimizer.params.eps", o.eps, "optimizer.eps", path)
+        _agree(ds, "optimizer.params.weight_decay", o.weight_decay, "optimizer.weight_decay", path)
+        del ds["optimizer"]  # checked; memfit passes the same AdamW as a client optimizer
+    stage = ds["zero_optimization"]["stage"]
+    if stage not in SUPPORTED_STAGES:
+        raise UserError(
+            f"{path}: zero_optimization.stage {stage}: memfit runs DeepSpeed ZeRO 1 and 2; "
+            "for ZeRO-3 use distributed.engine=fsdp2 distributed.zero_stage=3"
+        )
+    ds.setdefault("zero_allow_untested_optimizer", True)  # torch's AdamW as the client optimizer
+    ds.setdefault("steps_per_print", 10**9)
+    return ds
+
+
+class DeepSpeedRunner:
+    """One optimizer step through a DeepSpeed engine: ``backward`` and ``step`` per micro-batch
+    (DeepSpeed applies the optimizer at its accumulation boundary, clipping as configured)."""
+
+    def __init__(self, engine, ctx, device: torch.device):
+        self.engine, self.ctx, self.device = engine, ctx, device
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        from memfit.train.loop import token_loss_sum
+
+        n_tokens = sum((labels[:, 1:] != IGNORE_INDEX).sum() for _, labels in batches).to(self.device)
+        n_tokens = self.ctx.all_reduce_sum(n_tokens).clamp_min(1)
+        world = self.ctx.world_size
+        loss_sum = torch.zeros((), device=self.device)
+        no_autocast = Precision("deepspeed", torch.float32, None, False)  # DeepSpeed casts the module itself
+        for tokens, labels in batches:
+            tokens, labels = tokens.to(self.device), labels.to(self.device)
+            loss = token_loss_sum(self.engine, tokens, labels, no_autocast, self.device) / n_tokens
+            # the loss is already normalised over the whole step: no division by accumulation steps
+            self.engine.backward(loss * world, scale_wrt_gas=False)
+            self.engine.step()
+            loss_sum += loss.detach()
+        norm = self.engine.get_global_grad_norm()
+        norm = torch.as_tensor(0.0 if norm is None else float(norm))
+        return self.ctx.all_reduce_sum(loss_sum), norm
+
+    def zero_grad(self) -> None:
+        pass  # DeepSpeed zeroes gradients at its accumulation boundary
+
+
+def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict[str, Any]):
+    """``deepspeed.initialize`` on memfit's model and AdamW; returns the engine."""
+    deepspeed = require_deepspeed()
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
+                                           dist_init_required=False)
+    return engine
+
+
+def ds_writer(engine):
+    def write(tmp: Path) -> None:
+        engine.save_checkpoint(str(tmp), tag="deepspeed", save_latest=False)
+
+    return write
+
+
+def ds_reader(engine):
+    def read(path: Path) -> None:
+        # DeepSpeed reads its own files (written by this run) with its own loader
+        loaded, _ = engine.load_checkpoint(str(path), tag="deepspeed", load_optimizer_states=True,
+                                           load_lr_scheduler_states=False)
+        if loaded is None:
+            raise UserError(f"checkpoint {path}: DeepSpeed could not load its files; the directory is damaged")
+
+    return read

@@ -1,0 +1,131 @@
+"""Data-parallel engines: how the model and its training state are replicated or sharded over ranks.
+
+    single   one process, the model as built (the plain trainer).
+    ddp      ZeRO-0: DistributedDataParallel; gradients all-reduced once per optimizer step.
+    zero1    ZeRO-1: DDP + ``ZeroRedundancyOptimizer`` (each rank steps and holds 1/N of AdamW state).
+    fsdp2    ZeRO-2 / ZeRO-3: ``fully_shard`` on every decoder layer and on the root, with
+             ``reshard_after_forward`` False (gradients and optimizer state sharded, parameters kept
+             whole from forward to backward) or True (parameters sharded too). Mixed precision goes
+             through ``MixedPrecisionPolicy`` (bf16/fp16 compute copies, fp32 gradient reduction).
+DeepSpeed lives in ``deepspeed_engine.py``; it drives its own backward and step.
+
+Gradients: every rank's loss is scaled so that the engines' mean over ranks equals the
+single-process loss of the same global batch (see ``StepRunner.step``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from memfit.config.schema import OptimizerConfig
+from memfit.dist.runtime import DistContext
+from memfit.errors import UserError
+from memfit.models.load import decoder_layers
+from memfit.strategies.optimizer import adamw_groups, adamw_kwargs, build_optimizer, resolve_implementation
+from memfit.strategies.precision import Precision
+
+ENGINE_OF_STAGE = {0: "ddp", 1: "zero1", 2: "fsdp2", 3: "fsdp2"}
+
+
+def engine_name(ctx: DistContext, engine: str, stage: int) -> str:
+    """The engine a run uses: 'single' on one process, else by ``distributed.engine`` and ZeRO stage."""
+    if not ctx.distributed:
+        return "single"
+    return "deepspeed" if engine == "deepspeed" else ENGINE_OF_STAGE[stage]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameters, gradients, optimizer state), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm over ``params`` to ``max_norm`` and return the norm before clipping.
+
+    With FSDP2 the gradients are sharded DTensors: their norm is reduced over ranks (``full_tensor``)
+    before the clip coefficient is applied, so every rank clips by the same global norm.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+@dataclass
+class Parallel:
+    """The model as the engine wraps it, the optimizer over this rank's share, and the engine's rules.
+
+    ``model`` runs forward/backward; ``module`` is the plain (or FSDP2-sharded) model underneath a
+    DDP wrapper, used for evaluation, checkpoint names and export.
+    """
+
+    kind: str
+    model: torch.nn.Module
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    precision: Precision
+
+    def grad_sync(self, is_last: bool):
+        """Context for one micro-batch's backward: DDP skips the all-reduce until the last one."""
+        if self.kind in ("ddp", "zero1") and not is_last:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer holding this rank's state (ZeroRedundancyOptimizer's inner AdamW for zero1)."""
+        return self.optimizer.optim if self.kind == "zero1" else self.optimizer
+
+
+def parallelize(model: torch.nn.Module, kind: str, stage: int, precision: Precision, device: torch.device,
+                opt: OptimizerConfig) -> Parallel:
+    """Wrap ``model`` (already on ``device``, LoRA and checkpoint wrappers applied) for ``kind``."""
+    if kind == "single":
+        params = [p for p in model.parameters() if p.requires_grad]
+        return Parallel(kind, model, model, build_optimizer(params, opt, device), params, precision)
+    if kind in ("ddp", "zero1"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if kind == "ddp":
+            optimizer = build_optimizer(params, opt, device)
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            impl = resolve_implementation(opt.implementation, device)
+            groups = adamw_groups(params, opt)
+            optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                                **adamw_kwargs(opt, impl), weight_decay=groups[0]["weight_decay"])
+            for group in groups[1:]:
+                optimizer.add_param_group(group)
+        return Parallel(kind, ddp, model, optimizer, params, precision)
+    if kind == "fsdp2":
+        return _fully_shard(model, stage, precision, device, opt)
+    raise UserError(f"unknown engine '{kind}'")  # deepspeed is built by memfit.dist.deepspeed_engine
+
+
+def _fully_shard(model, stage: int, precision: Precision, device: torch.device, opt: OptimizerConfig) -> Parallel:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    if precision.autocast_dtype is not None:
+        # FSDP2 casts the gathered parameters to the compute dtype and reduces gradients in fp32;
+        # autocast is then off (the policy does its work), the loss is still taken from fp32 logits.
+        mp = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
+        precision = Precision(precision.name, precision.param_dtype, None, precision.grad_scaler)
+    else:
+        mp = MixedPrecisionPolicy()
+    reshard = stage == 3
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return Parallel("fsdp2", model, model, build_optimizer(params, opt, device), params, precision)

@@ -1,0 +1,131 @@
+"""``memfit train CONFIG --nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT]``.
+
+The launcher is PyTorch's own ``torch.distributed.run`` (torchrun), called in this process with the
+worker ``python -m memfit.train CONFIG overrides``: one node uses ``--standalone``; several nodes
+meet through a c10d rendezvous at ``--rdzv-endpoint`` (start the same command on every node with its
+own ``--node-rank``). The config is loaded and checked here first, so a typo fails once, before any
+rank starts. No restarts: when a rank dies torchrun stops the others on its node, ranks on other
+nodes see their collectives fail (within ``distributed.timeout_s`` at the latest), and this
+launcher prints one line naming the rank and how it ended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from memfit.config.schema import RunConfig, grad_accum_steps
+from memfit.errors import EXIT_OUT_OF_MEMORY, EXIT_USER_ERROR, RankFailedExit, UserError
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+def check_launch(spec: LaunchSpec, cfg: RunConfig) -> None:
+    """Everything that can be checked before starting ranks.
+
+    Raises:
+        UserError: bad counts, several nodes without an endpoint, a global batch that does not divide,
+            or engine deepspeed without DeepSpeed installed.
+    """
+    if spec.nproc_per_node < 1 or spec.nnodes < 1:
+        raise UserError(f"--nproc-per-node and --nnodes must be >= 1 (got {spec.nproc_per_node}, {spec.nnodes})")
+    if not 0 <= spec.node_rank < spec.nnodes:
+        raise UserError(f"--node-rank must be in 0..{spec.nnodes - 1} (got {spec.node_rank})")
+    if spec.nnodes > 1 and not spec.rdzv_endpoint:
+        raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node, e.g. node 0's address)")
+    if spec.rdzv_endpoint and ":" not in spec.rdzv_endpoint:
+        raise UserError(f"--rdzv-endpoint must be HOST:PORT (got '{spec.rdzv_endpoint}')")
+    grad_accum_steps(cfg, spec.world_size)
+    if cfg.distributed.engine == "deepspeed":
+        from memfit.dist.deepspeed_engine import require_deepspeed, resolve_ds_path
+
+        require_deepspeed()
+        resolve_ds_path(cfg.distributed.deepspeed_config)
+
+
+def torchrun_args(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides: list[str]) -> list[str]:
+    """torchrun's command line for this run (without the program name)."""
+    args = ["--nproc-per-node", str(spec.nproc_per_node), "--nnodes", str(spec.nnodes),
+            "--max-restarts", "0", "--monitor-interval", "0.5"]
+    if spec.nnodes == 1 and not spec.rdzv_endpoint:
+        args.append("--standalone")
+    else:
+        run_id = "memfit-" + hashlib.sha1(str(Path(cfg.output.dir).resolve()).encode()).hexdigest()[:12]
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", spec.rdzv_endpoint, "--rdzv-id", run_id,
+                 "--node-rank", str(spec.node_rank)]
+    return args + ["-m", "memfit.train", str(config_path), *overrides]
+
+
+def worker_env(cfg: RunConfig) -> None:
+    """Environment the ranks inherit: DeepSpeed's CPU accelerator and its extension build cache."""
+    from memfit.models.load import cache_dir
+
+    cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_available())
+    if cfg.distributed.engine == "deepspeed":
+        if cpu:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def describe_failure(rank: int, exitcode: int, pid: int) -> str:
+    how = f"exited with code {exitcode}"
+    if exitcode < 0:
+        try:
+            how = f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            how = f"was killed by signal {-exitcode}"
+    return f"rank {rank} (pid {pid}) {how}"
+
+
+def launch(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides: list[str]) -> int:
+    """Run the ranks through torchrun; returns the exit code for ``memfit train``.
+
+    Raises:
+        RankFailedExit: a rank died (signal or crash); the message names it.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    check_launch(spec, cfg)
+    worker_env(cfg)
+    args = get_args_parser().parse_args(torchrun_args(spec, cfg, config_path, overrides))
+    try:
+        run(args)
+    except ChildFailedError as e:
+        failures = sorted(e.failures.items())
+        codes = {f.exitcode for _, f in failures}
+        if codes <= {EXIT_USER_ERROR, EXIT_OUT_OF_MEMORY}:
+            return max(codes)  # the ranks printed their own one-line error
+        first_rank, first = min(failures, key=lambda kv: kv[1].timestamp)
+        others = [describe_failure(r, f.exitcode, f.pid) for r, f in failures if r != first_rank]
+        raise RankFailedExit(
+            f"{describe_failure(first_rank, first.exitcode, first.pid)}; the other ranks were stopped"
+            + (f" ({'; '.join(others)})" if others else "")
+            + f"; {cfg.output.dir} keeps its last complete checkpoint: continue with train.resume=true"
+        ) from None
+    except Exception as e:  # rendezvous failures and the like: one line, not a torchrun traceback
+        if type(e).__name__ in ("RendezvousTimeoutError", "RendezvousConnectionError", "RendezvousClosedError"):
+            raise RankFailedExit(f"rendezvous at {spec.rdzv_endpoint} failed ({e}); check that every node "
+                                 "runs the same command and can reach the endpoint") from None
+        raise
+    return 0
+
