@@ -93,6 +93,10 @@ def load_distributed(ctx: DistContext, path: Path, scheduler, read_shards: Calla
     """Restore what ``save_distributed`` wrote (``read_shards(path)`` is the engine's collective load)."""
     read_shards(path)
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True)["scheduler"])
+    # ZeroRedundancyOptimizer keeps its own param_groups (the local optimizer's were loaded): put the
+    # schedule's current LR back into whatever groups the optimizer steps with
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
     set_rng_state(torch.load(path / f"rng_rank{ctx.rank}.pt", weights_only=True))
 
 

@@ -1,0 +1,230 @@
+"""Distributed tier: real 2-rank runs under torchrun with gloo on CPU (FSDP2 ZeRO-2/3, DDP, ZeRO-1,
+DeepSpeed ZeRO-2), sharded checkpoints, rank death and a 2-node rendezvous on localhost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memfit.train.run_dir import read_metrics
+
+from conftest import tiny_overrides
+
+pytestmark = pytest.mark.integration
+
+STEPS = 10
+COMMON = ("train.max_steps=10", "train.eval_every=0", "train.eval_batches=1", "output.export=false",
+          "train.micro_batch_size=2", "train.global_batch_size=4", "train.keep_checkpoints=10")
+DS_FP32 = '{"zero_optimization": {"stage": 2, "contiguous_gradients": true, "overlap_comm": false}}'
+ENGINES = {
+    "fsdp2-zero2": ("distributed.zero_stage=2",),
+    "fsdp2-zero3": ("distributed.zero_stage=3",),
+    "ddp-zero1": ("distributed.zero_stage=1",),
+    "ddp-zero0": ("distributed.zero_stage=0",),
+    "deepspeed-zero2": ("distributed.engine=deepspeed", "distributed.zero_stage=2"),
+}
+
+
+def _memfit(args, nproc=None, popen=False, timeout=300, extra_flags=()):
+    cmd = [sys.executable, "-m", "memfit.cli", "train", "tiny-cpu", *args]
+    if nproc:
+        cmd += ["--nproc-per-node", str(nproc), *extra_flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    if popen:
+        return proc
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "step"]
+
+
+def _summary(run_dir: Path) -> dict:
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "summary"][-1]
+
+
+def _close(a: list[float], b: list[float], rel: float) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, embedded_dir):
+    """The single-process reference and one 2-rank run per engine, on the same global batch of 4."""
+    root = tmp_path_factory.mktemp("dist")
+    ds_json = root / "ds.json"
+    ds_json.write_text(DS_FP32)
+    out = {}
+    code, _, err = _memfit(tiny_overrides(root / "single", *COMMON))
+    assert code == 0, err[-3000:]
+    out["single"] = root / "single"
+    for name, extra in ENGINES.items():
+        args = tiny_overrides(root / name, *COMMON, *extra, f"distributed.deepspeed_config={ds_json}")
+        code, _, err = _memfit(args, nproc=2)
+        assert code == 0, f"{name}: {err[-3000:]}"
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_two_ranks_reproduce_the_single_process_loss_curve(runs, engine):
+    want = [r["loss"] for r in _steps(runs["single"])]
+    got = [r["loss"] for r in _steps(runs[engine])]
+    assert len(want) == STEPS
+    assert _close(got, want, 1e-4), f"{engine}: {got} vs {want}"
+    want_norm = [r["grad_norm"] for r in _steps(runs["single"])]
+    if engine != "deepspeed-zero2":  # DeepSpeed reports the norm of its flat fp32 partitions, same value
+        assert _close([r["grad_norm"] for r in _steps(runs[engine])], want_norm, 1e-3)
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_each_rank_holds_its_share_of_the_model_states(runs, engine):
+    single = _summary(runs["single"])
+    summary = _summary(runs[engine])
+    assert summary["world_size"] == 2 and len(summary["rank_states"]) == 2
+    P, G, O = single["params_bytes"], single["grads_bytes"], single["optimizer_bytes"]
+    largest_param = 49152 * 64 * 4 * 2  # embedding of the tiny preset (fp32): AdamW holds 2 such states
+    steps = O - 2 * P  # AdamW's 0-d fp32 step counters, one per parameter tensor, kept whole on every rank
+    assert 0 < steps < 1000
+    for held in summary["rank_states"]:
+        p, g, o = held["params_bytes"], held["grads_bytes"], held["optimizer_bytes"]
+        if engine.startswith("fsdp2"):  # every tensor is split on dim 0: exactly half each
+            assert (p, g, o) == (P // 2, G // 2, (O - steps) // 2 + steps), held
+        elif engine == "ddp-zero1":  # whole parameters go to one rank or the other
+            assert (p, g) == (P, G) and 0 < o <= O // 2 + largest_param, held
+        elif engine == "ddp-zero0":
+            assert (p, g, o) == (P, G, O), held
+        else:  # DeepSpeed ZeRO-2: optimizer state of a flat, padded partition
+            assert p == P and abs(o - O / 2) <= 0.01 * O, held
+    if engine == "ddp-zero1":
+        assert sum(h["optimizer_bytes"] for h in summary["rank_states"]) == O
+
+
+def test_per_rank_memory_is_recorded_with_max_and_min(runs):
+    steps = _steps(runs["fsdp2-zero3"])
+    for rec in steps:
+        per_rank = rec["rank_memory"]["peak_rss_bytes"]
+        assert len(per_rank) == 2 and rec["peak_rss_bytes"] == max(per_rank)
+    summary = _summary(runs["fsdp2-zero3"])
+    assert len(summary["rank_peak_bytes"]) == 2
+    assert summary["peak_rss_bytes"] == max(summary["rank_peak_bytes"])
+
+
+def _victim_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the torchrun workers under a launcher process (read from /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if ppid == launcher_pid:
+            for var in env:
+                if var.startswith(b"RANK="):
+                    found[int(var[5:])] = int(entry.name)
+    return found
+
+
+def _wait_for(predicate, proc, seconds: float) -> None:
+    deadline = time.time() + seconds
+    while not predicate() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended early: " + proc.communicate()[1][-2000:]
+    assert predicate(), "timed out waiting"
+
+
+def test_sharded_checkpoint_kill_and_resume_continue_the_same_losses(runs, tmp_path):
+    args = tiny_overrides(tmp_path / "run", *COMMON, "distributed.zero_stage=2", "train.checkpoint_every=2",
+                          "data.seq_len=128")
+    ref_args = tiny_overrides(tmp_path / "ref", *COMMON, "distributed.zero_stage=2", "data.seq_len=128")
+    ref = _memfit(ref_args, nproc=2, popen=True)
+    victim = _memfit(args, nproc=2, popen=True)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
+    _wait_for(ckpt.is_dir, victim, 180)
+    os.killpg(victim.pid, signal.SIGKILL)  # the launcher and both ranks, mid-run
+    victim.wait()
+    done = [r["step"] for r in _steps(tmp_path / "run")]
+    assert 2 <= max(done) < STEPS
+
+    code, out, err = _memfit(args + ["train.resume=true"], nproc=2)
+    assert code == 0, err[-3000:]
+    assert "resuming from step_" in out
+    ref_out, ref_err = ref.communicate(timeout=300)
+    assert ref.returncode == 0, ref_err[-2000:]
+    got, want = _steps(tmp_path / "run"), _steps(tmp_path / "ref")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert _close([r["loss"] for r in got], [r["loss"] for r in want], 1e-6)
+    assert all((p / "trainer_state.json").is_file() for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+
+    # resuming at another world size is refused with the sizes named
+    code, _, err = _memfit(args + ["train.resume=true", "train.max_steps=10"], nproc=None)
+    assert code == 2
+    assert "written by 2 rank(s) but this run has 1" in err
+
+
+def test_a_dying_rank_ends_the_job_within_bounded_time(tmp_path, embedded_dir):
+    args = tiny_overrides(tmp_path / "run", *COMMON, "train.max_steps=100000", "train.checkpoint_every=3")
+    job = _memfit(args, nproc=2, popen=True)
+    _wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").is_file()
+              and any(r["kind"] == "step" for r in read_metrics(tmp_path / "run" / "metrics.jsonl")), job, 180)
+    workers = _victim_pids(job.pid)
+    assert set(workers) == {0, 1}, workers
+    killed_at = time.time()
+    os.kill(workers[1], signal.SIGKILL)
+    out, err = job.communicate(timeout=60)
+    elapsed = time.time() - killed_at
+    assert job.returncode == 4, err[-3000:]
+    assert elapsed < 30
+    line = [ln for ln in err.splitlines() if ln.startswith("memfit: error:")][-1]
+    assert f"rank 1 (pid {workers[1]}) was killed by SIGKILL" in line
+    assert "train.resume=true" in line
+    for pid in workers.values():
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    assert all((p / "trainer_state.json").is_file() for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_localhost_match_one_node_with_two_processes(runs, tmp_path):
+    args = tiny_overrides(tmp_path / "run", *COMMON, "distributed.zero_stage=2")
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [_memfit(args, nproc=1, popen=True,
+                     extra_flags=("--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint", endpoint))
+             for r in (0, 1)]
+    for node in nodes:
+        out, err = node.communicate(timeout=300)
+        assert node.returncode == 0, err[-3000:]
+    got = [r["loss"] for r in _steps(tmp_path / "run")]
+    want = [r["loss"] for r in _steps(runs["fsdp2-zero2"])]
+    assert _close(got, want, 1e-6), (got, want)
+    assert _summary(tmp_path / "run")["world_size"] == 2
+
+
+def test_fsdp2_lora_export_is_the_consolidated_adapter(tmp_path, embedded_dir):
+    lora = ("lora.enabled=true", "strategy.activation_checkpointing=full", "output.export=true", "train.max_steps=3")
+    code, _, err = _memfit(tiny_overrides(tmp_path / "one", *COMMON, *lora))
+    assert code == 0, err[-3000:]
+    code, _, err = _memfit(tiny_overrides(tmp_path / "two", *COMMON, *lora, "distributed.zero_stage=3"), nproc=2)
+    assert code == 0, err[-3000:]
+    one = load_file(tmp_path / "one" / "export" / "adapter_model.safetensors")
+    two = load_file(tmp_path / "two" / "export" / "adapter_model.safetensors")
+    assert one.keys() == two.keys() and len(one) > 0
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-6)
