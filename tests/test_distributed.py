@@ -228,3 +228,18 @@ def test_fsdp2_lora_export_is_the_consolidated_adapter(tmp_path, embedded_dir):
     assert one.keys() == two.keys() and len(one) > 0
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, stage):
+    """torch.profiler's tensor peak on each real rank vs the planner's per-rank FSDP2 prediction,
+    on a SmolLM2-135M-shaped model (root group ~21% of the weights, so the stages differ)."""
+    args = tiny_overrides(tmp_path / "run", "model.source=random:smollm2-135m", "train.max_steps=3",
+                          "train.profile_step=2", "train.micro_batch_size=1", "train.eval_batches=1",
+                          "train.eval_every=0", "output.export=false", f"distributed.zero_stage={stage}")
+    code, _, err = _memfit(args, nproc=2)
+    assert code == 0, err[-3000:]
+    rec = [r for r in _steps(tmp_path / "run") if "rank_profiled_peak_bytes" in r][0]
+    measured, predicted = rec["profiled_peak_bytes"], rec["predicted_peak_bytes"]
+    assert len(rec["rank_profiled_peak_bytes"]) == 2
+    assert abs(predicted - measured) / measured <= 0.05, (stage, predicted, rec["rank_profiled_peak_bytes"])

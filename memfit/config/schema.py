@@ -137,6 +137,11 @@ class TrainConfig:
     )
     record_memory_history: bool = _f(False, "on a GPU, record allocator history (torch.cuda.memory._record_memory_history)")
     snapshot_at_step: Optional[int] = _f(None, "on a GPU, dump a memory snapshot to the run directory after this step")
+    profile_step: Optional[int] = _f(
+        None,
+        "measure this step's tensor peak on every rank with torch.profiler(profile_memory=True) and log it "
+        "beside the planner's prediction (engines single and fsdp2)",
+    )
     metrics_port: Optional[int] = _f(None, "serve memfit_* Prometheus metrics on this port (0 = any free port)")
     metrics_host: str = _f("127.0.0.1", "address the metrics endpoint binds (default loopback only)")
     plan_check: bool = _f(
@@ -238,6 +243,7 @@ def check(cfg: RunConfig) -> RunConfig:
     for name, value in (
         ("data.seq_len", d.seq_len),
         ("train.max_steps", t.max_steps),
+        ("train.profile_step", t.profile_step or 1),
         ("train.micro_batch_size", t.micro_batch_size),
         ("train.grad_accum_steps", t.grad_accum_steps),
         ("train.eval_batches", t.eval_batches),

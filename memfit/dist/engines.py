@@ -5,7 +5,8 @@
     zero1    ZeRO-1: DDP + ``ZeroRedundancyOptimizer`` (each rank steps and holds 1/N of AdamW state).
     fsdp2    ZeRO-2 / ZeRO-3: ``fully_shard`` on every decoder layer and on the root, with
              ``reshard_after_forward`` False (gradients and optimizer state sharded, parameters kept
-             whole from forward to backward) or True (parameters sharded too). Mixed precision goes
+             whole from forward to backward) or True on the layers (parameters sharded too; the
+             root group stays gathered between forward and backward, as FSDP2 does by default). Mixed precision goes
              through ``MixedPrecisionPolicy`` (bf16/fp16 compute copies, fp32 gradient reduction).
 DeepSpeed lives in ``deepspeed_engine.py``; it drives its own backward and step.
 
@@ -123,9 +124,10 @@ def _fully_shard(model, stage: int, precision: Precision, device: torch.device, 
         precision = Precision(precision.name, precision.param_dtype, None, precision.grad_scaler)
     else:
         mp = MixedPrecisionPolicy()
-    reshard = stage == 3
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=stage == 3, mp_policy=mp)
+    # the root group (embeddings, final norm, head) stays gathered from forward to backward at both
+    # stages, FSDP2's own heuristic for the root: backward would all-gather it again at once
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
     params = [p for p in model.parameters() if p.requires_grad]
     return Parallel("fsdp2", model, model, build_optimizer(params, opt, device), params, precision)

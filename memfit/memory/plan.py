@@ -175,7 +175,7 @@ def search(w: Workload, c: Cluster, pins: Pins = Pins(), headroom: float = 0.05,
         lowp_param_bytes = shape.matmul_weights * (4 if precision == "fp32" else 2)
         flops = step_flops(shape, mb * accum * w.seq_len, w.seq_len, w.lora is not None, ac)
         for zero in zeros:
-            mem = per_rank(single, ShardingSpec(zero, c.world_size, pins.engine, shape.layers))
+            mem = per_rank(single, ShardingSpec.for_model(zero, c.world_size, pins.engine, w.model_config, w.lora is not None))
             trained_bytes = lowp_param_bytes if w.lora is None else 0  # LoRA: adapters only, negligible
             comm = comm_bytes_per_step(lowp_param_bytes, trained_bytes, zero, c.world_size, accum)
             cand = Candidate(

@@ -3,13 +3,21 @@
 The trace gives, per phase, bytes of parameters P, gradients G, optimizer state O, activations A and
 temporaries T on one device. With N data-parallel ranks:
 
-FSDP2 semantics (``fully_shard`` per decoder layer; memfit's default engine)
+FSDP2 semantics (``fully_shard`` per decoder layer and on the root; memfit's default engine)
     stage 0  DDP: P, G, O, plus DDP's gradient buckets (G again; ``gradient_as_bucket_view=False``).
     stage 1  DDP + ZeroRedundancyOptimizer: P, G + buckets, O/N.
-    stage 2  reshard_after_forward=False: sharded P/N at rest plus the unsharded parameters of every
-             layer kept from forward to backward (P); G/N plus one layer's unsharded gradient; O/N.
-    stage 3  reshard_after_forward=True: P/N plus two layers' unsharded parameters in flight
-             (current + prefetched); G/N plus one layer's unsharded gradient; O/N.
+    stage 2  reshard_after_forward=False: in forward, sharded P/N plus every group's unsharded
+             parameters kept for backward (P); in backward a layer reshards once its gradients are
+             reduced, so at a moment when a fraction f of the gradients exists, P/N + root +
+             (1 - f) of the layers' parameters; G/N plus the root group's unsharded gradients (alive
+             until the root's post-backward) and one layer's in flight; O/N.
+    stage 3  reshard_after_forward=True on the layers: P/N plus the root group's unsharded
+             parameters (kept from forward to backward) and two layers' (current + prefetched);
+             gradients as stage 2; O/N.
+    In the clip and optimizer phases every group is resharded: P/N, G/N, O/N, and the optimizer's
+    temporaries (foreach buffers) are those of this rank's shard: 1/N.
+    The root group holds the embeddings, the final norm and an untied LM head: ``root_param_fraction``
+    of the parameter bytes (``root_grad_fraction`` of the gradient bytes: 0 with LoRA).
 DeepSpeed semantics
     stage 1  P, G, O/N.    stage 2  P, G/N plus the reduce bucket, O/N.
     stage 3  P/N plus the prefetch bucket and the largest layer, G/N, O/N.
@@ -37,6 +45,26 @@ class ShardingSpec:
     engine: str = "fsdp2"
     num_layers: int = 1
     bucket_bytes: int = 500_000_000 * 2  # DeepSpeed's default reduce/prefetch bucket: 5e8 bf16 elements
+    root_param_fraction: float = 0.0
+    root_grad_fraction: float = 0.0
+
+    @classmethod
+    def for_model(cls, stage: int, world_size: int, engine: str, config, lora: bool) -> "ShardingSpec":
+        """The spec for a Llama-family ``config`` (its depth and root-group share)."""
+        root = root_fraction(config)
+        return cls(stage, world_size, engine, config.num_hidden_layers,
+                   root_param_fraction=root, root_grad_fraction=0.0 if lora else root)
+
+
+def root_fraction(config) -> float:
+    """Share of the weights outside the decoder layers (FSDP2's root group): embeddings, final norm,
+    and the LM head when it is not tied to the embeddings."""
+    from memfit.memory.cost import Shape
+
+    s = Shape.of(config)
+    root = s.vocab * s.hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2) + s.hidden
+    layer = s.attn_weights + s.mlp_weights + 2 * s.hidden
+    return root / (root + s.layers * layer)
 
 
 def validate(stage: int, world_size: int, engine: str) -> None:
@@ -48,10 +76,14 @@ def validate(stage: int, world_size: int, engine: str) -> None:
         raise UserError(f"sharding engine must be one of {', '.join(ENGINES)} (got '{engine}')")
 
 
-def _shard_phase(b: Breakdown, s: ShardingSpec) -> Breakdown:
+def _shard_phase(b: Breakdown, s: ShardingSpec, phase: str, g_total: int) -> Breakdown:
     n, layers = s.world_size, max(1, s.num_layers)
     p, g, o = b[Category.PARAMS], b[Category.GRADS], b[Category.OPTIMIZER]
-    layer_p, layer_g = p // layers, g // layers
+    temps = b[Category.TEMPORARIES]
+    grads_done = g / g_total if g_total else 0.0
+    root_p, root_g = int(p * s.root_param_fraction), int(g * s.root_grad_fraction)
+    layer_p, layer_g = (p - root_p) // layers, (g - root_g) // layers
+    resharded = phase in ("clip", "optimizer")
     if s.stage == 0:
         p2, g2, o2 = p, g + (g if n > 1 else 0), o
     elif s.engine == "deepspeed":
@@ -63,18 +95,24 @@ def _shard_phase(b: Breakdown, s: ShardingSpec) -> Breakdown:
             p2, g2, o2 = p // n + min(p, s.bucket_bytes) + layer_p, g // n, o // n
     elif s.stage == 1:
         p2, g2, o2 = p, 2 * g, o // n
+    elif resharded:
+        p2, g2, o2 = p // n, g // n, o // n
     elif s.stage == 2:
-        p2, g2, o2 = p // n + p, g // n + layer_g, o // n
+        gathered = p if phase != "backward" else root_p + int((1 - grads_done) * (p - root_p))
+        p2, g2, o2 = p // n + gathered, g // n + root_g + layer_g, o // n
     else:
-        p2, g2, o2 = p // n + 2 * layer_p, g // n + layer_g, o // n
+        p2, g2, o2 = p // n + root_p + 2 * layer_p, g // n + root_g + layer_g, o // n
     out = dict(b.bytes_by_category)
     out.update({Category.PARAMS: p2, Category.GRADS: g2 if g else 0, Category.OPTIMIZER: o2})
+    if phase == "optimizer" and s.stage >= 1:
+        out[Category.TEMPORARIES] = temps // n  # each rank steps only its shard
     return Breakdown(out)
 
 
 def per_rank(step: StepMemory, s: ShardingSpec) -> StepMemory:
     """The step's phase peaks as seen by one of ``world_size`` ranks under ZeRO ``stage``."""
-    phases = {ph: _shard_phase(b, s) for ph, b in step.phase_peaks.items()}
+    g_total = max(b[Category.GRADS] for b in step.phase_peaks.values())
+    phases = {ph: _shard_phase(b, s, ph, g_total) for ph, b in step.phase_peaks.items()}
     peak_phase = max(phases, key=lambda ph: phases[ph].total_bytes)
     return StepMemory(peak=phases[peak_phase], phase_peaks=phases, peak_phase=peak_phase)
 

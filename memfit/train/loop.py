@@ -28,10 +28,11 @@ from memfit.dist.checkpoint import (
     load_distributed,
     save_distributed,
 )
-from memfit.dist.engines import Parallel, clip_grad_norm, engine_name, parallelize
+from memfit.dist.engines import Parallel, clip_grad_norm, engine_name, local_tensor, parallelize
 from memfit.dist.runtime import DistContext, init_distributed, on_main, shutdown
 from memfit.errors import OutOfMemoryExit, UserError
 from memfit.memory.categories import StepMemory
+from memfit.memory.measure import profiled_peak_bytes
 from memfit.memory.plan import check_fits, predict_run
 from memfit.memory.sharding import ShardingSpec, per_rank
 from memfit.memory.snapshot import analyze
@@ -244,8 +245,8 @@ class Trainer:
                            cfg.lora if cfg.lora.enabled else None, on_gpu=gpu)
         if self.ctx.distributed:
             engine = "deepspeed" if self.kind == "deepspeed" else "fsdp2"
-            step = per_rank(step, ShardingSpec(cfg.distributed.zero_stage, self.ctx.world_size, engine,
-                                               mconf.num_hidden_layers))
+            step = per_rank(step, ShardingSpec.for_model(cfg.distributed.zero_stage, self.ctx.world_size, engine,
+                                                         mconf, cfg.lora.enabled))
         if gpu:
             capacity = int(torch.cuda.get_device_properties(self.device).total_memory * (cfg.allocator.memory_fraction or 1.0))
             check_fits(step, capacity, device_name(self.device))
@@ -303,6 +304,31 @@ class Trainer:
         out: dict[str, Any] = {k: int(max(r[i] for r in per_rank)) for i, k in enumerate(keys)}
         out["rank_memory"] = {k: [int(r[i]) for r in per_rank] for i, k in enumerate(keys)}
         return out
+
+    def _profiled_step(self, batches) -> tuple[tuple[float, float], dict[str, Any]]:
+        """``train_step`` under torch.profiler: this rank's tensor peak (tensors alive before the step
+        counted by storage, plus the running sum of the step's allocation events), for every rank,
+        beside the planner's per-rank prediction.
+
+        Raises:
+            UserError: for an engine whose buffers live outside the profiled region (DDP's gradient
+                buckets, DeepSpeed's flat buffers are allocated at start-up and not visible to it).
+        """
+        if self.kind not in ("single", "fsdp2"):
+            raise UserError(f"train.profile_step: engine {self.kind} keeps buffers the profiler cannot see "
+                            "(allocated before the step); use it with one process or distributed.zero_stage 2/3")
+        opt = self.par.local_optimizer()
+        live = [local_tensor(x) for x in (*self.par.module.parameters(), *self.par.module.buffers())]
+        live += [local_tensor(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        live += [x for b in batches for x in b]
+        box: list[tuple[float, float]] = []
+        device = "CUDA" if self.device.type == "cuda" else "CPU"
+        peak = profiled_peak_bytes(lambda: box.append(self.train_step(batches)), live, device)
+        per_rank = [int(r[0]) for r in self.ctx.gather_numbers([float(peak)])]
+        out: dict[str, Any] = {"profiled_peak_bytes": max(per_rank), "rank_profiled_peak_bytes": per_rank}
+        if self.predicted is not None:
+            out["predicted_peak_bytes"] = self.predicted.peak_bytes
+        return box[0], out
 
     def _export(self, display: TrainDisplay) -> None:
         """The final model or adapter in HF format, consolidated on rank 0."""
@@ -383,7 +409,10 @@ class Trainer:
                     start = time.perf_counter()
                     batches = [next(loader) for _ in range(self.accum)]
                     lr = self.scheduler.get_last_lr()[0]
-                    loss, grad_norm = self.train_step(batches)
+                    if step == t.profile_step:
+                        (loss, grad_norm), profiled = self._profiled_step(batches)
+                    else:
+                        loss, grad_norm = self.train_step(batches)
                     if states_at_step is None:
                         states_at_step = state_bytes(self.model, self.par.local_optimizer())  # grads still alive here
                     self.runner.zero_grad()
@@ -405,6 +434,8 @@ class Trainer:
                         "step_time_s": step_time_s, "tokens_per_s": n_in / step_time_s,
                         "tokens_seen": state.tokens_seen, **self._memory(),
                     }
+                    if step == t.profile_step:
+                        rec.update(profiled)
                     self._gpu_memory_extras(step, rec)
                     result.steps.append(rec)
                     if self.metrics is not None:
