@@ -160,7 +160,8 @@ def run_plan(ns) -> int:
         chosen = result.fitting[ns.explain - 1]
         render_explain(chosen, console, _replayed(workload, chosen))
     if ns.write_config:
-        write_train_config(result.best, result, _train_source(inp.model), Path(ns.write_config))
+        write_train_config(result.best, result, _train_source(inp.model), Path(ns.write_config), ns.engine,
+                           ns.write_deepspeed)
         console.print(f"wrote {ns.write_config}", highlight=False)
     if ns.write_deepspeed:
         write_deepspeed(result.best, Path(ns.write_deepspeed))

@@ -100,21 +100,29 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_train_config(c: Candidate, r: PlanResult, source: str, path: Path) -> None:
+def write_train_config(c: Candidate, r: PlanResult, source: str, path: Path, engine: str = "fsdp2",
+                       deepspeed_json: str | None = None) -> None:
     w = r.workload
-    cfg = {
+    cfg: dict = {
         "model": {"source": source},
         "data": {"seq_len": w.seq_len},
         "strategy": {"activation_checkpointing": c.ac, "precision": c.precision},
         "lora": {"enabled": w.lora is not None, **({"rank": w.lora.rank, "alpha": w.lora.alpha} if w.lora else {})},
         "optimizer": {"implementation": c.optimizer},
-        "train": {"device": "cuda", "micro_batch_size": c.micro_batch, "grad_accum_steps": c.grad_accum},
+        "train": {"device": "cuda", "micro_batch_size": c.micro_batch, "grad_accum_steps": c.grad_accum,
+                  "global_batch_size": w.global_batch},
     }
     header = (f"# written by memfit plan: {_label(c)}\n# predicted per-rank peak {_g(c.memory.peak_bytes)} GiB, "
               f"reserved {_g(c.reserved_bytes)} GiB of {_g(c.usable_bytes)} GiB usable on {r.cluster.gpu.name}\n")
     if r.cluster.world_size > 1:
-        header += (f"# planned for {r.cluster.world_size} GPUs with ZeRO-{c.zero}: launch with "
-                   f"--nproc-per-node {r.cluster.gpus_per_node} (see configs/llama2-7b-full-zero2.yaml)\n")
+        cfg["distributed"] = {"engine": engine, "zero_stage": c.zero}
+        if engine == "deepspeed":
+            cfg["distributed"]["deepspeed_config"] = deepspeed_json or "ds.json"
+        nodes = r.cluster.world_size // r.cluster.gpus_per_node
+        launch = f"--nproc-per-node {r.cluster.gpus_per_node}"
+        if nodes > 1:
+            launch += f" --nnodes {nodes} --node-rank <this node> --rdzv-endpoint <node 0>:29400"
+        header += f"# planned for {r.cluster.world_size} GPUs with ZeRO-{c.zero}: memfit train {path.name} {launch}\n"
     _atomic_write(path, header + yaml.safe_dump(cfg, sort_keys=False))
 
 
