@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from memfit.train.run_dir import read_metrics
 
 from conftest import tiny_overrides
+from test_prometheus import scrape
 
 pytestmark = pytest.mark.integration
 
@@ -176,12 +177,19 @@ def test_sharded_checkpoint_kill_and_resume_continue_the_same_losses(runs, tmp_p
 
 
 def test_a_dying_rank_ends_the_job_within_bounded_time(tmp_path, embedded_dir):
-    args = tiny_overrides(tmp_path / "run", *COMMON, "train.max_steps=100000", "train.checkpoint_every=3")
+    port = _free_port()
+    args = tiny_overrides(tmp_path / "run", *COMMON, "train.max_steps=100000", "train.checkpoint_every=3",
+                          f"train.metrics_port={port}")
     job = _memfit(args, nproc=2, popen=True)
     _wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").is_file()
-              and any(r["kind"] == "step" for r in read_metrics(tmp_path / "run" / "metrics.jsonl")), job, 180)
+              and sum(r["kind"] == "step" for r in read_metrics(tmp_path / "run" / "metrics.jsonl")) >= 2, job, 180)
     workers = _victim_pids(job.pid)
     assert set(workers) == {0, 1}, workers
+    # each local rank serves its own endpoint on port + local rank, bound to loopback
+    for rank in (0, 1):
+        got = scrape(port + rank)
+        assert got["memfit_rank"][0].value == rank and got["memfit_step"][0].value >= 1
+        assert got["memfit_loss"][0].value > 0
     killed_at = time.time()
     os.kill(workers[1], signal.SIGKILL)
     out, err = job.communicate(timeout=60)

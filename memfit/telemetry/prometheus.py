@@ -14,6 +14,7 @@ from memfit.telemetry.memory import process_rss_bytes
 
 # step-record key -> (metric name, help)
 TRAINER_METRICS = {
+    "rank": ("memfit_rank", "global rank of the process serving these metrics (0 on one process)"),
     "allocated_bytes": ("memfit_allocated_bytes", "bytes in active allocator blocks now"),
     "reserved_bytes": ("memfit_reserved_bytes", "bytes the caching allocator holds now"),
     "peak_allocated_bytes": ("memfit_peak_allocated_bytes", "peak allocated bytes during the last step"),

@@ -297,6 +297,7 @@ class Trainer:
         """This step's memory fields; with several ranks the worst rank's value, and every rank's
         in ``rank_memory``."""
         mem = memory_record(self.device)
+        self._local_memory = mem  # this rank's own values, for its metrics endpoint
         if not self.ctx.distributed:
             return mem
         keys = list(mem)
@@ -439,7 +440,7 @@ class Trainer:
                     self._gpu_memory_extras(step, rec)
                     result.steps.append(rec)
                     if self.metrics is not None:
-                        self.metrics.update(rec)
+                        self.metrics.update({**rec, **self._local_memory, "rank": ctx.rank})
                     if step % t.log_every == 0 or step == t.max_steps:
                         log.write(rec)
                         display.update(rec)
