@@ -219,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--precision", default="fp32", help="comma-separated precisions")
     bench.add_argument("--micro-batch", default="2", help="comma-separated micro-batch sizes")
     bench.add_argument("--lora", default="true", help="comma-separated true/false")
+    bench.add_argument("--zero", default="none", help="comma-separated ZeRO stages for multi-rank cells, or none (one process)")
+    bench.add_argument("--nproc-per-node", type=int, default=2, help="ranks of the cells with a ZeRO stage (default 2)")
     bench.add_argument("--global-batch", type=int, help="sequences per step in every cell (default: the largest micro-batch)")
     bench.add_argument("--steps", type=int, default=4, help="measured steps per cell")
     bench.add_argument("--warmup", type=int, default=1, help="warm-up steps per cell (not measured)")

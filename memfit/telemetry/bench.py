@@ -1,7 +1,10 @@
 """``memfit bench``: run a matrix of strategies, each cell its own ``memfit train`` subprocess (clean
 allocator state), and tabulate what was measured beside what the planner predicted.
 
-A cell runs ``warmup + steps`` optimizer steps; statistics use the steps after warm-up. The global batch
+A cell runs ``warmup + steps`` optimizer steps; statistics use the steps after warm-up, and one more
+step runs under torch.profiler for the measured tensor peak beside the planner's prediction. Cells with a
+ZeRO stage (``--zero 0,2``) run on ``--nproc-per-node`` ranks through torchrun (FSDP2 engine); their
+memory is the worst rank's and the prediction the planner's per-rank one. The global batch
 is the same in every cell (micro-batch x gradient accumulation), so cells of one precision must reach
 the same loss: a cell that does not is flagged. A cell that runs out of memory (exit code 3) is reported
 as OOM with the bytes its failed allocation asked for.
@@ -36,6 +39,8 @@ class Cell:
     precision: str
     micro_batch: int
     lora: bool
+    zero: int | None = None  # ZeRO stage of a multi-rank cell (None: one process)
+    nproc: int = 1
     status: str = "pending"  # ok | oom | failed
     grad_accum: int = 1
     median_step_time_s: float | None = None
@@ -44,6 +49,7 @@ class Cell:
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     peak_rss_bytes: int | None = None
+    profiled_peak_bytes: int | None = None  # torch.profiler's tensor peak of the first measured step
     predicted_peak_bytes: int | None = None
     prediction_error_pct: float | None = None
     params_bytes: int | None = None
@@ -56,28 +62,43 @@ class Cell:
 
     @property
     def name(self) -> str:
-        return f"ac-{self.ac.replace(':', '')}_{self.precision}_mb{self.micro_batch}_{'lora' if self.lora else 'full'}"
+        ranks = "" if self.zero is None else f"_zero{self.zero}x{self.nproc}"
+        return f"ac-{self.ac.replace(':', '')}_{self.precision}_mb{self.micro_batch}_{'lora' if self.lora else 'full'}{ranks}"
 
     @property
     def peak_bytes(self) -> int | None:
         return self.peak_allocated_bytes if self.peak_allocated_bytes is not None else self.peak_rss_bytes
 
 
-def matrix(acs: list[str], precisions: list[str], micro_batches: list[int], loras: list[bool]) -> list[Cell]:
-    return [Cell(a, p, m, lo) for a, p, m, lo in itertools.product(acs, precisions, micro_batches, loras)]
+def matrix(acs: list[str], precisions: list[str], micro_batches: list[int], loras: list[bool],
+           zeros: list[int | None] = (None,), nproc: int = 2) -> list[Cell]:
+    """Every combination; cells with a ZeRO stage run on ``nproc`` ranks through torchrun."""
+    return [Cell(a, p, m, lo, z, 1 if z is None else nproc)
+            for a, p, m, lo, z in itertools.product(acs, precisions, micro_batches, loras, zeros)]
+
+
+def profiled(cell: Cell) -> bool:
+    """Engines whose every buffer torch.profiler sees (not DDP's gradient buckets, made at start-up)."""
+    return cell.zero in (None, 2, 3)
 
 
 def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: int, extra: list[str]) -> list[str]:
-    if global_batch % cell.micro_batch:
-        raise UserError(f"--micro-batch {cell.micro_batch} does not divide the global batch {global_batch}")
-    cell.grad_accum = global_batch // cell.micro_batch
+    per_pass = cell.micro_batch * cell.nproc
+    if global_batch % per_pass:
+        raise UserError(f"--micro-batch {cell.micro_batch} x {cell.nproc} rank(s) does not divide the global batch {global_batch}")
+    cell.grad_accum = global_batch // per_pass
+    zero = [] if cell.zero is None else [f"distributed.zero_stage={cell.zero}"]
+    if profiled(cell):  # one extra step, under torch.profiler, outside the timed ones
+        steps += 1
+        zero.append(f"train.profile_step={steps}")
+    launch = [] if cell.zero is None else ["--nproc-per-node", str(cell.nproc)]
     return [
-        sys.executable, "-m", "memfit.cli", "train", config, *extra,
+        sys.executable, "-m", "memfit.cli", "train", config, *extra, *zero,
         f"strategy.activation_checkpointing={cell.ac}", f"strategy.precision={cell.precision}",
-        f"train.micro_batch_size={cell.micro_batch}", f"train.grad_accum_steps={cell.grad_accum}",
+        f"train.micro_batch_size={cell.micro_batch}", f"train.global_batch_size={global_batch}",
         f"lora.enabled={'true' if cell.lora else 'false'}", f"train.max_steps={steps}", "train.eval_every=0",
         "train.eval_batches=1", "train.checkpoint_every=0", "train.log_every=1", "output.export=false",
-        f"output.dir={out / 'cells' / cell.name}",
+        f"output.dir={out / 'cells' / cell.name}", *launch,
     ]
 
 
@@ -100,7 +121,7 @@ def run_cell(config: str, cell: Cell, out: Path, warmup: int, steps: int, global
         cell.message = (proc.stderr.strip().splitlines() or ["exit code %d" % proc.returncode])[-1]
         return cell
     records = read_metrics(out / "cells" / cell.name / "metrics.jsonl")
-    measured = [r for r in records if r["kind"] == "step" and r["step"] > warmup]
+    measured = [r for r in records if r["kind"] == "step" and warmup < r["step"] <= warmup + steps]
     summary = next(r for r in records if r["kind"] == "summary")
     times = [r["step_time_s"] for r in measured]
     cell.status = "ok"
@@ -114,8 +135,10 @@ def run_cell(config: str, cell: Cell, out: Path, warmup: int, steps: int, global
     else:
         cell.peak_rss_bytes = max(r["peak_rss_bytes"] for r in measured)
     cell.predicted_peak_bytes = summary.get("predicted_peak_bytes")
-    if cell.predicted_peak_bytes and cell.peak_allocated_bytes:
-        cell.prediction_error_pct = 100 * (cell.predicted_peak_bytes - cell.peak_allocated_bytes) / cell.peak_allocated_bytes
+    cell.profiled_peak_bytes = next((r["profiled_peak_bytes"] for r in records if "profiled_peak_bytes" in r), None)
+    reference = cell.peak_allocated_bytes or cell.profiled_peak_bytes
+    if cell.predicted_peak_bytes and reference:
+        cell.prediction_error_pct = 100 * (cell.predicted_peak_bytes - reference) / reference
     cell.params_bytes, cell.grads_bytes, cell.optimizer_bytes = (summary["params_bytes"], summary["grads_bytes"], summary["optimizer_bytes"])
     return cell
 
@@ -139,13 +162,15 @@ def _fmt_gib(n: int | None) -> str:
 
 
 def rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
-    header = ["cell", "status", "mb x acc", "peak GiB", "reserved GiB", "predicted GiB", "error %", "step s (median)",
+    header = ["cell", "status", "ranks x mb x acc", "peak GiB", "reserved GiB", "tensor peak GiB (profiler)",
+              "predicted GiB", "error %", "step s (median)",
               "spread s", "tokens/s", "loss", "note"]
     body = []
     for c in cells:
         note = c.loss_flag or (f"OOM asking for {c.oom_request_bytes / GIB:.2f} GiB" if c.status == "oom" and c.oom_request_bytes else c.message)
         body.append([
-            c.name, c.status, f"{c.micro_batch}x{c.grad_accum}", _fmt_gib(c.peak_bytes), _fmt_gib(c.peak_reserved_bytes),
+            c.name, c.status, f"{c.nproc}x{c.micro_batch}x{c.grad_accum}", _fmt_gib(c.peak_bytes), _fmt_gib(c.peak_reserved_bytes),
+            _fmt_gib(c.profiled_peak_bytes),
             _fmt_gib(c.predicted_peak_bytes), "" if c.prediction_error_pct is None else f"{c.prediction_error_pct:+.1f}",
             "" if c.median_step_time_s is None else f"{c.median_step_time_s:.3f}",
             "" if c.step_time_spread_s is None else f"{c.step_time_spread_s:.3f}",
@@ -201,8 +226,14 @@ def run_bench(ns, config: str) -> int:
         raise UserError(f"--lora must be a comma-separated list of true/false (got '{ns.lora}')")
     for policy in split(ns.ac):
         parse_ac_policy(policy)
-    cells = matrix(split(ns.ac), split(ns.precision), micro, loras)
-    global_batch = ns.global_batch or max(micro)
+    try:
+        zeros = [None if v in ("none", "-") else int(v) for v in split(ns.zero)] or [None]
+    except ValueError:
+        raise UserError(f"--zero must be comma-separated stages 0-3 or none (got '{ns.zero}')") from None
+    if any(z not in (None, 0, 1, 2, 3) for z in zeros) or ns.nproc_per_node < 2:
+        raise UserError(f"--zero takes stages 0-3 (got '{ns.zero}') and --nproc-per-node >= 2 (got {ns.nproc_per_node})")
+    cells = matrix(split(ns.ac), split(ns.precision), micro, loras, zeros, ns.nproc_per_node)
+    global_batch = ns.global_batch or max(micro) * max(c.nproc for c in cells)
     out = Path(ns.out or f"runs/bench-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out '{out}' is not empty; choose a new directory")

@@ -84,7 +84,7 @@ def bench_memory(cells, path: Path, title: str) -> Path:
             ax.plot([i - 0.4, i + 0.4], [c.predicted_peak_bytes / GIB] * 2, color="black", linewidth=1.2)
     ax.set_xticks(range(len(cells)), names, rotation=35, ha="right", fontsize=7)
     ax.set_ylabel("GiB at the step peak")
-    ax.set_title(textwrap.fill(title, 110), fontsize=8)
+    ax.set_title(textwrap.fill(title, 70), fontsize=8)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), handles=[Patch(color="#3b6fb6", label="parameters"), Patch(color="#e59b2e", label="gradients"),
                        Patch(color="#7d3c98", label="optimizer state"),
                        Patch(color="#95a5a6", label="activations, temporaries (and runtime on CPU)"),
