@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -56,6 +57,17 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
         total = total.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+class StepEngine(Protocol):
+    """What the trainer drives once per optimizer step: ``memfit.train.loop.StepRunner`` (single, DDP,
+    ZeRO-1, FSDP2) and ``memfit.dist.deepspeed_engine.DeepSpeedRunner``."""
+
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over the micro-batches and the optimizer step: (mean token loss, grad norm)."""
+        ...
+
+    def zero_grad(self) -> None: ...
 
 
 @dataclass

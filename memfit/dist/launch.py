@@ -103,6 +103,7 @@ def launch(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides: list[
         RankFailedExit: a rank died (signal or crash); the message names it.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
     check_launch(spec, cfg)
@@ -122,10 +123,8 @@ def launch(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides: list[
             + (f" ({'; '.join(others)})" if others else "")
             + f"; {cfg.output.dir} keeps its last complete checkpoint: continue with train.resume=true"
         ) from None
-    except Exception as e:  # rendezvous failures and the like: one line, not a torchrun traceback
-        if type(e).__name__ in ("RendezvousTimeoutError", "RendezvousConnectionError", "RendezvousClosedError"):
-            raise RankFailedExit(f"rendezvous at {spec.rdzv_endpoint} failed ({e}); check that every node "
-                                 "runs the same command and can reach the endpoint") from None
-        raise
+    except RendezvousError as e:  # one line, not a torchrun traceback
+        raise RankFailedExit(f"rendezvous at {spec.rdzv_endpoint} failed ({type(e).__name__}: {e}); check that every "
+                             "node runs the same command and can reach the endpoint") from None
     return 0
 

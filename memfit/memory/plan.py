@@ -23,7 +23,7 @@ from memfit.memory.cost import Shape, step_flops, step_time_s
 from memfit.memory.hardware import Gpu
 from memfit.units import GIB
 from memfit.memory.predict import Predictor
-from memfit.memory.sharding import ShardingSpec, comm_bytes_per_step, per_rank, validate
+from memfit.memory.sharding import ShardingSpec, comm_bytes_per_step, validate
 from memfit.memory.trace import StepSpec
 
 ALLOCATOR_MARGIN = 0.08  # cached-but-free blocks at the peak (typical reserved/allocated of a training step)
@@ -171,11 +171,13 @@ def search(w: Workload, c: Cluster, pins: Pins = Pins(), headroom: float = 0.05,
         [pins.micro_batch] if pins.micro_batch else batches,
     ):
         accum = per_rank_batch // mb
-        single = predictor.predict(ac, precision, optimizer, mb, accum)
         lowp_param_bytes = shape.matmul_weights * (4 if precision == "fp32" else 2)
         flops = step_flops(shape, mb * accum * w.seq_len, w.seq_len, w.lora is not None, ac)
         for zero in zeros:
-            mem = per_rank(single, ShardingSpec.for_model(zero, c.world_size, pins.engine, w.model_config, w.lora is not None))
+            sharding = None
+            if c.world_size > 1:
+                sharding = ShardingSpec.for_model(zero, c.world_size, pins.engine, w.model_config, w.lora is not None)
+            mem = predictor.predict(ac, precision, optimizer, mb, accum, sharding)
             trained_bytes = lowp_param_bytes if w.lora is None else 0  # LoRA: adapters only, negligible
             comm = comm_bytes_per_step(lowp_param_bytes, trained_bytes, zero, c.world_size, accum)
             cand = Candidate(
@@ -191,10 +193,11 @@ def search(w: Workload, c: Cluster, pins: Pins = Pins(), headroom: float = 0.05,
 
 
 def predict_run(model_config: PretrainedConfig, seq_len: int, micro_batch: int, grad_accum: int, ac: str,
-                precision: str, optimizer: str, lora: LoraConfig | None, on_gpu: bool) -> StepMemory:
-    """The planner's prediction for exactly one training configuration on one device."""
+                precision: str, optimizer: str, lora: LoraConfig | None, on_gpu: bool,
+                sharding: ShardingSpec | None = None) -> StepMemory:
+    """The planner's prediction for exactly one training configuration on one device (or one rank)."""
     predictor = Predictor(StepSpec(model_config, 1, seq_len, lora=lora, round_to=512 if on_gpu else 1))
-    return predictor.predict(ac, precision, optimizer, micro_batch, grad_accum)
+    return predictor.predict(ac, precision, optimizer, micro_batch, grad_accum, sharding)
 
 
 def reserved_estimate(peak_bytes: int) -> int:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from memfit.memory.categories import Breakdown, Category, StepMemory
-from memfit.memory.trace import StepSpec, extrapolate_regions, extrapolation_depths, steady_state, trace_timeline
+from memfit.memory.categories import Category, StepMemory
+from memfit.memory.sharding import ShardingSpec, per_rank_moments
+from memfit.memory.trace import StepSpec, extrapolate_regions, extrapolation_depths, trace_timeline
 from memfit.memory.tracker import Timeline, collapse_regions
 
 
@@ -69,7 +70,13 @@ class Predictor:
             self._opt[key] = {k: v for k, v in regions.items() if k in ("clip", "optimizer")}
         return self._opt[key]
 
-    def predict(self, ac: str, precision: str, optimizer: str, micro_batch: int, grad_accum: int = 1) -> StepMemory:
+    def predict(self, ac: str, precision: str, optimizer: str, micro_batch: int, grad_accum: int = 1,
+                sharding: ShardingSpec | None = None) -> StepMemory:
+        """The steady-state step on one device, or on one rank of ``sharding``.
+
+        Every moment of the step is made steady (optimizer state whole; with accumulation, forward and
+        backward run with all gradients alive) and, for a rank, sharded, before the peaks are taken.
+        """
         spec = replace(self.base, activation_checkpointing=ac, precision=precision, optimizer_implementation="for-loop",
                        micro_batch_size=1, grad_accum_steps=1)
         la, lb = extrapolation_depths(spec)
@@ -81,13 +88,18 @@ class Predictor:
         regions = {k: v for k, v in regions.items() if k.startswith(("forward", "backward"))}
         opt_spec = replace(spec, activation_checkpointing="none", optimizer_implementation=optimizer)
         regions.update(self._optimizer_moments(replace(opt_spec, micro_batch_size=2)))
-        step = steady_state(collapse_regions(regions))
-        if grad_accum == 1:
-            return step
-        phases = dict(step.phase_peaks)  # later micro-batches run forward and backward with all grads alive
-        for phase in ("forward", "backward"):
-            b = dict(phases[phase].bytes_by_category)
-            b[Category.GRADS] = phases["optimizer"][Category.GRADS]
-            phases[phase] = Breakdown(b)
-        peak_phase = max(phases, key=lambda p: phases[p].total_bytes)
-        return StepMemory(peak=phases[peak_phase], phase_peaks=phases, peak_phase=peak_phase)
+        cats = list(Category)
+        gi, oi = cats.index(Category.GRADS), cats.index(Category.OPTIMIZER)
+        g_total = max(row[gi] for row in regions.values())
+        grads_done = {k: (row[gi] / g_total if g_total else 0.0) for k, row in regions.items()}
+        state = max(row[oi] for row in regions.values())  # created lazily in step 1, whole afterwards
+        steady = {}
+        for key, row in regions.items():
+            row = list(row)
+            row[oi] = state
+            if grad_accum > 1 and key.startswith(("forward", "backward")):
+                row[gi] = g_total  # later micro-batches run with every gradient alive
+            steady[key] = tuple(row)
+        if sharding is not None:
+            return per_rank_moments(steady, sharding, grads_done)
+        return collapse_regions(steady)

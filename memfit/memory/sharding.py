@@ -76,11 +76,12 @@ def validate(stage: int, world_size: int, engine: str) -> None:
         raise UserError(f"sharding engine must be one of {', '.join(ENGINES)} (got '{engine}')")
 
 
-def _shard_phase(b: Breakdown, s: ShardingSpec, phase: str, g_total: int) -> Breakdown:
+def _shard_phase(b: Breakdown, s: ShardingSpec, phase: str, grads_done: float) -> Breakdown:
+    """One moment's (or one phase peak's) bytes on one rank; ``grads_done`` is the fraction of the
+    step's gradients the backward pass had produced by then (where FSDP2 has resharded)."""
     n, layers = s.world_size, max(1, s.num_layers)
     p, g, o = b[Category.PARAMS], b[Category.GRADS], b[Category.OPTIMIZER]
     temps = b[Category.TEMPORARIES]
-    grads_done = g / g_total if g_total else 0.0
     root_p, root_g = int(p * s.root_param_fraction), int(g * s.root_grad_fraction)
     layer_p, layer_g = (p - root_p) // layers, (g - root_g) // layers
     resharded = phase in ("clip", "optimizer")
@@ -110,11 +111,30 @@ def _shard_phase(b: Breakdown, s: ShardingSpec, phase: str, g_total: int) -> Bre
 
 
 def per_rank(step: StepMemory, s: ShardingSpec) -> StepMemory:
-    """The step's phase peaks as seen by one of ``world_size`` ranks under ZeRO ``stage``."""
+    """The step's phase peaks as seen by one of ``world_size`` ranks under ZeRO ``stage``.
+
+    Coarser than ``per_rank_moments`` (the moment of each phase's peak is the single device's); for
+    callers that only have phase peaks.
+    """
     g_total = max(b[Category.GRADS] for b in step.phase_peaks.values())
-    phases = {ph: _shard_phase(b, s, ph, g_total) for ph, b in step.phase_peaks.items()}
+    done = {ph: (b[Category.GRADS] / g_total if g_total else 0.0) for ph, b in step.phase_peaks.items()}
+    phases = {ph: _shard_phase(b, s, ph, done[ph]) for ph, b in step.phase_peaks.items()}
     peak_phase = max(phases, key=lambda ph: phases[ph].total_bytes)
     return StepMemory(peak=phases[peak_phase], phase_peaks=phases, peak_phase=peak_phase)
+
+
+def per_rank_moments(moments: dict[str, tuple[int, ...]], s: ShardingSpec, grads_done: dict[str, float]) -> StepMemory:
+    """Every traced moment (rows in ``Category`` order, keyed ``phase:...``) as one rank sees it, and
+    then the peaks: the moment of a rank's peak can differ from the single device's (e.g. ZeRO-2
+    frees each layer's gathered weights during backward)."""
+    from memfit.memory.tracker import CATEGORIES, collapse_regions
+
+    out = {}
+    for key, row in moments.items():
+        phase = key.split(":", 1)[0].split("#", 1)[0]
+        b = _shard_phase(Breakdown(dict(zip(CATEGORIES, row))), s, phase, grads_done.get(key, 0.0))
+        out[key] = tuple(b[c] for c in CATEGORIES)
+    return collapse_regions(out)
 
 
 def comm_bytes_per_step(param_bytes: int, trainable_bytes: int, stage: int, world_size: int, grad_accum: int) -> int:

@@ -28,13 +28,13 @@ from memfit.dist.checkpoint import (
     load_distributed,
     save_distributed,
 )
-from memfit.dist.engines import Parallel, clip_grad_norm, engine_name, local_tensor, parallelize
+from memfit.dist.engines import Parallel, StepEngine, clip_grad_norm, engine_name, local_tensor, parallelize
 from memfit.dist.runtime import DistContext, init_distributed, on_main, shutdown
 from memfit.errors import OutOfMemoryExit, UserError
 from memfit.memory.categories import StepMemory
 from memfit.memory.measure import profiled_peak_bytes
 from memfit.memory.plan import check_fits, predict_run
-from memfit.memory.sharding import ShardingSpec, per_rank
+from memfit.memory.sharding import ShardingSpec
 from memfit.memory.snapshot import analyze
 from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
 from memfit.strategies.allocator import apply_allocator_env, apply_device_limits, maybe_release_cache
@@ -204,6 +204,7 @@ class Trainer:
                 self.scaler = ShardedGradScaler() if self.kind == "fsdp2" else torch.amp.GradScaler(self.device.type)
             self.runner = StepRunner(self.par.model, self.par.params, self.par.optimizer, self.par.precision,
                                      self.device, cfg.optimizer.grad_clip, self.scaler, ctx, self.par.grad_sync)
+        self.runner: StepEngine
         self.model, self.optimizer, self.params = self.par.module, self.par.optimizer, self.par.params
         self.scheduler = build_scheduler(self.optimizer, t.max_steps, cfg.optimizer)
         self.display_console = display_console
@@ -240,13 +241,14 @@ class Trainer:
         """
         cfg, gpu = self.cfg, self.device.type == "cuda"
         impl = resolve_implementation(cfg.optimizer.implementation, self.device)
-        step = predict_run(mconf, cfg.data.seq_len, cfg.train.micro_batch_size, self.accum,
-                           cfg.strategy.activation_checkpointing, self.precision.name, impl,
-                           cfg.lora if cfg.lora.enabled else None, on_gpu=gpu)
+        sharding = None
         if self.ctx.distributed:
             engine = "deepspeed" if self.kind == "deepspeed" else "fsdp2"
-            step = per_rank(step, ShardingSpec.for_model(cfg.distributed.zero_stage, self.ctx.world_size, engine,
-                                                         mconf, cfg.lora.enabled))
+            sharding = ShardingSpec.for_model(cfg.distributed.zero_stage, self.ctx.world_size, engine, mconf,
+                                              cfg.lora.enabled)
+        step = predict_run(mconf, cfg.data.seq_len, cfg.train.micro_batch_size, self.accum,
+                           cfg.strategy.activation_checkpointing, self.precision.name, impl,
+                           cfg.lora if cfg.lora.enabled else None, on_gpu=gpu, sharding=sharding)
         if gpu:
             capacity = int(torch.cuda.get_device_properties(self.device).total_memory * (cfg.allocator.memory_fraction or 1.0))
             check_fits(step, capacity, device_name(self.device))
