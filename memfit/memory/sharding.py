@@ -76,15 +76,17 @@ def validate(stage: int, world_size: int, engine: str) -> None:
         raise UserError(f"sharding engine must be one of {', '.join(ENGINES)} (got '{engine}')")
 
 
-def _shard_phase(b: Breakdown, s: ShardingSpec, phase: str, grads_done: float) -> Breakdown:
-    """One moment's (or one phase peak's) bytes on one rank; ``grads_done`` is the fraction of the
+_CATS = tuple(Category)
+_P, _G, _O, _T = (_CATS.index(c) for c in (Category.PARAMS, Category.GRADS, Category.OPTIMIZER, Category.TEMPORARIES))
+
+
+def _shard_row(row: tuple[int, ...], s: ShardingSpec, phase: str, grads_done: float) -> tuple[int, ...]:
+    """One moment's bytes (in ``Category`` order) on one rank; ``grads_done`` is the fraction of the
     step's gradients the backward pass had produced by then (where FSDP2 has resharded)."""
     n, layers = s.world_size, max(1, s.num_layers)
-    p, g, o = b[Category.PARAMS], b[Category.GRADS], b[Category.OPTIMIZER]
-    temps = b[Category.TEMPORARIES]
+    p, g, o = row[_P], row[_G], row[_O]
     root_p, root_g = int(p * s.root_param_fraction), int(g * s.root_grad_fraction)
     layer_p, layer_g = (p - root_p) // layers, (g - root_g) // layers
-    resharded = phase in ("clip", "optimizer")
     if s.stage == 0:
         p2, g2, o2 = p, g + (g if n > 1 else 0), o
     elif s.engine == "deepspeed":
@@ -96,18 +98,22 @@ def _shard_phase(b: Breakdown, s: ShardingSpec, phase: str, grads_done: float) -
             p2, g2, o2 = p // n + min(p, s.bucket_bytes) + layer_p, g // n, o // n
     elif s.stage == 1:
         p2, g2, o2 = p, 2 * g, o // n
-    elif resharded:
+    elif phase in ("clip", "optimizer"):  # every group resharded after backward
         p2, g2, o2 = p // n, g // n, o // n
     elif s.stage == 2:
         gathered = p if phase != "backward" else root_p + int((1 - grads_done) * (p - root_p))
         p2, g2, o2 = p // n + gathered, g // n + root_g + layer_g, o // n
     else:
         p2, g2, o2 = p // n + root_p + 2 * layer_p, g // n + root_g + layer_g, o // n
-    out = dict(b.bytes_by_category)
-    out.update({Category.PARAMS: p2, Category.GRADS: g2 if g else 0, Category.OPTIMIZER: o2})
+    out = list(row)
+    out[_P], out[_G], out[_O] = p2, g2 if g else 0, o2
     if phase == "optimizer" and s.stage >= 1:
-        out[Category.TEMPORARIES] = temps // n  # each rank steps only its shard
-    return Breakdown(out)
+        out[_T] = row[_T] // n  # each rank steps only its shard
+    return tuple(out)
+
+
+def _shard_phase(b: Breakdown, s: ShardingSpec, phase: str, grads_done: float) -> Breakdown:
+    return Breakdown(dict(zip(_CATS, _shard_row(tuple(b[c] for c in _CATS), s, phase, grads_done))))
 
 
 def per_rank(step: StepMemory, s: ShardingSpec) -> StepMemory:
@@ -127,13 +133,12 @@ def per_rank_moments(moments: dict[str, tuple[int, ...]], s: ShardingSpec, grads
     """Every traced moment (rows in ``Category`` order, keyed ``phase:...``) as one rank sees it, and
     then the peaks: the moment of a rank's peak can differ from the single device's (e.g. ZeRO-2
     frees each layer's gathered weights during backward)."""
-    from memfit.memory.tracker import CATEGORIES, collapse_regions
+    from memfit.memory.tracker import collapse_regions
 
     out = {}
     for key, row in moments.items():
         phase = key.split(":", 1)[0].split("#", 1)[0]
-        b = _shard_phase(Breakdown(dict(zip(CATEGORIES, row))), s, phase, grads_done.get(key, 0.0))
-        out[key] = tuple(b[c] for c in CATEGORIES)
+        out[key] = _shard_row(row, s, phase, grads_done.get(key, 0.0))
     return collapse_regions(out)
 
 
