@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from importlib import resources
 from pathlib import Path
 
-from memfit.errors import UserError
+from memfit.errors import UserError, print_user_error
 
 DEFAULT_CONFIG = "smollm2-shakespeare-lora-cpu"
 
@@ -64,33 +63,20 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
         spec = LaunchSpec(ns.nproc_per_node or 1, ns.nnodes, ns.node_rank, ns.rdzv_endpoint)
         return launch(spec, cfg, resolve_config_path(config_arg), overrides)
+    from memfit.dist.runtime import launched_ranks
+
+    if launched_ranks() > 1:  # a rank started by torchrun
+        from memfit.dist.worker import run_rank
+
+        run_rank(cfg)
     from memfit.train.loop import Trainer
 
+    trainer = Trainer(cfg)
     try:
-        trainer = Trainer(cfg)
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
-    except torch_dist_error() as e:
-        from memfit.errors import RankFailedExit
-
-        rank = os.environ.get("RANK", "?")
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RankFailedExit(f"rank {rank} lost contact with its peers ({first}); another rank has probably died") from None
+        trainer.fit()
+    finally:
+        trainer.close()
     return 0
-
-
-def torch_dist_error() -> type[BaseException]:
-    """The exception a collective raises when a peer rank is gone (a class that never matches when
-    torch.distributed is unavailable)."""
-    import torch.distributed as dist
-
-    return getattr(dist, "DistError", _NeverRaised) if dist.is_available() else _NeverRaised
-
-
-class _NeverRaised(Exception):
-    pass
 
 
 def cmd_exporter(ns: argparse.Namespace) -> int:
@@ -243,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return ns.func(ns)
     except UserError as e:
-        if getattr(e, "echo", True):
-            rank = os.environ.get("RANK")
-            where = f"[rank {rank}] " if rank not in (None, "0") else ""
-            print(f"memfit: error: {where}{e}", file=sys.stderr, flush=True)
+        print_user_error(e)
         return e.exit_code
     except KeyboardInterrupt:
         print("memfit: interrupted", file=sys.stderr)

@@ -7,6 +7,8 @@ configuration the device cannot run). Anything else is a bug and keeps its trace
 from __future__ import annotations
 
 import difflib
+import os
+import sys
 from collections.abc import Iterable
 
 EXIT_USER_ERROR = 2
@@ -46,3 +48,12 @@ class ReportedByRankZero(UserError):
     """An error rank 0 found and printed; the other ranks exit with it silently."""
 
     echo = False
+
+
+def print_user_error(e: UserError) -> None:
+    """``memfit: error: <message>`` on stderr, with ``[rank R]`` for ranks other than 0; nothing for an
+    error rank 0 already printed."""
+    if getattr(e, "echo", True):
+        rank = os.environ.get("RANK")
+        where = f"[rank {rank}] " if rank not in (None, "0") else ""
+        print(f"memfit: error: {where}{e}", file=sys.stderr, flush=True)

@@ -251,3 +251,26 @@ def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, stag
     measured, predicted = rec["profiled_peak_bytes"], rec["predicted_peak_bytes"]
     assert len(rec["rank_profiled_peak_bytes"]) == 2
     assert abs(predicted - measured) / measured <= 0.05, (stage, predicted, rec["rank_profiled_peak_bytes"])
+
+
+def test_a_rank_dying_on_another_node_stops_this_node_too(tmp_path, embedded_dir):
+    args = tiny_overrides(tmp_path / "run", *COMMON, "train.max_steps=100000")
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [_memfit(args, nproc=1, popen=True,
+                     extra_flags=("--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint", endpoint)) for r in (0, 1)]
+    _wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").is_file()
+              and sum(r["kind"] == "step" for r in read_metrics(tmp_path / "run" / "metrics.jsonl")) >= 2, nodes[0], 180)
+    workers = {rank: (node, pid) for node in nodes for rank, pid in _victim_pids(node.pid).items()}
+    assert set(workers) == {0, 1}, workers
+    victim_node, victim_pid = workers[1]
+    killed_at = time.time()
+    os.kill(victim_pid, signal.SIGKILL)
+    errors = {}
+    for node in nodes:
+        out, err = node.communicate(timeout=120)
+        assert node.returncode == 4, err[-3000:]
+        errors[node] = [ln for ln in err.splitlines() if ln.startswith("memfit: error:")][-1]
+    assert time.time() - killed_at < 60
+    assert f"rank 1 (pid {victim_pid}) was killed by SIGKILL" in errors[victim_node]
+    survivor = next(n for n in nodes if n is not victim_node)
+    assert "rank 0 lost contact with its peers" in errors[survivor]

@@ -12,13 +12,14 @@ launcher prints one line naming the rank and how it ended.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 from memfit.config.schema import RunConfig, grad_accum_steps
-from memfit.errors import EXIT_OUT_OF_MEMORY, EXIT_USER_ERROR, RankFailedExit, UserError
+from memfit.errors import EXIT_OUT_OF_MEMORY, EXIT_RANK_FAILED, EXIT_USER_ERROR, RankFailedExit, UserError
 
 
 @dataclass(frozen=True)
@@ -108,14 +109,17 @@ def launch(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides: list[
 
     check_launch(spec, cfg)
     worker_env(cfg)
+    if "LOGLEVEL" not in os.environ:  # memfit reports failures itself, in one line; LOGLEVEL=INFO shows torchrun's
+        for name in ("torch.distributed.run", "torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     args = get_args_parser().parse_args(torchrun_args(spec, cfg, config_path, overrides))
     try:
         run(args)
     except ChildFailedError as e:
         failures = sorted(e.failures.items())
         codes = {f.exitcode for _, f in failures}
-        if codes <= {EXIT_USER_ERROR, EXIT_OUT_OF_MEMORY}:
-            return max(codes)  # the ranks printed their own one-line error
+        if codes <= {EXIT_USER_ERROR, EXIT_OUT_OF_MEMORY, EXIT_RANK_FAILED}:
+            return max(codes)  # the ranks printed their own one-line error (4: they lost a peer elsewhere)
         first_rank, first = min(failures, key=lambda kv: kv[1].timestamp)
         others = [describe_failure(r, f.exitcode, f.pid) for r, f in failures if r != first_rank]
         raise RankFailedExit(
