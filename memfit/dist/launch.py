@@ -75,9 +75,9 @@ def worker_env(cfg: RunConfig) -> None:
     from memfit.models.load import cache_dir
 
     cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_available())
+    if cpu:  # DeepSpeed's accelerator (transformers imports DeepSpeed when it is installed, too)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if cfg.distributed.engine == "deepspeed":
-        if cpu:
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
 
 

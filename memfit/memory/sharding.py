@@ -9,7 +9,8 @@ FSDP2 semantics (``fully_shard`` per decoder layer and on the root; memfit's def
     stage 2  reshard_after_forward=False: in forward, sharded P/N plus every group's unsharded
              parameters kept for backward (P); in backward a layer reshards once its gradients are
              reduced, so at a moment when a fraction f of the gradients exists, P/N + root +
-             (1 - f) of the layers' parameters; G/N plus the root group's unsharded gradients (alive
+             (1 - f) of the layers' parameters; G/N (sharded, accumulated over micro-batches) plus,
+             in backward only, the root group's share of the gradients produced so far (unsharded
              until the root's post-backward) and one layer's in flight; O/N.
     stage 3  reshard_after_forward=True on the layers: P/N plus the root group's unsharded
              parameters (kept from forward to backward) and two layers' (current + prefetched);
@@ -25,7 +26,11 @@ Activations and temporaries are per rank and unchanged (data parallel: each rank
 micro-batch). Model-state bytes are checked in tests against the ZeRO paper's formulas.
 
 Known limitations: communication buffers other than the ones named are not modelled; DeepSpeed's
-bucket sizes are its defaults (5e8 elements) unless given.
+bucket sizes are its defaults (5e8 elements) unless given. Measured against torch.profiler on 2 CPU
+ranks (gloo), FSDP2 without gradient accumulation is within ~4% (SmolLM2-135M shape); with
+accumulation the prediction is low by 8% (ZeRO-2) to 13% (ZeRO-3) on the same model, for a reason
+not yet found; DDP / ZeRO-1 and DeepSpeed per-rank peaks have not been measured (their buffers are
+allocated before a step, out of the profiler's sight).
 """
 
 from __future__ import annotations
@@ -80,13 +85,21 @@ _CATS = tuple(Category)
 _P, _G, _O, _T = (_CATS.index(c) for c in (Category.PARAMS, Category.GRADS, Category.OPTIMIZER, Category.TEMPORARIES))
 
 
-def _shard_row(row: tuple[int, ...], s: ShardingSpec, phase: str, grads_done: float) -> tuple[int, ...]:
+def _shard_row(row: tuple[int, ...], s: ShardingSpec, phase: str, grads_done: float, g_total: int) -> tuple[int, ...]:
     """One moment's bytes (in ``Category`` order) on one rank; ``grads_done`` is the fraction of the
-    step's gradients the backward pass had produced by then (where FSDP2 has resharded)."""
+    step's gradients this micro-batch's backward had produced by then (where FSDP2 has resharded),
+    ``g_total`` the bytes of all gradients."""
     n, layers = s.world_size, max(1, s.num_layers)
     p, g, o = row[_P], row[_G], row[_O]
-    root_p, root_g = int(p * s.root_param_fraction), int(g * s.root_grad_fraction)
-    layer_p, layer_g = (p - root_p) // layers, (g - root_g) // layers
+    root_p = int(p * s.root_param_fraction)
+    layer_p = (p - root_p) // layers
+    # unsharded gradients in flight during backward: the root group's share of the gradients produced
+    # so far in this micro-batch (reduce-scattered at the root's post-backward) and one layer's before
+    # its reduce-scatter; none in forward (earlier micro-batches' gradients are sharded by then)
+    in_flight = 0
+    if phase == "backward" and grads_done > 0:
+        root_g = int(g_total * s.root_grad_fraction)
+        in_flight = int(grads_done * root_g) + (g_total - root_g) // layers
     if s.stage == 0:
         p2, g2, o2 = p, g + (g if n > 1 else 0), o
     elif s.engine == "deepspeed":
@@ -102,9 +115,9 @@ def _shard_row(row: tuple[int, ...], s: ShardingSpec, phase: str, grads_done: fl
         p2, g2, o2 = p // n, g // n, o // n
     elif s.stage == 2:
         gathered = p if phase != "backward" else root_p + int((1 - grads_done) * (p - root_p))
-        p2, g2, o2 = p // n + gathered, g // n + root_g + layer_g, o // n
+        p2, g2, o2 = p // n + gathered, g // n + in_flight, o // n
     else:
-        p2, g2, o2 = p // n + root_p + 2 * layer_p, g // n + root_g + layer_g, o // n
+        p2, g2, o2 = p // n + root_p + 2 * layer_p, g // n + in_flight, o // n
     out = list(row)
     out[_P], out[_G], out[_O] = p2, g2 if g else 0, o2
     if phase == "optimizer" and s.stage >= 1:
@@ -112,8 +125,8 @@ def _shard_row(row: tuple[int, ...], s: ShardingSpec, phase: str, grads_done: fl
     return tuple(out)
 
 
-def _shard_phase(b: Breakdown, s: ShardingSpec, phase: str, grads_done: float) -> Breakdown:
-    return Breakdown(dict(zip(_CATS, _shard_row(tuple(b[c] for c in _CATS), s, phase, grads_done))))
+def _shard_phase(b: Breakdown, s: ShardingSpec, phase: str, grads_done: float, g_total: int) -> Breakdown:
+    return Breakdown(dict(zip(_CATS, _shard_row(tuple(b[c] for c in _CATS), s, phase, grads_done, g_total))))
 
 
 def per_rank(step: StepMemory, s: ShardingSpec) -> StepMemory:
@@ -124,7 +137,7 @@ def per_rank(step: StepMemory, s: ShardingSpec) -> StepMemory:
     """
     g_total = max(b[Category.GRADS] for b in step.phase_peaks.values())
     done = {ph: (b[Category.GRADS] / g_total if g_total else 0.0) for ph, b in step.phase_peaks.items()}
-    phases = {ph: _shard_phase(b, s, ph, done[ph]) for ph, b in step.phase_peaks.items()}
+    phases = {ph: _shard_phase(b, s, ph, done[ph], g_total) for ph, b in step.phase_peaks.items()}
     peak_phase = max(phases, key=lambda ph: phases[ph].total_bytes)
     return StepMemory(peak=phases[peak_phase], phase_peaks=phases, peak_phase=peak_phase)
 
@@ -135,10 +148,11 @@ def per_rank_moments(moments: dict[str, tuple[int, ...]], s: ShardingSpec, grads
     frees each layer's gathered weights during backward)."""
     from memfit.memory.tracker import collapse_regions
 
+    g_total = max(row[_G] for row in moments.values())
     out = {}
     for key, row in moments.items():
         phase = key.split(":", 1)[0].split("#", 1)[0]
-        out[key] = _shard_row(row, s, phase, grads_done.get(key, 0.0))
+        out[key] = _shard_row(row, s, phase, grads_done.get(key, 0.0), g_total)
     return collapse_regions(out)
 
 

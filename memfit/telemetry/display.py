@@ -94,7 +94,7 @@ def summary_tables(
         run.add_row("eval loss (first → last)", f"{summary['first_eval_loss']:.4f} → {summary['last_eval_loss']:.4f}")
     run.add_row("parameters (trainable)", f"{states.params:,} ({states.trainable_params:,})")
 
-    mem = Table(title="where the memory went")
+    mem = Table(title=f"where the memory went ({device_label})")
     mem.add_column("category")
     mem.add_column("GiB", justify="right")
     mem.add_column("how measured")
@@ -126,6 +126,15 @@ def summary_tables(
         if predicted_peak_bytes is not None:
             mem.add_row("planner's predicted tensor peak", f"{predicted_peak_bytes / GIB:.3f}",
                         "fake-tensor trace of this step (tensors only, no runtime)")
+    profiled = [r for r in steps if "profiled_peak_bytes" in r]
+    if profiled:
+        rec = profiled[-1]
+        summary.update(profiled_peak_bytes=rec["profiled_peak_bytes"], profiled_step=rec["step"])
+        ranks = rec.get("rank_profiled_peak_bytes")
+        how = f"torch.profiler, step {rec['step']}" + (f", worst of {len(ranks)} ranks" if ranks else "")
+        if predicted_peak_bytes is not None:
+            how += f"; planner {100 * (predicted_peak_bytes - rec['profiled_peak_bytes']) / rec['profiled_peak_bytes']:+.1f}%"
+        mem.add_row("measured tensor peak", f"{rec['profiled_peak_bytes'] / GIB:.3f}", how)
     rank_peaks = _rank_peaks(steps)
     if rank_peaks:
         key, values = rank_peaks

@@ -461,8 +461,9 @@ class Trainer:
         if cfg.output.export:
             self._export(display)
         states = states_at_step or state_bytes(self.model, self.par.local_optimizer())
+        where = device_name(self.device) + (f"; model states of rank 0 of {ctx.world_size}" if ctx.distributed else "")
         run_table, mem_table, summary = summary_tables(
-            result.steps, result.evals, states, self.baseline_rss_bytes, device_name(self.device),
+            result.steps, result.evals, states, self.baseline_rss_bytes, where,
             self.predicted.peak_bytes if self.predicted else None,
         )
         if ctx.distributed:
