@@ -101,5 +101,5 @@ class Predictor:
                 row[gi] = g_total  # later micro-batches run with every gradient alive
             steady[key] = tuple(row)
         if sharding is not None:
-            return per_rank_moments(steady, sharding, grads_done)
+            return per_rank_moments(steady, sharding, grads_done, accumulated=grad_accum > 1)
         return collapse_regions(steady)

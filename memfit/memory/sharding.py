@@ -27,10 +27,10 @@ micro-batch). Model-state bytes are checked in tests against the ZeRO paper's fo
 
 Known limitations: communication buffers other than the ones named are not modelled; DeepSpeed's
 bucket sizes are its defaults (5e8 elements) unless given. Measured against torch.profiler on 2 CPU
-ranks (gloo), FSDP2 without gradient accumulation is within ~4% (SmolLM2-135M shape); with
-accumulation the prediction is low by 8% (ZeRO-2) to 13% (ZeRO-3) on the same model, for a reason
-not yet found; DDP / ZeRO-1 and DeepSpeed per-rank peaks have not been measured (their buffers are
-allocated before a step, out of the profiler's sight).
+ranks (gloo; benchmarks/RESULTS.md): the tiny preset within 0.5%; a SmolLM2-135M shape low by 2-7% with
+and without accumulation, where the ranks themselves differ by up to ~6% from run to run (gloo's
+collectives allocate on their own threads). DDP / ZeRO-1 and DeepSpeed per-rank peaks have not been
+measured (their buffers are allocated before a step, out of the profiler's sight).
 """
 
 from __future__ import annotations
@@ -85,10 +85,12 @@ _CATS = tuple(Category)
 _P, _G, _O, _T = (_CATS.index(c) for c in (Category.PARAMS, Category.GRADS, Category.OPTIMIZER, Category.TEMPORARIES))
 
 
-def _shard_row(row: tuple[int, ...], s: ShardingSpec, phase: str, grads_done: float, g_total: int) -> tuple[int, ...]:
+def _shard_row(row: tuple[int, ...], s: ShardingSpec, phase: str, grads_done: float, g_total: int,
+               accumulated: bool = False) -> tuple[int, ...]:
     """One moment's bytes (in ``Category`` order) on one rank; ``grads_done`` is the fraction of the
     step's gradients this micro-batch's backward had produced by then (where FSDP2 has resharded),
-    ``g_total`` the bytes of all gradients."""
+    ``g_total`` the bytes of all gradients, ``accumulated`` whether earlier micro-batches of the step
+    left (sharded) gradients behind."""
     n, layers = s.world_size, max(1, s.num_layers)
     p, g, o = row[_P], row[_G], row[_O]
     root_p = int(p * s.root_param_fraction)
@@ -96,10 +98,13 @@ def _shard_row(row: tuple[int, ...], s: ShardingSpec, phase: str, grads_done: fl
     # unsharded gradients in flight during backward: the root group's share of the gradients produced
     # so far in this micro-batch (reduce-scattered at the root's post-backward) and one layer's before
     # its reduce-scatter; none in forward (earlier micro-batches' gradients are sharded by then)
-    in_flight = 0
+    in_flight = root_in_flight = 0
     if phase == "backward" and grads_done > 0:
         root_g = int(g_total * s.root_grad_fraction)
-        in_flight = int(grads_done * root_g) + (g_total - root_g) // layers
+        root_in_flight = int(grads_done * root_g)
+        in_flight = root_in_flight + (g_total - root_g) // layers
+    # sharded gradients: every gradient of earlier micro-batches, else this backward's layers so far
+    sharded_g = g // n if accumulated else max(0, g - root_in_flight) // n
     if s.stage == 0:
         p2, g2, o2 = p, g + (g if n > 1 else 0), o
     elif s.engine == "deepspeed":
@@ -115,9 +120,9 @@ def _shard_row(row: tuple[int, ...], s: ShardingSpec, phase: str, grads_done: fl
         p2, g2, o2 = p // n, g // n, o // n
     elif s.stage == 2:
         gathered = p if phase != "backward" else root_p + int((1 - grads_done) * (p - root_p))
-        p2, g2, o2 = p // n + gathered, g // n + in_flight, o // n
+        p2, g2, o2 = p // n + gathered, sharded_g + in_flight, o // n
     else:
-        p2, g2, o2 = p // n + root_p + 2 * layer_p, g // n + in_flight, o // n
+        p2, g2, o2 = p // n + root_p + 2 * layer_p, sharded_g + in_flight, o // n
     out = list(row)
     out[_P], out[_G], out[_O] = p2, g2 if g else 0, o2
     if phase == "optimizer" and s.stage >= 1:
@@ -142,7 +147,8 @@ def per_rank(step: StepMemory, s: ShardingSpec) -> StepMemory:
     return StepMemory(peak=phases[peak_phase], phase_peaks=phases, peak_phase=peak_phase)
 
 
-def per_rank_moments(moments: dict[str, tuple[int, ...]], s: ShardingSpec, grads_done: dict[str, float]) -> StepMemory:
+def per_rank_moments(moments: dict[str, tuple[int, ...]], s: ShardingSpec, grads_done: dict[str, float],
+                     accumulated: bool = False) -> StepMemory:
     """Every traced moment (rows in ``Category`` order, keyed ``phase:...``) as one rank sees it, and
     then the peaks: the moment of a rank's peak can differ from the single device's (e.g. ZeRO-2
     frees each layer's gathered weights during backward)."""
@@ -152,7 +158,7 @@ def per_rank_moments(moments: dict[str, tuple[int, ...]], s: ShardingSpec, grads
     out = {}
     for key, row in moments.items():
         phase = key.split(":", 1)[0].split("#", 1)[0]
-        out[key] = _shard_row(row, s, phase, grads_done.get(key, 0.0), g_total)
+        out[key] = _shard_row(row, s, phase, grads_done.get(key, 0.0), g_total, accumulated)
     return collapse_regions(out)
 
 

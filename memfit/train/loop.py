@@ -384,8 +384,9 @@ class Trainer:
             f"AdamW {resolve_implementation(cfg.optimizer.implementation, self.device)}, "
             f"{len(self.train_ds)} train / {sum(len(b[0]) for b in self.eval)} eval sequences of {cfg.data.seq_len} tokens, "
             f"global batch {ctx.world_size * t.micro_batch_size * self.accum}"
-            + (f", resuming from {self.resume_from.name}" if self.resume_from else "")
         )
+        if self.resume_from:
+            display.log(f"resuming from {self.resume_from.name}")
         if self.predicted is not None:
             display.log(f"planner: predicted step peak {self.predicted.peak_bytes / GIB:.3f} GiB of tensors "
                         f"{'per rank ' if ctx.distributed else ''}(in {self.predicted.peak_phase})")
