@@ -279,3 +279,13 @@ def test_a_rank_dying_on_another_node_stops_this_node_too(tmp_path, embedded_dir
     assert f"rank 1 (pid {victim_pid}) was killed by SIGKILL" in errors[victim_node]
     survivor = next(n for n in nodes if n is not victim_node)
     assert "rank 0 lost contact with its peers" in errors[survivor]
+
+
+def test_plain_torchrun_runs_the_same_worker(runs, tmp_path):
+    args = tiny_overrides(tmp_path / "run", *COMMON, "distributed.zero_stage=2")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "memfit.train", "tiny-cpu", *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [r["loss"] for r in _steps(tmp_path / "run")]
+    assert _close(got, [r["loss"] for r in _steps(runs["fsdp2-zero2"])], 1e-6)
