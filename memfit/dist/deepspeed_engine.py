@@ -24,7 +24,6 @@ import torch
 from memfit.config.schema import RunConfig
 from memfit.errors import UserError
 from memfit.strategies.precision import Precision
-from memfit.train.data import IGNORE_INDEX
 
 SUPPORTED_STAGES = (1, 2)
 
@@ -133,10 +132,9 @@ class DeepSpeedRunner:
         self.engine, self.ctx, self.device = engine, ctx, device
 
     def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        from memfit.train.loop import token_loss_sum
+        from memfit.train.loop import global_token_count, token_loss_sum
 
-        n_tokens = sum((labels[:, 1:] != IGNORE_INDEX).sum() for _, labels in batches).to(self.device)
-        n_tokens = self.ctx.all_reduce_sum(n_tokens).clamp_min(1)
+        n_tokens = global_token_count(batches, self.ctx, self.device)
         world = self.ctx.world_size
         loss_sum = torch.zeros((), device=self.device)
         no_autocast = Precision("deepspeed", torch.float32, None, False)  # DeepSpeed casts the module itself

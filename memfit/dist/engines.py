@@ -40,11 +40,6 @@ def engine_name(ctx: DistContext, engine: str, stage: int) -> str:
     return "deepspeed" if engine == "deepspeed" else ENGINE_OF_STAGE[stage]
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP2 parameters, gradients, optimizer state), else ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm over ``params`` to ``max_norm`` and return the norm before clipping.
 

@@ -67,13 +67,13 @@ def memory_record(device: torch.device) -> dict[str, int]:
     }
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP2), else the tensor itself."""
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameters, gradients, optimizer state), else ``t``."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    t = _local(t)
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 
@@ -97,9 +97,9 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
     seen: set[int] = set()
     params_b = trainable_b = grads_b = n = n_train = 0
     for p in model.parameters():
-        if _local(p).data_ptr() in seen:
+        if local_tensor(p).data_ptr() in seen:
             continue
-        seen.add(_local(p).data_ptr())
+        seen.add(local_tensor(p).data_ptr())
         params_b += _tensor_bytes(p)
         n += p.numel()  # the model's count (global), whereas bytes are what this rank holds
         if p.requires_grad:

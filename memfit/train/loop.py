@@ -28,7 +28,7 @@ from memfit.dist.checkpoint import (
     load_distributed,
     save_distributed,
 )
-from memfit.dist.engines import Parallel, StepEngine, clip_grad_norm, engine_name, local_tensor, parallelize
+from memfit.dist.engines import Parallel, StepEngine, clip_grad_norm, engine_name, parallelize
 from memfit.dist.runtime import DistContext, init_distributed, on_main, shutdown
 from memfit.errors import OutOfMemoryExit, UserError
 from memfit.memory.categories import StepMemory
@@ -43,7 +43,7 @@ from memfit.strategies.lora import apply_lora
 from memfit.strategies.optimizer import build_optimizer, build_scheduler, resolve_implementation
 from memfit.strategies.precision import Precision, resolve_precision
 from memfit.telemetry.display import TrainDisplay, summary_tables
-from memfit.telemetry.memory import GIB, memory_record, process_rss_bytes, reset_peaks, state_bytes
+from memfit.telemetry.memory import GIB, local_tensor, memory_record, process_rss_bytes, reset_peaks, state_bytes
 from memfit.telemetry.oom import oom_request_bytes
 from memfit.telemetry.prometheus import TrainerMetrics
 from memfit.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
@@ -64,6 +64,14 @@ def token_loss_sum(model, tokens: torch.Tensor, labels: torch.Tensor, precision,
     return F.cross_entropy(
         logits.float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def global_token_count(batches: list[tuple[torch.Tensor, torch.Tensor]], ctx: DistContext,
+                       device: torch.device) -> torch.Tensor:
+    """Supervised tokens of the whole step over every rank (a tensor, not an int: no host sync, and
+    traceable under FakeTensorMode); the loss of each micro-batch is divided by it."""
+    n_tokens = sum((labels[:, 1:] != IGNORE_INDEX).sum() for _, labels in batches).to(device)
+    return ctx.all_reduce_sum(n_tokens).clamp_min(1)
 
 
 def _no_sync_needed(is_last: bool):
@@ -99,9 +107,7 @@ class StepRunner:
         Returns:
             (loss, grad_norm) as 0-d tensors; loss is the mean token loss of the (global) step.
         """
-        # a tensor, not an int: no host sync, and traceable under FakeTensorMode
-        n_tokens = sum((labels[:, 1:] != IGNORE_INDEX).sum() for _, labels in batches).to(self.device)
-        n_tokens = self.ctx.all_reduce_sum(n_tokens).clamp_min(1)
+        n_tokens = global_token_count(batches, self.ctx, self.device)
         world = self.ctx.world_size
         loss_sum = torch.zeros((), device=self.device)
         for i, (tokens, labels) in enumerate(batches):
