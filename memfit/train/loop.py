@@ -179,25 +179,31 @@ class Trainer:
                 f"{mconf.max_position_embeddings}; lower data.seq_len"
             )
         self.tokenizer = load_tokenizer(source)
+        self.notes: list[str] = []
+        dataset = load_dataset(cfg.data, self.tokenizer)
         if len(self.tokenizer) > mconf.vocab_size:
-            raise UserError(
-                f"model.source: the tokenizer has {len(self.tokenizer)} tokens but the model only "
-                f"{mconf.vocab_size} embeddings; use a checkpoint directory with its own tokenizer"
-            )
+            if source.kind != "preset":
+                raise UserError(
+                    f"model.source: the tokenizer has {len(self.tokenizer)} tokens but the model only "
+                    f"{mconf.vocab_size} embeddings; use a checkpoint directory with its own tokenizer"
+                )
+            dataset = dataset.folded(mconf.vocab_size)  # random weights: only shapes matter
+            self.notes.append(f"random preset with {mconf.vocab_size} embeddings: the {len(self.tokenizer)}-token "
+                              f"tokenizer's ids are folded into them (id mod {mconf.vocab_size})")
         self.source, self.mconf = source, mconf
-        train_ds, eval_ds = split(load_dataset(cfg.data, self.tokenizer), cfg.data.eval_fraction)
+        train_ds, eval_ds = split(dataset, cfg.data.eval_fraction)
         self.train_ds, self.eval = train_ds, eval_batches(eval_ds, t.micro_batch_size, t.eval_batches)
 
         self.predicted = self._plan_check(mconf) if t.plan_check else None
         self.baseline_rss_bytes = process_rss_bytes()
-        model = self._plain_model()
-        self.wrapped = apply_activation_checkpointing(model, cfg.strategy.activation_checkpointing)
-        model = model.to(self.device)
-        self.notes = apply_device_limits(cfg.allocator, self.device)
-        if self.device.type == "cuda" and t.record_memory_history:
+        self.notes += apply_device_limits(cfg.allocator, self.device)
+        if self.device.type == "cuda" and t.record_memory_history:  # before the weights arrive: a whole trace
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         elif t.record_memory_history or t.snapshot_at_step is not None:
             self.notes.append("train.record_memory_history / snapshot_at_step apply to CUDA/ROCm devices only")
+        model = self._plain_model()
+        self.wrapped = apply_activation_checkpointing(model, cfg.strategy.activation_checkpointing)
+        model = model.to(self.device)
 
         if self.kind == "deepspeed":
             self.par, self.runner = self._deepspeed(model)
@@ -219,7 +225,8 @@ class Trainer:
 
     def _plain_model(self) -> torch.nn.Module:
         """The model as configured (weights, LoRA adapters) on CPU, before any wrapper or engine."""
-        model = build_model(self.source, self.cfg.model, self.precision.param_dtype, self.cfg.train.seed)
+        init_device = self.device if not self.ctx.distributed else torch.device("cpu")  # ranks shard from CPU
+        model = build_model(self.source, self.cfg.model, self.precision.param_dtype, self.cfg.train.seed, init_device)
         return apply_lora(model, self.cfg.lora) if self.cfg.lora.enabled else model
 
     def _deepspeed(self, model):
