@@ -15,7 +15,7 @@ from memfit.strategies.lora import apply_lora
 from memfit.strategies.optimizer import build_optimizer, lr_at
 from memfit.strategies.precision import resolve_precision
 from memfit.train.checkpoint import clean_name
-from memfit.train.loop import token_loss_sum
+from memfit.train.loop import frag_interval, token_loss_sum
 
 CPU = torch.device("cpu")
 FP32 = resolve_precision("fp32", CPU)
@@ -138,3 +138,13 @@ def test_allocator_settings_string():
     )
     assert apply_device_limits(cfg, CPU) == ["allocator settings apply to CUDA/ROCm devices only; ignored on CPU"]
     assert apply_device_limits(AllocatorConfig(), CPU) == []
+
+
+def test_fragmentation_reading_interval_keeps_overhead_under_one_percent():
+    # a 5 ms snapshot over 0.2 s steps: 1% of 50 steps is 100 ms, so the configured 50 stays
+    assert frag_interval(0.005, 0.2, 50) == 50
+    # a 2 s snapshot (huge trace, history recorded) over 0.2 s steps needs 2 / (0.01 * 0.2) = 1000 steps
+    assert frag_interval(2.0, 0.2, 50) == 1000
+    for cost, step in [(0.3, 0.05), (0.01, 0.001), (1.5, 0.7)]:
+        every = frag_interval(cost, step, 1)
+        assert every > 1 and cost / (every * step) <= 0.01 < cost / ((every - 1) * step)  # the smallest that keeps 1%

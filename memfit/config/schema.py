@@ -133,7 +133,8 @@ class TrainConfig:
     seed: int = _f(1234, "seed for weights init, data order and dropout")
     threads: Optional[int] = _f(None, "CPU threads for torch (None = torch's default)")
     frag_every: int = _f(
-        50, "on a GPU, read fragmentation from torch.cuda.memory_snapshot() every N steps (0 = never)"
+        50, "on a GPU, read fragmentation from torch.cuda.memory_snapshot() every N steps, or more "
+        "steps where one reading would cost over 1% of the training time (0 = never)"
     )
     record_memory_history: bool = _f(False, "on a GPU, record allocator history (torch.cuda.memory._record_memory_history)")
     snapshot_at_step: Optional[int] = _f(None, "on a GPU, dump a memory snapshot to the run directory after this step")

@@ -8,6 +8,7 @@ model built in the precision's parameter dtype; LoRA adapters before activation-
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -140,6 +141,15 @@ class TrainResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
+FRAG_OVERHEAD = 0.01  # the most of the training time that reading fragmentation may take
+
+
+def frag_interval(cost_s: float, step_time_s: float, every: int) -> int:
+    """Steps until the next fragmentation reading: ``train.frag_every``, or more when one reading
+    (``cost_s``, a snapshot of every segment) would exceed FRAG_OVERHEAD of the steps between."""
+    return max(every, math.ceil(cost_s / (FRAG_OVERHEAD * max(step_time_s, 1e-9))))
+
+
 class Trainer:
     """Builds everything a run needs from a validated ``RunConfig``; ``fit()`` trains and exports.
 
@@ -222,6 +232,7 @@ class Trainer:
         self.display_console = display_console
         self.metrics: TrainerMetrics | None = None
         self.metrics_port: int | None = None
+        self._next_frag = t.frag_every
 
     def _plain_model(self) -> torch.nn.Module:
         """The model as configured (weights, LoRA adapters) on CPU, before any wrapper or engine."""
@@ -493,14 +504,19 @@ class Trainer:
         return result
 
     def _gpu_memory_extras(self, step: int, rec: dict[str, Any]) -> None:
-        """On a GPU: fragmentation every ``train.frag_every`` steps (into the step record and metrics)
-        and the snapshot asked for by ``train.snapshot_at_step``."""
+        """On a GPU: fragmentation every ``train.frag_every`` steps or more (into the step record and
+        metrics, with what reading it cost) and the snapshot asked for by ``train.snapshot_at_step``."""
         t = self.cfg.train
         if self.device.type != "cuda":
             return
-        if t.frag_every and step % t.frag_every == 0:
+        if t.frag_every and step >= self._next_frag:
+            start = time.perf_counter()
             report = analyze({"segments": torch.cuda.memory_snapshot()}, self.device.index or 0)
-            rec.update(fragmentation_ratio=report.fragmentation_ratio, largest_free_block_bytes=report.largest_free_bytes)
+            cost_s = time.perf_counter() - start
+            every = frag_interval(cost_s, rec["step_time_s"], t.frag_every)
+            self._next_frag = step + every
+            rec.update(fragmentation_ratio=report.fragmentation_ratio, largest_free_block_bytes=report.largest_free_bytes,
+                       frag_time_s=cost_s, frag_every=every)
         if t.snapshot_at_step == step:
             torch.cuda.memory._dump_snapshot(str(self.run.root / f"snapshot_step{step}.pickle"))
 
