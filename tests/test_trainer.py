@@ -197,3 +197,9 @@ def test_output_dir_with_a_different_run_is_refused(tiny_cfg, capsys, tmp_path):
 def test_gpu_only_memory_recording_is_a_noted_no_op_on_cpu(tiny_cfg):
     trainer = Trainer(tiny_cfg("train.record_memory_history=true", "train.snapshot_at_step=1"))
     assert "train.record_memory_history / snapshot_at_step apply to CUDA/ROCm devices only" in trainer.notes
+
+
+def test_keep_checkpoints_zero_writes_no_checkpoint(tiny_cfg):
+    result = Trainer(tiny_cfg("train.max_steps=2", "train.keep_checkpoints=0", "train.checkpoint_every=1")).fit()
+    assert not any((result.run_dir / "checkpoints").glob("*"))
+    assert (result.run_dir / "export" / "config.json").is_file()

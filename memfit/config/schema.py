@@ -128,7 +128,7 @@ class TrainConfig:
     eval_batches: int = _f(8, "held-out micro-batches per eval pass")
     log_every: int = _f(1, "optimizer steps between metric records")
     checkpoint_every: int = _f(0, "optimizer steps between checkpoints (0 = only at the end)")
-    keep_checkpoints: int = _f(2, "how many recent checkpoints to keep")
+    keep_checkpoints: int = _f(2, "how many recent checkpoints to keep (0 = write none: no resume; for benchmarks)")
     resume: bool = _f(False, "continue the run in output.dir from its latest checkpoint")
     seed: int = _f(1234, "seed for weights init, data order and dropout")
     threads: Optional[int] = _f(None, "CPU threads for torch (None = torch's default)")
@@ -249,13 +249,13 @@ def check(cfg: RunConfig) -> RunConfig:
         ("train.grad_accum_steps", t.grad_accum_steps),
         ("train.eval_batches", t.eval_batches),
         ("train.log_every", t.log_every),
-        ("train.keep_checkpoints", t.keep_checkpoints),
         ("lora.rank", lo.rank),
     ):
         _need(value > 0, f"{name} must be > 0 (got {value})")
     for name, value in (
         ("train.eval_every", t.eval_every),
         ("train.checkpoint_every", t.checkpoint_every),
+        ("train.keep_checkpoints", t.keep_checkpoints),
         ("optimizer.warmup_steps", o.warmup_steps),
         ("optimizer.weight_decay", o.weight_decay),
         ("optimizer.grad_clip", o.grad_clip),

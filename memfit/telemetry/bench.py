@@ -49,6 +49,7 @@ class Cell:
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     peak_rss_bytes: int | None = None
+    fragmentation_ratio: float | None = None  # GPU: the highest read after a measured step (memory_snapshot)
     profiled_peak_bytes: int | None = None  # torch.profiler's tensor peak of the first measured step
     predicted_peak_bytes: int | None = None
     prediction_error_pct: float | None = None
@@ -97,7 +98,7 @@ def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: 
         f"strategy.activation_checkpointing={cell.ac}", f"strategy.precision={cell.precision}",
         f"train.micro_batch_size={cell.micro_batch}", f"train.global_batch_size={global_batch}",
         f"lora.enabled={'true' if cell.lora else 'false'}", f"train.max_steps={steps}", "train.eval_every=0",
-        "train.eval_batches=1", "train.checkpoint_every=0", "train.log_every=1", "output.export=false",
+        "train.eval_batches=1", "train.keep_checkpoints=0", "train.frag_every=1", "train.log_every=1", "output.export=false",
         f"output.dir={out / 'cells' / cell.name}", *launch,
     ]
 
@@ -132,6 +133,7 @@ def run_cell(config: str, cell: Cell, out: Path, warmup: int, steps: int, global
     if "peak_allocated_bytes" in measured[0]:
         cell.peak_allocated_bytes = max(r["peak_allocated_bytes"] for r in measured)
         cell.peak_reserved_bytes = max(r["peak_reserved_bytes"] for r in measured)
+        cell.fragmentation_ratio = max((r["fragmentation_ratio"] for r in measured if "fragmentation_ratio" in r), default=None)
     else:
         cell.peak_rss_bytes = max(r["peak_rss_bytes"] for r in measured)
     cell.predicted_peak_bytes = summary.get("predicted_peak_bytes")
@@ -162,7 +164,7 @@ def _fmt_gib(n: int | None) -> str:
 
 
 def rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
-    header = ["cell", "status", "ranks x mb x acc", "peak GiB", "reserved GiB", "tensor peak GiB (profiler)",
+    header = ["cell", "status", "ranks x mb x acc", "peak GiB", "reserved GiB", "frag", "tensor peak GiB (profiler)",
               "predicted GiB", "error %", "step s (median)",
               "spread s", "tokens/s", "loss", "note"]
     body = []
@@ -170,6 +172,7 @@ def rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
         note = c.loss_flag or (f"OOM asking for {c.oom_request_bytes / GIB:.2f} GiB" if c.status == "oom" and c.oom_request_bytes else c.message)
         body.append([
             c.name, c.status, f"{c.nproc}x{c.micro_batch}x{c.grad_accum}", _fmt_gib(c.peak_bytes), _fmt_gib(c.peak_reserved_bytes),
+            "" if c.fragmentation_ratio is None else f"{c.fragmentation_ratio:.3f}",
             _fmt_gib(c.profiled_peak_bytes),
             _fmt_gib(c.predicted_peak_bytes), "" if c.prediction_error_pct is None else f"{c.prediction_error_pct:+.1f}",
             "" if c.median_step_time_s is None else f"{c.median_step_time_s:.3f}",

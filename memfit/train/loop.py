@@ -474,7 +474,7 @@ class Trainer:
                     maybe_release_cache(cfg.allocator, self.device, step)
                     if t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
                         do_eval(step)
-                    if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.max_steps:
+                    if t.keep_checkpoints and ((t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.max_steps):
                         self._checkpoint(state)
                 if not result.evals or result.evals[-1]["step"] != t.max_steps:
                     do_eval(t.max_steps)
