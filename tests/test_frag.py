@@ -112,6 +112,7 @@ def test_simulate_compares_settings_and_recommends(tmp_path, capsys):
     assert "what-if replay of 90 trace events" in text
     assert "expandable_segments is ignored on ROCm 5.7" in text
     assert "recommendation:" in text
+    assert "model check (default settings): the replay ends at" in text
     assert main(["frag", str(p), "--out", str(tmp_path / "o"), "--simulate", "--capacity", "200MiB"]) == 2
 
 
@@ -130,3 +131,25 @@ def test_whatif_replay_numbers_follow_the_model():
     assert best is not None and best.peak_reserved_bytes == min(r.peak_reserved_bytes for r in results)
     tight = replay(entries, AllocatorSettings(), default.peak_allocated_bytes)  # no room for any cache
     assert tight.oom or tight.alloc_retries > 0
+
+
+def test_replay_check_sets_the_model_beside_the_snapshot():
+    """5 MiB then 3 MiB, then the 5 MiB freed: both fit one 20 MiB large-pool segment (requests between
+    1 and 10 MiB get kLargeBuffer segments; each split leaves > 1 MiB), so the allocator's own state
+    at the dump is that segment: 5 MiB free, 3 MiB allocated, 12 MiB free."""
+    from memfit.memory.allocator_model import AllocatorSettings
+    from memfit.memory.whatif import replay_check
+    from snapshot_fixtures import segment, snapshot
+
+    base = 0x7F0000000000
+    trace = [{"action": "alloc", "addr": base, "size": 5 * MIB, "stream": 0},
+             {"action": "alloc", "addr": base + 5 * MIB, "size": 3 * MIB, "stream": 0},
+             {"action": "free_completed", "addr": base, "size": 5 * MIB, "stream": 0}]
+    snap = snapshot([segment(base, [(5 * MIB, "inactive", 0), (3 * MIB, "active_allocated", 3 * MIB),
+                                    (12 * MIB, "inactive", 0)])], [trace])
+    check = replay_check(snap, 0, AllocatorSettings())
+    assert (check.model_reserved_bytes, check.snapshot_reserved_bytes) == (20 * MIB, 20 * MIB)
+    assert (check.model_segments, check.snapshot_segments, check.unmatched_frees) == (1, 1, 0)
+    assert check.model_peak_allocated_bytes == 8 * MIB and check.reserved_error == 0
+    late = snapshot(snap["segments"], [[{"action": "free_completed", "addr": 1, "size": 512, "stream": 0}, *trace]])
+    assert replay_check(late, 0, AllocatorSettings()).unmatched_frees == 1

@@ -77,7 +77,7 @@ def simulate(snap, report, ns, console) -> None:
     import torch
 
     from memfit.memory.hardware import parse_memory
-    from memfit.memory.whatif import compare, no_op_reason
+    from memfit.memory.whatif import compare, no_op_reason, replay_check
 
     traces = snap.get("device_traces") or []
     entries = traces[report.device] if report.device < len(traces) else []
@@ -96,6 +96,13 @@ def simulate(snap, report, ns, console) -> None:
                   str(r.segment_allocs), str(r.alloc_retries), "yes" if r.oom else "no",
                   ("no-op here" if no_op_reason(r.settings, hip) else "") + ("recommended" if r is best else ""))
     console.print(t)
+    check = replay_check(snap, report.device, results[0].settings)
+    if check.unmatched_frees:
+        console.print(f"note: {check.unmatched_frees} frees of blocks allocated before recording started; the replay "
+                      "misses those blocks (start recording before the model is built)", highlight=False)
+    console.print(f"model check (default settings): the replay ends at {check.model_reserved_bytes / GIB:.3f} GiB reserved "
+                  f"in {check.model_segments} segments; the allocator held {check.snapshot_reserved_bytes / GIB:.3f} GiB "
+                  f"in {check.snapshot_segments}", highlight=False)
     for reason in {no_op_reason(r.settings, hip) for r in results} - {None}:
         console.print(f"note: {reason}", highlight=False)
     if best is not None:

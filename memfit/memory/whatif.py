@@ -35,10 +35,13 @@ class Replay:
     events: int
 
 
-def replay(entries: list[dict[str, Any]], settings: AllocatorSettings, capacity: int) -> Replay:
+def _replayed(entries: list[dict[str, Any]], settings: AllocatorSettings, capacity: int
+              ) -> tuple[CachingAllocatorModel, bool, int, int]:
+    """The model after the trace's ``alloc`` / ``free_completed`` entries: (model, OOM, entries
+    replayed, frees of addresses the trace never allocated — non-zero when recording started late)."""
     model = CachingAllocatorModel(capacity, settings)
     live: dict[int, object] = {}
-    oom, n = False, 0
+    oom, n, unmatched = False, 0, 0
     for e in entries:
         action = e.get("action")
         if action == "alloc":
@@ -47,11 +50,58 @@ def replay(entries: list[dict[str, Any]], settings: AllocatorSettings, capacity:
             except OutOfMemory:
                 oom = True
                 break
-        elif action == "free_completed" and e.get("addr") in live:
-            model.free(live.pop(e["addr"]))
+        elif action == "free_completed":
+            if e.get("addr") in live:
+                model.free(live.pop(e["addr"]))
+            else:
+                unmatched += 1
         n += 1
+    return model, oom, n, unmatched
+
+
+def replay(entries: list[dict[str, Any]], settings: AllocatorSettings, capacity: int) -> Replay:
+    model, oom, n, _ = _replayed(entries, settings, capacity)
     return Replay(settings, model.peak_reserved, model.peak_allocated, model.segment_allocs,
                   model.num_alloc_retries, oom, model.fragmentation_ratio(), n)
+
+
+@dataclass(frozen=True)
+class TraceCheck:
+    """The model's replay of a snapshot's trace beside the allocator's own state at the dump."""
+
+    model_reserved_bytes: int
+    snapshot_reserved_bytes: int
+    model_segments: int
+    snapshot_segments: int
+    model_peak_reserved_bytes: int
+    model_peak_allocated_bytes: int
+    events: int
+    unmatched_frees: int  # > 0: recording started after some allocations, the replay misses them
+
+    @property
+    def reserved_error(self) -> float:
+        return (self.model_reserved_bytes - self.snapshot_reserved_bytes) / max(self.snapshot_reserved_bytes, 1)
+
+
+def replay_check(snap: dict[str, Any], device: int, settings: AllocatorSettings) -> TraceCheck:
+    """Replay ``device``'s whole trace under ``settings`` (those the process ran with) and set the
+    model's end state beside the snapshot's segments: how far to trust the model on this workload.
+
+    Raises:
+        UserError: when the snapshot holds no trace for ``device``.
+    """
+    from memfit.errors import UserError
+    from memfit.memory.snapshot import analyze
+
+    traces = snap.get("device_traces") or []
+    entries = traces[device] if device < len(traces) else []
+    if not any(e.get("action") == "alloc" for e in entries):
+        raise UserError(f"the snapshot has no alloc entries for device {device}; record with "
+                        "torch.cuda.memory._record_memory_history() before the workload")
+    model, _, n, unmatched = _replayed(entries, settings, 1 << 62)
+    report = analyze(snap, device)
+    return TraceCheck(model.reserved, report.reserved_bytes, len(model.segments), len(report.segments),
+                      model.peak_reserved, model.peak_allocated, n, unmatched)
 
 
 def no_op_reason(settings: AllocatorSettings, hip: str | None) -> str | None:
