@@ -67,3 +67,22 @@ def test_bench_zero_cells_run_on_two_ranks(tmp_path, capsys, embedded_dir):
     assert zero1["loss"] == pytest.approx(single["loss"], rel=1e-4) == zero3["loss"]
     assert zero3["profiled_peak_bytes"] and zero1["profiled_peak_bytes"] is None  # DDP buckets: not profiled
     assert abs(zero3["prediction_error_pct"]) <= 10  # vs the worst rank; ranks differ by up to ~6% on gloo
+
+
+def test_gpu_check_script_runs_its_parts_on_cpu(tmp_path, embedded_dir):
+    """benchmarks/gpu_check.py is run once per lent GPU with no time to debug it: its --smoke mode runs
+    the same parts on the tiny preset on CPU (the GPU-only replay part reports itself skipped)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    out = tmp_path / "gc"
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out), "--parts", "doctor,replay,bench-full"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert {k: v["status"] for k, v in summary["parts"].items()} == {"doctor": "ok", "replay": "skipped", "bench-full": "ok"}
+    cell = summary["parts"]["bench-full"]["cells"][0]
+    assert cell["status"] == "ok" and cell["predicted_peak_bytes"] > 0
+    assert sorted(p.name for p in out.iterdir()) == ["bench_full.md", "bench_full_memory.png", "log.txt", "summary.json", "summary.md"]

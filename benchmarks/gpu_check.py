@@ -1,0 +1,208 @@
+"""Every GPU measurement the open issues ask for, in one short run (a lent GPU has ~15 minutes).
+
+    bash benchmarks/gpu_prepare.sh          # here: tokenizer + two plays into .gpu_carry/ (no hub)
+    bash benchmarks/gpu_check.sh            # there: runs this script, results under $OUT
+
+Parts, each in its own subprocess(es) with its own time limit, so one failure leaves the others:
+
+1. ``doctor``: the platform as memfit sees it (``memfit doctor --json``).
+2. ``replay`` (fragmentation issue): a Llama-2-7B-shaped LoRA run records allocator history from
+   before the weights arrive and dumps a snapshot after step 3; the trace is replayed through memfit's
+   allocator model and its peak reserved and segment count set beside what the allocator reported
+   (target within 2%), for default settings and for expandable segments. Also the cost of one
+   fragmentation reading against the step time.
+3. ``bench-lora`` / ``bench-full`` (issues 2, 3, 6): ``memfit bench`` on the 7B-shaped model: AC policy x
+   precision, LoRA and full fine-tuning; per cell peak allocated / reserved, fragmentation, step time,
+   tokens/s and the planner's prediction beside ``torch.cuda.max_memory_allocated()``.
+
+Writes ``summary.json`` and ``summary.md`` (and the bench tables and plots) to ``--out``. ``--smoke``
+runs the same parts on the tiny preset on CPU to check the script itself (GPU-only parts report
+"skipped").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+GIB = 1 << 30
+
+
+def _run(cmd: list[str], timeout_s: int, log) -> subprocess.CompletedProcess | None:
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    except subprocess.TimeoutExpired as e:
+        log.write(f"timed out after {timeout_s} s\n{(e.stderr or b'')[-4000:]!r}\n")
+        return None
+    log.write(proc.stdout[-6000:] + proc.stderr[-6000:] + f"\n(exit {proc.returncode})\n")
+    log.flush()
+    return proc
+
+
+def _train_args(s: argparse.Namespace, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "memfit.cli", "train", "tiny-cpu", *s.base, *extra, f"output.dir={out}",
+            "train.eval_every=0", "train.eval_batches=1", "output.export=false", "train.keep_checkpoints=0",
+            "train.log_every=1"]
+
+
+def part_doctor(s, out: Path, log) -> dict:
+    proc = _run([sys.executable, "-m", "memfit.cli", "doctor", "--json"], 120, log)
+    if proc is None or not proc.stdout.strip():
+        return {"status": "failed"}
+    return {"status": "ok", "doctor": json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def part_replay(s, out: Path, log) -> dict:
+    """Record history over 3 steps, replay the snapshot's trace in the model, compare."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "why": "needs a CUDA/ROCm device"}
+    from memfit.memory.allocator_model import AllocatorSettings
+    from memfit.memory.snapshot import load_snapshot
+    from memfit.memory.whatif import replay_check
+    from memfit.train.run_dir import read_metrics
+
+    rows = []
+    for label, settings, extra in (
+        ("default", AllocatorSettings(), []),
+        ("expandable_segments", AllocatorSettings(expandable_segments=True), ["allocator.expandable_segments=true"]),
+    ):
+        run = out / "runs" / f"replay-{label}"
+        proc = _run(_train_args(s, run, *s.replay_cell, "train.max_steps=3", "train.record_memory_history=true",
+                                "train.snapshot_at_step=3", "train.frag_every=1", *extra), 600, log)
+        if proc is None or proc.returncode != 0:
+            rows.append({"settings": label, "status": "failed"})
+            continue
+        steps = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "step"]
+        snap = load_snapshot(run / "snapshot_step3.pickle")
+        check = replay_check(snap, 0, settings)
+        measured_peak = max(r["peak_reserved_bytes"] for r in steps)
+        rows.append({
+            "settings": label, "status": "ok", "events": check.events, "unmatched_frees": check.unmatched_frees,
+            "measured_peak_reserved_bytes": measured_peak, "model_peak_reserved_bytes": check.model_peak_reserved_bytes,
+            "peak_reserved_error_pct": 100 * (check.model_peak_reserved_bytes - measured_peak) / measured_peak,
+            "snapshot_reserved_bytes": check.snapshot_reserved_bytes, "model_reserved_bytes": check.model_reserved_bytes,
+            "snapshot_segments": check.snapshot_segments, "model_segments": check.model_segments,
+            "measured_peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in steps),
+            "model_peak_allocated_bytes": check.model_peak_allocated_bytes,
+            "frag_time_s": [r.get("frag_time_s") for r in steps], "step_time_s": [r["step_time_s"] for r in steps],
+        })
+        shutil.rmtree(run, ignore_errors=True)  # the snapshot is large; its numbers are in the summary
+    return {"status": "ok" if all(r["status"] == "ok" for r in rows) else "partial", "rows": rows}
+
+
+def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
+    bench_out = out / "runs" / name
+    cmd = [sys.executable, "-m", "memfit.cli", "bench", "tiny-cpu", *matrix, "--steps", str(s.steps),
+           "--warmup", "1", "--out", str(bench_out), "--set", *s.base, "output.export=false"]
+    proc = _run(cmd, s.bench_timeout, log)
+    results = bench_out / "results.json"
+    if not results.is_file():
+        return {"status": "failed" if proc is not None else "timed out"}
+    copies = [("results.md", f"{name}.md"), ("memory_per_cell.png", f"{name}_memory.png")]
+    if name == "bench_lora":  # at most 8 files come back from the machine
+        copies.append(("pareto.png", f"{name}_pareto.png"))
+    for src, dst in copies:
+        if (bench_out / src).is_file():
+            shutil.copy(bench_out / src, out / dst)
+    cells = json.loads(results.read_text())
+    frag = []
+    for c in cells:
+        metrics = bench_out / "cells" / c["name"] / "metrics.jsonl"
+        if metrics.is_file():
+            from memfit.train.run_dir import read_metrics
+
+            frag += [(r["frag_time_s"], r["step_time_s"]) for r in read_metrics(metrics)
+                     if r.get("kind") == "step" and r.get("frag_time_s") is not None]
+    return {"status": "ok", "cells": cells, "frag_time_vs_step": frag}
+
+
+def summary_md(summary: dict) -> str:
+    lines = [f"# GPU check {summary['date']} on {summary['device']}", ""]
+    for name, part in summary["parts"].items():
+        lines.append(f"## {name}: {part.get('status')} ({part.get('wall_s', 0):.0f} s)")
+        for r in part.get("rows", []):
+            if r["status"] != "ok":
+                lines.append(f"- {r['settings']}: {r['status']}")
+                continue
+            lines.append(
+                f"- {r['settings']}: peak reserved measured {r['measured_peak_reserved_bytes'] / GIB:.3f} GiB, "
+                f"model {r['model_peak_reserved_bytes'] / GIB:.3f} GiB ({r['peak_reserved_error_pct']:+.2f}%); "
+                f"at the dump {r['snapshot_reserved_bytes'] / GIB:.3f} vs {r['model_reserved_bytes'] / GIB:.3f} GiB, "
+                f"segments {r['snapshot_segments']} vs {r['model_segments']}; {r['events']} events, "
+                f"{r['unmatched_frees']} unmatched frees")
+        if part.get("frag_time_vs_step"):
+            worst = max(f / t for f, t in part["frag_time_vs_step"])
+            lines.append(f"- one fragmentation reading costs up to {100 * worst:.2f}% of a step "
+                         f"({len(part['frag_time_vs_step'])} readings)")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"))
+    ap.add_argument("--smoke", action="store_true", help="tiny preset on CPU: checks this script, measures nothing")
+    ap.add_argument("--parts", default="doctor,replay,bench-lora,bench-full")
+    ns = ap.parse_args()
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = REPO / ".gpu_carry" / "data"
+    source = str(data) if data.is_dir() else "shakespeare"
+    if ns.smoke:
+        ns.base = ["model.source=random:tiny", f"data.source={source}", "data.seq_len=64", "data.max_documents=2",
+                   "train.device=cpu", "train.threads=2"]
+        ns.replay_cell = ["strategy.precision=fp32", "train.micro_batch_size=2"]
+        ns.lora = ["--ac", "none,full", "--precision", "fp32", "--micro-batch", "2", "--lora", "true"]
+        ns.full = ["--ac", "full", "--precision", "fp32", "--micro-batch", "2", "--lora", "false"]
+        ns.steps, ns.bench_timeout = 2, 300
+    else:
+        ns.base = ["model.source=random:llama2-7b", f"data.source={source}", "data.seq_len=1024",
+                   "data.max_documents=2", "train.device=cuda", "data.num_workers=0"]
+        ns.replay_cell = ["strategy.precision=bf16-mixed", "strategy.activation_checkpointing=ffn", "lora.enabled=true",
+                          "train.micro_batch_size=4"]
+        ns.lora = ["--ac", "none,ffn,full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "true"]
+        ns.full = ["--ac", "full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "false"]
+        ns.steps, ns.bench_timeout = 3, 240
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
+               "torch": torch.__version__, "args": sys.argv[1:], "parts": {}}
+    parts = {
+        "doctor": lambda log: part_doctor(ns, out, log),
+        "replay": lambda log: part_replay(ns, out, log),
+        "bench-lora": lambda log: part_bench(ns, out, log, "bench_lora", ns.lora),
+        "bench-full": lambda log: part_bench(ns, out, log, "bench_full", ns.full),
+    }
+    with open(out / "log.txt", "a") as log:
+        for name in ns.parts.split(","):
+            start = time.perf_counter()
+            try:
+                result = parts[name](log)
+            except Exception as e:  # one part's failure must not lose the others' numbers
+                log.write(f"part {name} raised {type(e).__name__}: {e}\n")
+                result = {"status": "error", "error": f"{type(e).__name__}: {e}"}
+            result["wall_s"] = time.perf_counter() - start
+            summary["parts"][name] = result
+            (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+            (out / "summary.md").write_text(summary_md(summary) + "\n")
+            print(f"{name}: {result['status']} in {result['wall_s']:.0f} s", flush=True)
+    shutil.rmtree(out / "runs", ignore_errors=True)  # only the summary files travel back
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

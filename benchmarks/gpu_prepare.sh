@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Here, before a device run: what benchmarks/gpu_check.sh needs that the GPU machine cannot fetch.
+# The GPU image has torch, transformers, peft, rich, pyyaml, matplotlib, prometheus-client; it lacks the
+# embedded model's packages. Random presets need only the tokenizer, and the data two plays, so
+# .gpu_carry/ (git-ignored, < 5 MiB) holds the converted tokenizer directory (no weights) and two texts.
+# Then: device run with carry [".gpu_carry"] and command `bash benchmarks/gpu_check.sh`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+rm -rf .gpu_carry
+mkdir -p .gpu_carry/cache .gpu_carry/data
+src=$($PY -c "from memfit.models.load import embedded_checkpoint_dir as e; print(e())")
+dst=.gpu_carry/cache/$(basename "$src")
+mkdir -p "$dst"
+for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja special_tokens_map.json; do
+  if [ -f "$src/$f" ]; then cp "$src/$f" "$dst/"; fi
+done
+$PY -c "from memfit.train.data import shakespeare_files as s; print('\n'.join(map(str, s()[:2])))" |
+  while read -r f; do cp "$f" .gpu_carry/data/; done
+du -sh .gpu_carry
