@@ -81,7 +81,7 @@ def part_replay(s, out: Path, log) -> dict:
     ):
         run = out / "runs" / f"replay-{label}"
         proc = _run(_train_args(s, run, *s.replay_cell, "train.max_steps=3", "train.record_memory_history=true",
-                                "train.snapshot_at_step=3", "train.frag_every=1", *extra), 600, log)
+                                "train.snapshot_at_step=3", "train.frag_every=1", *extra), 150, log)
         if proc is None or proc.returncode != 0:
             rows.append({"settings": label, "status": "failed"})
             continue
@@ -175,7 +175,7 @@ def main() -> int:
                           "train.micro_batch_size=4"]
         ns.lora = ["--ac", "none,ffn,full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "true"]
         ns.full = ["--ac", "full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "false"]
-        ns.steps, ns.bench_timeout = 3, 240
+        ns.steps, ns.bench_timeout = 3, 200
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"

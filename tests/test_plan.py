@@ -129,6 +129,18 @@ def test_search_ranks_fitting_and_explains_the_rest():
     assert tight.best is None and "usable" in tight.pruned[0].why_not()
 
 
+def test_parallel_traces_give_the_same_plan_as_serial(monkeypatch):
+    w = Workload(preset_config("smollm2-135m"), "smollm2-135m", 256, 4)
+    plans = []
+    for workers in ("1", "2"):
+        monkeypatch.setenv("MEMFIT_PLAN_WORKERS", workers)
+        r = search(w, Cluster(gpu_preset("a100-40g"), 2))
+        plans.append([(c.ac, c.precision, c.zero, c.micro_batch, c.optimizer, c.memory, c.reserved_bytes)
+                      for c in r.fitting + r.pruned])
+        assert r.traces == 40
+    assert plans[0] == plans[1]
+
+
 def test_pins_restrict_the_search():
     w = Workload(preset_config("tiny"), "tiny", 64, 8)
     r = search(w, Cluster(gpu_preset("h100"), 2), Pins(ac="ffn", zero=2, micro_batch=2, optimizer="fused"))

@@ -159,17 +159,17 @@ def search(w: Workload, c: Cluster, pins: Pins = Pins(), headroom: float = 0.05,
     batches = micro_batches(w.global_batch, c.world_size)
     _check_pins(pins, w, c)
     predictor = predictor or Predictor(StepSpec(w.model_config, 1, w.seq_len, lora=w.lora, round_to=512))
+    acs = [pins.ac] if pins.ac else AC_CHOICES
+    precisions = [pins.precision] if pins.precision else precisions_for(c.gpu)
+    optimizers = [pins.optimizer] if pins.optimizer else OPTIMIZER_CHOICES
+    predictor.prefetch(product(acs, precisions, optimizers))
     shape = Shape.of(w.model_config)
     zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2, 3] if c.world_size > 1 else [0])
     usable = int(c.gpu.memory_bytes * (1 - headroom))
     result = PlanResult(w, c, headroom)
     per_rank_batch = w.global_batch // c.world_size
-    for ac, precision, optimizer, mb in product(
-        [pins.ac] if pins.ac else AC_CHOICES,
-        [pins.precision] if pins.precision else precisions_for(c.gpu),
-        [pins.optimizer] if pins.optimizer else OPTIMIZER_CHOICES,
-        [pins.micro_batch] if pins.micro_batch else batches,
-    ):
+    for ac, precision, optimizer, mb in product(acs, precisions, optimizers,
+                                                [pins.micro_batch] if pins.micro_batch else batches):
         accum = per_rank_batch // mb
         lowp_param_bytes = shape.matmul_weights * (4 if precision == "fp32" else 2)
         flops = step_flops(shape, mb * accum * w.seq_len, w.seq_len, w.lora is not None, ac)

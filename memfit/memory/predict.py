@@ -11,6 +11,10 @@ over hundreds of candidates costs a few dozen traces of two to four layers.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import sys
+from collections.abc import Iterable
 from dataclasses import replace
 
 from memfit.memory.categories import Category, StepMemory
@@ -35,12 +39,59 @@ class Predictor:
         self._opt: dict[tuple, dict[str, tuple[int, ...]]] = {}
         self.traces = 0
 
+    @staticmethod
+    def _key(spec: StepSpec, layers: int) -> tuple:
+        return (spec.precision, spec.activation_checkpointing, spec.optimizer_implementation, spec.micro_batch_size, layers)
+
     def _trace(self, spec: StepSpec, layers: int) -> Timeline:
-        key = (spec.precision, spec.activation_checkpointing, spec.optimizer_implementation, spec.micro_batch_size, layers)
+        key = self._key(spec, layers)
         if key not in self._cache:
             self._cache[key] = trace_timeline(spec, min(layers, self.depth))
             self.traces += 1
         return self._cache[key]
+
+    def _step_spec(self, ac: str, precision: str) -> StepSpec:
+        """Forward and backward do not depend on the optimizer: one implementation traces them all."""
+        return replace(self.base, activation_checkpointing=ac, precision=precision, optimizer_implementation="for-loop",
+                       micro_batch_size=1, grad_accum_steps=1)
+
+    def _optimizer_spec(self, spec: StepSpec, optimizer: str) -> StepSpec:
+        return replace(spec, activation_checkpointing="none", optimizer_implementation=optimizer, micro_batch_size=2)
+
+    def _optimizer_depths(self) -> tuple[int, ...]:
+        return (2, 3) if self.depth > 3 else (self.depth,)
+
+    def _requests(self, ac: str, precision: str, optimizer: str) -> list[tuple[StepSpec, int]]:
+        """The traces ``predict(ac, precision, optimizer, ...)`` reads, for any micro-batch."""
+        spec = self._step_spec(ac, precision)
+        la, lb = extrapolation_depths(spec)
+        depths = (self.depth,) if self.depth <= lb else (la, lb)
+        out = [(replace(spec, micro_batch_size=b), n) for n in depths for b in (2, 3)]
+        return out + [(self._optimizer_spec(spec, optimizer), n) for n in self._optimizer_depths()]
+
+    def prefetch(self, combos: Iterable[tuple[str, str, str]], workers: int | None = None) -> None:
+        """Trace, in parallel worker processes, everything ``predict`` will read for these
+        (ac, precision, optimizer) combinations. Traces are pure Python-bound work on fake tensors,
+        so N processes take about 1/N of the time; the results are identical to tracing on demand.
+
+        Args:
+            workers: processes (default ``MEMFIT_PLAN_WORKERS`` or this machine's cores, at most 8);
+                1, or a platform without ``fork``, traces on demand in this process.
+        """
+        missing: dict[tuple, tuple[StepSpec, int]] = {}
+        for combo in combos:
+            for spec, layers in self._requests(*combo):
+                key = self._key(spec, layers)
+                if key not in self._cache:
+                    missing[key] = (spec, min(layers, self.depth))
+        workers = min(workers or plan_workers(), len(missing))
+        if workers < 2:
+            return
+        # fork: the children inherit the imported torch/transformers (a fresh interpreter costs seconds)
+        with multiprocessing.get_context("fork").Pool(workers, initializer=torch_single_thread) as pool:
+            for key, timeline in pool.imap_unordered(_trace_job, missing.items(), chunksize=1):
+                self._cache[key] = timeline
+                self.traces += 1
 
     def _at_batch(self, spec: StepSpec, layers: int, micro_batch: int) -> dict[str, tuple[int, ...]]:
         """Moments of the first step at ``micro_batch``, from the op-by-op line through B = 2 and 3.
@@ -62,9 +113,10 @@ class Predictor:
         """Clipping and optimizer-step peaks: independent of micro-batch and checkpointing."""
         key = (spec.precision, spec.optimizer_implementation)
         if key not in self._opt:
-            if self.depth > 3:
-                oa, ob = (self._trace(spec, n).region_peaks() for n in (2, 3))
-                regions = extrapolate_regions(oa, ob, 2, 3, self.depth)
+            depths = self._optimizer_depths()
+            if len(depths) == 2:
+                oa, ob = (self._trace(spec, n).region_peaks() for n in depths)
+                regions = extrapolate_regions(oa, ob, *depths, self.depth)
             else:
                 regions = self._trace(spec, self.depth).region_peaks()
             self._opt[key] = {k: v for k, v in regions.items() if k in ("clip", "optimizer")}
@@ -77,8 +129,7 @@ class Predictor:
         Every moment of the step is made steady (optimizer state whole; with accumulation, forward and
         backward run with all gradients alive) and, for a rank, sharded, before the peaks are taken.
         """
-        spec = replace(self.base, activation_checkpointing=ac, precision=precision, optimizer_implementation="for-loop",
-                       micro_batch_size=1, grad_accum_steps=1)
+        spec = self._step_spec(ac, precision)
         la, lb = extrapolation_depths(spec)
         if self.depth <= lb:  # shallow model: trace it whole
             regions = dict(self._at_batch(spec, self.depth, micro_batch))
@@ -86,8 +137,7 @@ class Predictor:
             ra, rb = self._at_batch(spec, la, micro_batch), self._at_batch(spec, lb, micro_batch)
             regions = extrapolate_regions(ra, rb, la, lb, self.depth)
         regions = {k: v for k, v in regions.items() if k.startswith(("forward", "backward"))}
-        opt_spec = replace(spec, activation_checkpointing="none", optimizer_implementation=optimizer)
-        regions.update(self._optimizer_moments(replace(opt_spec, micro_batch_size=2)))
+        regions.update(self._optimizer_moments(self._optimizer_spec(spec, optimizer)))
         cats = list(Category)
         gi, oi = cats.index(Category.GRADS), cats.index(Category.OPTIMIZER)
         g_total = max(row[gi] for row in regions.values())
@@ -103,3 +153,25 @@ class Predictor:
         if sharding is not None:
             return per_rank_moments(steady, sharding, grads_done, accumulated=grad_accum > 1)
         return collapse_regions(steady)
+
+
+def plan_workers() -> int:
+    """Processes for parallel traces: ``MEMFIT_PLAN_WORKERS``, else the cores this process may use
+    (at most 8); 1 where ``fork`` is unavailable or unsafe (only Linux is trusted with it here)."""
+    if sys.platform != "linux" or "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    env = os.environ.get("MEMFIT_PLAN_WORKERS")
+    if env:
+        return max(1, int(env))
+    return min(8, len(os.sched_getaffinity(0)))
+
+
+def torch_single_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # the workers already fill the cores
+
+
+def _trace_job(item: tuple[tuple, tuple[StepSpec, int]]) -> tuple[tuple, Timeline]:
+    key, (spec, layers) = item
+    return key, trace_timeline(spec, layers)
