@@ -26,8 +26,9 @@ ENGINES = {
     "FSDP2 ZeRO-2": ["distributed.zero_stage=2"],
     "FSDP2 ZeRO-3": ["distributed.zero_stage=3"],
     "DeepSpeed ZeRO-2": ["distributed.engine=deepspeed", "distributed.zero_stage=2"],
+    "DeepSpeed ZeRO-3": ["distributed.engine=deepspeed", "distributed.zero_stage=3"],
 }
-DS_FP32 = {"zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": False}}
+DS_FP32 = {"zero_optimization": {"contiguous_gradients": True, "overlap_comm": False}}  # stage: memfit's config
 
 
 def records(run_dir: Path) -> list[dict]:

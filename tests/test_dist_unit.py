@@ -106,7 +106,7 @@ def test_deepspeed_json_conflicts_name_both_values(tmp_path, change, message):
     assert message in str(e.value) and str(path) in str(e.value)
 
 
-def test_deepspeed_auto_values_are_filled_and_stage_3_is_sent_to_fsdp2(tmp_path):
+def test_deepspeed_auto_values_are_filled_and_stage_0_is_sent_to_ddp(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "auto"},
                                 "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.95]}}}))
@@ -114,8 +114,11 @@ def test_deepspeed_auto_values_are_filled_and_stage_3_is_sent_to_fsdp2(tmp_path)
     assert ds["train_micro_batch_size_per_gpu"] == 1 and ds["zero_optimization"]["stage"] == 2
     assert "optimizer" not in ds  # checked, then memfit's own AdamW is the client optimizer
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    with pytest.raises(UserError, match="distributed.engine=fsdp2 distributed.zero_stage=3"):
-        reconcile(path, _ds_cfg("distributed.zero_stage=3"), precision_policy("bf16-mixed"), world_size=2, accum=4)
+    assert reconcile(path, _ds_cfg("distributed.zero_stage=3"), precision_policy("bf16-mixed"), world_size=2,
+                     accum=4)["zero_optimization"]["stage"] == 3
+    path.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    with pytest.raises(UserError, match="distributed.engine=fsdp2 distributed.zero_stage=0"):
+        reconcile(path, _ds_cfg("distributed.zero_stage=0"), precision_policy("bf16-mixed"), world_size=2, accum=4)
 
 
 def test_missing_deepspeed_names_the_extra(monkeypatch):

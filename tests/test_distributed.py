@@ -25,13 +25,14 @@ pytestmark = pytest.mark.integration
 STEPS = 10
 COMMON = ("train.max_steps=10", "train.eval_every=0", "train.eval_batches=1", "output.export=false",
           "train.micro_batch_size=2", "train.global_batch_size=4", "train.keep_checkpoints=10")
-DS_FP32 = '{"zero_optimization": {"stage": 2, "contiguous_gradients": true, "overlap_comm": false}}'
+DS_FP32 = '{"zero_optimization": {"contiguous_gradients": true, "overlap_comm": false}}'  # stage from memfit's config
 ENGINES = {
     "fsdp2-zero2": ("distributed.zero_stage=2",),
     "fsdp2-zero3": ("distributed.zero_stage=3",),
     "ddp-zero1": ("distributed.zero_stage=1",),
     "ddp-zero0": ("distributed.zero_stage=0",),
     "deepspeed-zero2": ("distributed.engine=deepspeed", "distributed.zero_stage=2"),
+    "deepspeed-zero3": ("distributed.engine=deepspeed", "distributed.zero_stage=3"),
 }
 
 
@@ -83,7 +84,7 @@ def test_two_ranks_reproduce_the_single_process_loss_curve(runs, engine):
     assert len(want) == STEPS
     assert _close(got, want, 1e-4), f"{engine}: {got} vs {want}"
     want_norm = [r["grad_norm"] for r in _steps(runs["single"])]
-    if engine != "deepspeed-zero2":  # DeepSpeed reports the norm of its flat fp32 partitions, same value
+    if not engine.startswith("deepspeed"):  # DeepSpeed reports the norm of its flat fp32 partitions
         assert _close([r["grad_norm"] for r in _steps(runs[engine])], want_norm, 1e-3)
 
 
@@ -104,8 +105,10 @@ def test_each_rank_holds_its_share_of_the_model_states(runs, engine):
             assert (p, g) == (P, G) and 0 < o <= O // 2 + largest_param, held
         elif engine == "ddp-zero0":
             assert (p, g, o) == (P, G, O), held
-        else:  # DeepSpeed ZeRO-2: optimizer state of a flat, padded partition
+        elif engine == "deepspeed-zero2":  # optimizer state of a flat, padded partition
             assert p == P and abs(o - O / 2) <= 0.01 * O, held
+        else:  # DeepSpeed ZeRO-3: each parameter's own padded partition (ds_tensor), and its state
+            assert abs(p - P / 2) <= 0.01 * P and abs(o - O / 2) <= 0.01 * O, held
     if engine == "ddp-zero1":
         assert sum(h["optimizer_bytes"] for h in summary["rank_states"]) == O
 
@@ -146,10 +149,13 @@ def _wait_for(predicate, proc, seconds: float) -> None:
     assert predicate(), "timed out waiting"
 
 
-def test_sharded_checkpoint_kill_and_resume_continue_the_same_losses(runs, tmp_path):
-    args = tiny_overrides(tmp_path / "run", *COMMON, "distributed.zero_stage=2", "train.checkpoint_every=2",
-                          "data.seq_len=128")
-    ref_args = tiny_overrides(tmp_path / "ref", *COMMON, "distributed.zero_stage=2", "data.seq_len=128")
+@pytest.mark.parametrize("engine", ["fsdp2-zero2", "deepspeed-zero3"])
+def test_sharded_checkpoint_kill_and_resume_continue_the_same_losses(runs, tmp_path, engine):
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(DS_FP32)
+    extra = (*ENGINES[engine], f"distributed.deepspeed_config={ds_json}", "data.seq_len=128")
+    args = tiny_overrides(tmp_path / "run", *COMMON, *extra, "train.checkpoint_every=2")
+    ref_args = tiny_overrides(tmp_path / "ref", *COMMON, *extra)
     ref = _memfit(ref_args, nproc=2, popen=True)
     victim = _memfit(args, nproc=2, popen=True)
     ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
@@ -236,6 +242,24 @@ def test_fsdp2_lora_export_is_the_consolidated_adapter(tmp_path, embedded_dir):
     assert one.keys() == two.keys() and len(one) > 0
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-6)
+
+
+def test_deepspeed_zero3_export_is_the_consolidated_model(tmp_path, embedded_dir):
+    """ZeRO-3 partitions every weight between forward passes: the export gathers them on all ranks
+    and rank 0 writes the whole model, equal to a one-process run's."""
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(DS_FP32)
+    steps = ("train.max_steps=3", "output.export=true")
+    code, _, err = _memfit(tiny_overrides(tmp_path / "one", *COMMON, *steps))
+    assert code == 0, err[-3000:]
+    code, _, err = _memfit(tiny_overrides(tmp_path / "two", *COMMON, *steps, "distributed.engine=deepspeed",
+                                          "distributed.zero_stage=3", f"distributed.deepspeed_config={ds_json}"), nproc=2)
+    assert code == 0, err[-3000:]
+    one = load_file(tmp_path / "one" / "export" / "model.safetensors")
+    two = load_file(tmp_path / "two" / "export" / "model.safetensors")
+    assert one.keys() == two.keys() and len(one) > 0
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -25,7 +25,7 @@ from memfit.config.schema import RunConfig
 from memfit.errors import UserError
 from memfit.strategies.precision import Precision
 
-SUPPORTED_STAGES = (1, 2)
+SUPPORTED_STAGES = (1, 2, 3)
 
 
 def require_deepspeed():
@@ -116,8 +116,8 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
     stage = ds["zero_optimization"]["stage"]
     if stage not in SUPPORTED_STAGES:
         raise UserError(
-            f"{path}: zero_optimization.stage {stage}: memfit runs DeepSpeed ZeRO 1 and 2; "
-            "for ZeRO-3 use distributed.engine=fsdp2 distributed.zero_stage=3"
+            f"{path}: zero_optimization.stage {stage}: memfit runs DeepSpeed ZeRO 1, 2 and 3; "
+            "for plain data parallelism use distributed.engine=fsdp2 distributed.zero_stage=0 (DDP)"
         )
     ds.setdefault("zero_allow_untested_optimizer", True)  # torch's AdamW as the client optimizer
     ds.setdefault("steps_per_print", 10**9)
@@ -159,6 +159,17 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
                                            dist_init_required=False)
     return engine
+
+
+def gathered(module: torch.nn.Module):
+    """Context in which every rank holds ``module``'s full parameters: DeepSpeed ZeRO-3 partitions
+    them (``ds_tensor``) between forward passes; a no-op for other stages. Collective: all ranks enter."""
+    import contextlib
+
+    params = [p for p in module.parameters() if hasattr(p, "ds_tensor")]
+    if not params:
+        return contextlib.nullcontext()
+    return require_deepspeed().zero.GatheredParameters(params, modifier_rank=None)
 
 
 def ds_writer(engine):

@@ -68,8 +68,11 @@ def memory_record(device: torch.device) -> dict[str, int]:
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP2 parameters, gradients, optimizer state), else ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    """This rank's shard of a DTensor (FSDP2 parameters, gradients, optimizer state) or of a DeepSpeed
+    ZeRO-3 parameter (``ds_tensor``; the parameter itself is empty between forward passes), else ``t``."""
+    if hasattr(t, "to_local"):
+        return t.to_local()
+    return getattr(t, "ds_tensor", t)
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -101,10 +104,11 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
             continue
         seen.add(local_tensor(p).data_ptr())
         params_b += _tensor_bytes(p)
-        n += p.numel()  # the model's count (global), whereas bytes are what this rank holds
+        numel = getattr(p, "ds_numel", p.numel())  # the model's count (global); bytes are what this rank holds
+        n += numel
         if p.requires_grad:
             trainable_b += _tensor_bytes(p)
-            n_train += p.numel()
+            n_train += numel
         if p.grad is not None:
             grads_b += _tensor_bytes(p.grad)
     opt_b = 0

@@ -367,10 +367,18 @@ class Trainer:
                 module.load_state_dict(full)
         else:
             module = self.par.module
-        if self.ctx.is_main:
-            export_model(module, self.tokenizer, self.source, self.run.export)
-            display.log(f"exported {'LoRA adapter' if self.cfg.lora.enabled else 'model'} to {self.run.export}")
+        with self._gathered(module):  # DeepSpeed ZeRO-3: every rank gathers, rank 0 writes
+            if self.ctx.is_main:
+                export_model(module, self.tokenizer, self.source, self.run.export)
+                display.log(f"exported {'LoRA adapter' if self.cfg.lora.enabled else 'model'} to {self.run.export}")
         self.ctx.barrier()
+
+    def _gathered(self, module: torch.nn.Module):
+        if self.kind != "deepspeed":
+            return contextlib.nullcontext()
+        from memfit.dist.deepspeed_engine import gathered
+
+        return gathered(module)
 
     def _start_metrics(self, display: TrainDisplay) -> None:
         t = self.cfg.train
