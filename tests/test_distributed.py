@@ -274,12 +274,9 @@ def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, stag
     rec = [r for r in _steps(tmp_path / "run") if "rank_profiled_peak_bytes" in r][0]
     ranks, predicted = rec["rank_profiled_peak_bytes"], rec["predicted_peak_bytes"]
     assert len(ranks) == 2 and rec["profiled_peak_bytes"] == max(ranks)
-    # the ranks' peaks move by up to ~6% run to run (gloo's collectives allocate on their own threads,
-    # so the moment buffers are freed varies): the mean of the ranks within 8%, each rank within 10%
-    # (the issue's 5% is not met on every run; see benchmarks/RESULTS.md)
-    mean = sum(ranks) / len(ranks)
-    assert abs(predicted - mean) / mean <= 0.08, (stage, predicted, ranks)
-    assert all(abs(predicted - r) / r <= 0.10 for r in ranks), (stage, predicted, ranks)
+    # the issue's bar: every rank within 5% (measured releases are matched by address, so a buffer gloo's
+    # threads free unseen by the profiler is not counted forever; six runs gave -2.2% .. +1.9%)
+    assert all(abs(predicted - r) / r <= 0.05 for r in ranks), (stage, predicted, ranks)
 
 
 def test_a_rank_dying_on_another_node_stops_this_node_too(tmp_path, embedded_dir):

@@ -251,3 +251,37 @@ def test_traced_step_replays_through_the_allocator_model():
     assert model.peak_reserved >= model.peak_allocated >= first_step_peak
     assert model.peak_allocated <= first_step_peak * 1.02  # only unsplittable block remainders on top
     assert model.allocated == 0 or model.allocated < model.peak_allocated
+
+
+def test_measured_peak_matches_releases_by_address():
+    """A release the profiler missed (made on a thread it does not follow) shows as a new allocation at
+    a still-live address: the block there was freed first. Releases of unknown blocks are ignored."""
+    from memfit.memory.measure import peak_of
+
+    events = [(0, 0xA, 100), (1, 0xB, 50), (2, 0xA, -100), (3, 0xC, 70),  # peak 150 at t=1
+              (4, 0xB, 60),  # 0xB's release of 50 was missed: 60 replaces it -> 130
+              (5, 0xD, 30), (6, 0xE, -999)]  # 160; a release from before the region changes nothing
+    assert peak_of(events) == 160
+    naive = max(__import__("itertools").accumulate(n for _, _, n in events))
+    assert naive == 210  # the plain running sum keeps the lost block forever
+
+
+def test_measured_peak_of_a_single_thread_step_equals_the_running_sum():
+    """With no lost releases, address matching changes nothing."""
+    import itertools
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from memfit.memory.measure import allocation_events, peak_of
+
+    def work():
+        a = torch.ones(1000, 1000)
+        b = a @ a
+        del a
+        return (b * 2).sum()
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        work()
+    events = allocation_events(prof, "cpu")
+    assert len(events) >= 6
+    assert peak_of(events) == max(itertools.accumulate(n for _, _, n in events)) >= 2 * 4_000_000  # a and a @ a
