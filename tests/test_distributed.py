@@ -66,11 +66,12 @@ def runs(tmp_path_factory, embedded_dir):
     ds_json = root / "ds.json"
     ds_json.write_text(DS_FP32)
     out = {}
-    code, _, err = _memfit(tiny_overrides(root / "single", *COMMON))
+    code, _, err = _memfit(tiny_overrides(root / "single", *COMMON, "output.export=true"))
     assert code == 0, err[-3000:]
     out["single"] = root / "single"
     for name, extra in ENGINES.items():
-        args = tiny_overrides(root / name, *COMMON, *extra, f"distributed.deepspeed_config={ds_json}")
+        export = ("output.export=true",) if name == "deepspeed-zero3" else ()  # the consolidation test reads it
+        args = tiny_overrides(root / name, *COMMON, *extra, f"distributed.deepspeed_config={ds_json}", *export)
         code, _, err = _memfit(args, nproc=2)
         assert code == 0, f"{name}: {err[-3000:]}"
         out[name] = root / name
@@ -244,19 +245,11 @@ def test_fsdp2_lora_export_is_the_consolidated_adapter(tmp_path, embedded_dir):
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-6)
 
 
-def test_deepspeed_zero3_export_is_the_consolidated_model(tmp_path, embedded_dir):
+def test_deepspeed_zero3_export_is_the_consolidated_model(runs):
     """ZeRO-3 partitions every weight between forward passes: the export gathers them on all ranks
-    and rank 0 writes the whole model, equal to a one-process run's."""
-    ds_json = tmp_path / "ds.json"
-    ds_json.write_text(DS_FP32)
-    steps = ("train.max_steps=3", "output.export=true")
-    code, _, err = _memfit(tiny_overrides(tmp_path / "one", *COMMON, *steps))
-    assert code == 0, err[-3000:]
-    code, _, err = _memfit(tiny_overrides(tmp_path / "two", *COMMON, *steps, "distributed.engine=deepspeed",
-                                          "distributed.zero_stage=3", f"distributed.deepspeed_config={ds_json}"), nproc=2)
-    assert code == 0, err[-3000:]
-    one = load_file(tmp_path / "one" / "export" / "model.safetensors")
-    two = load_file(tmp_path / "two" / "export" / "model.safetensors")
+    and rank 0 writes the whole model, equal to the one-process run's after the same 10 steps."""
+    one = load_file(runs["single"] / "export" / "model.safetensors")
+    two = load_file(runs["deepspeed-zero3"] / "export" / "model.safetensors")
     assert one.keys() == two.keys() and len(one) > 0
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
