@@ -85,9 +85,12 @@ def part_replay(s, out: Path, log) -> dict:
         if proc is None or proc.returncode != 0:
             rows.append({"settings": label, "status": "failed"})
             continue
-        steps = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "step"]
-        snap = load_snapshot(run / "snapshot_step3.pickle")
-        check = replay_check(snap, 0, settings)
+        try:
+            steps = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "step"]
+            check = replay_check(load_snapshot(run / "snapshot_step3.pickle"), 0, settings)
+        except Exception as e:  # keep the other setting's row
+            rows.append({"settings": label, "status": f"error: {type(e).__name__}: {e}"})
+            continue
         measured_peak = max(r["peak_reserved_bytes"] for r in steps)
         rows.append({
             "settings": label, "status": "ok", "events": check.events, "unmatched_frees": check.unmatched_frees,
