@@ -14,6 +14,7 @@ one memfit started (gloo on CPU, nccl/RCCL on GPUs).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -163,9 +164,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_conf
 
 def gathered(module: torch.nn.Module):
     """Context in which every rank holds ``module``'s full parameters: DeepSpeed ZeRO-3 partitions
-    them (``ds_tensor``) between forward passes; a no-op for other stages. Collective: all ranks enter."""
-    import contextlib
-
+    them (``ds_tensor``) between forward passes; a no-op for any other model. Collective: all ranks enter."""
     params = [p for p in module.parameters() if hasattr(p, "ds_tensor")]
     if not params:
         return contextlib.nullcontext()

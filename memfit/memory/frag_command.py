@@ -77,13 +77,9 @@ def simulate(snap, report, ns, console) -> None:
     import torch
 
     from memfit.memory.hardware import parse_memory
-    from memfit.memory.whatif import compare, no_op_reason, replay_check
+    from memfit.memory.whatif import compare, no_op_reason, replay_check, trace_entries
 
-    traces = snap.get("device_traces") or []
-    entries = traces[report.device] if report.device < len(traces) else []
-    if not any(e.get("action") == "alloc" for e in entries):
-        raise UserError(f"{ns.snapshot} has no alloc entries for device {report.device}; record with "
-                        "torch.cuda.memory._record_memory_history() before the workload to use --simulate")
+    entries = trace_entries(snap, report.device, str(ns.snapshot))
     capacity = parse_memory(ns.capacity) if ns.capacity else 1 << 62
     hip = ns.hip_version if ns.hip_version is not None else torch.version.hip
     results, best = compare(entries, capacity, hip)

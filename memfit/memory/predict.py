@@ -61,12 +61,15 @@ class Predictor:
     def _optimizer_depths(self) -> tuple[int, ...]:
         return (2, 3) if self.depth > 3 else (self.depth,)
 
+    def _step_depths(self, spec: StepSpec) -> tuple[int, ...]:
+        """Depths traced for forward and backward: the model whole when shallow, else two to extrapolate."""
+        la, lb = extrapolation_depths(spec)
+        return (self.depth,) if self.depth <= lb else (la, lb)
+
     def _requests(self, ac: str, precision: str, optimizer: str) -> list[tuple[StepSpec, int]]:
         """The traces ``predict(ac, precision, optimizer, ...)`` reads, for any micro-batch."""
         spec = self._step_spec(ac, precision)
-        la, lb = extrapolation_depths(spec)
-        depths = (self.depth,) if self.depth <= lb else (la, lb)
-        out = [(replace(spec, micro_batch_size=b), n) for n in depths for b in (2, 3)]
+        out = [(replace(spec, micro_batch_size=b), n) for n in self._step_depths(spec) for b in (2, 3)]
         return out + [(self._optimizer_spec(spec, optimizer), n) for n in self._optimizer_depths()]
 
     def prefetch(self, combos: Iterable[tuple[str, str, str]], workers: int | None = None) -> None:
@@ -130,10 +133,11 @@ class Predictor:
         backward run with all gradients alive) and, for a rank, sharded, before the peaks are taken.
         """
         spec = self._step_spec(ac, precision)
-        la, lb = extrapolation_depths(spec)
-        if self.depth <= lb:  # shallow model: trace it whole
+        depths = self._step_depths(spec)
+        if len(depths) == 1:  # shallow model: traced whole
             regions = dict(self._at_batch(spec, self.depth, micro_batch))
         else:
+            la, lb = depths
             ra, rb = self._at_batch(spec, la, micro_batch), self._at_batch(spec, lb, micro_batch)
             regions = extrapolate_regions(ra, rb, la, lb, self.depth)
         regions = {k: v for k, v in regions.items() if k.startswith(("forward", "backward"))}

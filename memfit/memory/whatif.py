@@ -83,6 +83,22 @@ class TraceCheck:
         return (self.model_reserved_bytes - self.snapshot_reserved_bytes) / max(self.snapshot_reserved_bytes, 1)
 
 
+def trace_entries(snap: dict[str, Any], device: int, where: str = "the snapshot") -> list[dict[str, Any]]:
+    """``device``'s allocator trace in ``snap``.
+
+    Raises:
+        UserError: when it holds no allocation (history was not recorded).
+    """
+    from memfit.errors import UserError
+
+    traces = snap.get("device_traces") or []
+    entries = traces[device] if device < len(traces) else []
+    if not any(e.get("action") == "alloc" for e in entries):
+        raise UserError(f"{where} has no alloc entries for device {device}; record with "
+                        "torch.cuda.memory._record_memory_history() before the workload")
+    return entries
+
+
 def replay_check(snap: dict[str, Any], device: int, settings: AllocatorSettings) -> TraceCheck:
     """Replay ``device``'s whole trace under ``settings`` (those the process ran with) and set the
     model's end state beside the snapshot's segments: how far to trust the model on this workload.
@@ -90,15 +106,9 @@ def replay_check(snap: dict[str, Any], device: int, settings: AllocatorSettings)
     Raises:
         UserError: when the snapshot holds no trace for ``device``.
     """
-    from memfit.errors import UserError
     from memfit.memory.snapshot import analyze
 
-    traces = snap.get("device_traces") or []
-    entries = traces[device] if device < len(traces) else []
-    if not any(e.get("action") == "alloc" for e in entries):
-        raise UserError(f"the snapshot has no alloc entries for device {device}; record with "
-                        "torch.cuda.memory._record_memory_history() before the workload")
-    model, _, n, unmatched = _replayed(entries, settings, 1 << 62)
+    model, _, n, unmatched = _replayed(trace_entries(snap, device), settings, 1 << 62)
     report = analyze(snap, device)
     return TraceCheck(model.reserved, report.reserved_bytes, len(model.segments), len(report.segments),
                       model.peak_reserved, model.peak_allocated, n, unmatched)

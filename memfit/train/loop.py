@@ -29,6 +29,7 @@ from memfit.dist.checkpoint import (
     load_distributed,
     save_distributed,
 )
+from memfit.dist.deepspeed_engine import gathered
 from memfit.dist.engines import Parallel, StepEngine, clip_grad_norm, engine_name, parallelize
 from memfit.dist.runtime import DistContext, init_distributed, on_main, shutdown
 from memfit.errors import OutOfMemoryExit, UserError
@@ -235,7 +236,8 @@ class Trainer:
         self._next_frag = t.frag_every
 
     def _plain_model(self) -> torch.nn.Module:
-        """The model as configured (weights, LoRA adapters) on CPU, before any wrapper or engine."""
+        """The model as configured (weights, LoRA adapters), before any wrapper or engine: a random
+        preset on the run's device when it runs alone, everything else on CPU."""
         init_device = self.device if not self.ctx.distributed else torch.device("cpu")  # ranks shard from CPU
         model = build_model(self.source, self.cfg.model, self.precision.param_dtype, self.cfg.train.seed, init_device)
         return apply_lora(model, self.cfg.lora) if self.cfg.lora.enabled else model
@@ -365,20 +367,15 @@ class Trainer:
             if self.ctx.is_main:
                 module = self._plain_model()
                 module.load_state_dict(full)
+            whole = contextlib.nullcontext()
         else:
             module = self.par.module
-        with self._gathered(module):  # DeepSpeed ZeRO-3: every rank gathers, rank 0 writes
+            whole = gathered(module)  # DeepSpeed ZeRO-3: every rank gathers, rank 0 writes
+        with whole:
             if self.ctx.is_main:
                 export_model(module, self.tokenizer, self.source, self.run.export)
                 display.log(f"exported {'LoRA adapter' if self.cfg.lora.enabled else 'model'} to {self.run.export}")
         self.ctx.barrier()
-
-    def _gathered(self, module: torch.nn.Module):
-        if self.kind != "deepspeed":
-            return contextlib.nullcontext()
-        from memfit.dist.deepspeed_engine import gathered
-
-        return gathered(module)
 
     def _start_metrics(self, display: TrainDisplay) -> None:
         t = self.cfg.train
