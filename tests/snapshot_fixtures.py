@@ -5,7 +5,16 @@ segment_type, allocated_size, active_size, requested_size, blocks}; blocks[j] = 
 requested_size, state, frames}; device_traces[d][k] = {action, addr, size, stream, time_us, frames}.
 """
 
+import random
+
+from memfit.memory.allocator_model import CachingAllocatorModel
+
 MIB = 1 << 20
+BASE = 0x7F0000000000
+
+
+def entry(action, addr, size, t):
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t, "frames": []}
 
 
 def segment(address, blocks, device=0, stream=0, segment_type="large"):
@@ -55,3 +64,69 @@ def sawtooth(steps=30):
         addr += 16
         t += 10
     return snapshot([segment(0x7E0000000000, [(5 * MIB, "active_allocated", None)] * steps)], [trace])
+
+
+def model_workload(settings, seed, events=700):
+    """A random workload through the allocator model, written as a snapshot, with the model's own
+    (allocated, reserved, external free, largest free) after every trace entry."""
+    m = CachingAllocatorModel(1 << 40, settings)
+    rng = random.Random(seed)
+    base = {}  # segment id -> address; segments 64 GiB apart so none touch
+    mapped: dict[int, int] = {}
+    trace, truth, live = [], [], []
+    state = {"allocated": 0, "reserved": 0}  # as the trace stands: a malloc's segment events precede its alloc
+
+    def record(entry):
+        trace.append(entry)
+        if entry["action"].startswith("segment"):
+            state["reserved"] += entry["size"] * (1 if entry["action"] in ("segment_alloc", "segment_map") else -1)
+            truth.append((state["allocated"], state["reserved"], None, None))
+        else:
+            state["allocated"] = m.allocated
+            assert state["reserved"] == m.reserved
+            truth.append((m.allocated, m.reserved, m.reserved - m.allocated, m.largest_free_block()))
+
+    def sync_segments():
+        for sid in [s for s in mapped if s not in m.segments or m.segments[s].size < mapped[s]]:
+            gone = m.segments[sid].size if sid in m.segments else 0
+            action = "segment_unmap" if settings.expandable_segments else "segment_free"
+            record(entry(action, base[sid] + gone, mapped[sid] - gone, len(trace)))
+            mapped[sid] = gone
+            if gone == 0:
+                del mapped[sid]
+        for sid, seg in m.segments.items():
+            have = mapped.get(sid, 0)
+            if seg.size > have:
+                base.setdefault(sid, BASE + (len(base) << 36))
+                action = "segment_map" if seg.expandable else "segment_alloc"
+                record(entry(action, base[sid] + have, seg.size - have, len(trace)))
+                mapped[sid] = seg.size
+
+    def addr(block):
+        return base[block.segment.sid] + block.offset
+
+    for _ in range(events):
+        roll = rng.random()
+        if live and roll < 0.45:
+            b, req = live.pop(rng.randrange(len(live)))
+            record(entry("free_requested", addr(b), req, len(trace)))  # the block stays until free_completed
+            a = addr(b)
+            m.free(b)
+            record(entry("free_completed", a, req, len(trace)))
+        elif roll < 0.47:
+            m.empty_cache()
+            sync_segments()
+        else:
+            req = rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 40 << 20), rng.randrange(40 << 20, 300 << 20)])
+            b = m.malloc(req)
+            sync_segments()
+            record(entry("alloc", addr(b), req, len(trace)))
+            live.append((b, req))
+    segments = []
+    for sid, seg in m.segments.items():
+        blocks = [{"address": base[sid] + b.offset, "size": b.size, "state": "active_allocated" if b.allocated else "inactive",
+                   "requested_size": getattr(b, "requested", b.size) if b.allocated else 0, "frames": []}
+                  for b in seg.blocks]
+        segments.append({"device": 0, "address": base[sid], "total_size": seg.size, "stream": 0,
+                         "segment_type": seg.pool, "is_expandable": seg.expandable, "blocks": blocks})
+    return {"segments": segments, "device_traces": [trace]}, truth

@@ -140,6 +140,17 @@ def test_expandable_segments_grow_in_pages_and_avoid_holes():
     assert s.segment.pool == "small" and m.reserved == 80 * MiB + K_SMALL_BUFFER
 
 
+def test_expandable_segments_split_off_any_rest_of_512_bytes_or_more():
+    # should_split: with expandable segments a large block splits like a small one (rest >= 512 B);
+    # by default a rest of up to 1 MiB (kSmallSize) stays inside the block
+    exp = CachingAllocatorModel(GiB, AllocatorSettings(expandable_segments=True))
+    b = exp.malloc(20 * MiB - 512 * KiB)  # one 20 MiB page, 512 KiB left
+    assert b.size == 20 * MiB - 512 * KiB and exp.allocated == b.size and exp.reserved == 20 * MiB
+    default = CachingAllocatorModel(GiB)
+    d = default.malloc(20 * MiB - 512 * KiB)  # a 20 MiB segment (>= 10 MiB: rounded to 2 MiB), not split
+    assert d.size == 20 * MiB and default.allocated == 20 * MiB
+
+
 def test_fragmentation_what_if_on_a_sawtooth_trace():
     """Growing tensors freed in between: the default allocator strands holes, expandable segments do not."""
     def replay(settings):

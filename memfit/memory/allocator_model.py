@@ -8,8 +8,8 @@ Rules and constants follow ``c10/cuda/CUDACachingAllocator.cpp`` (and ``CUDAAllo
     kMinLargeAlloc = 10 MiB     large requests below this get a kLargeBuffer (20 MiB) segment
     kRoundLarge    = 2 MiB      larger requests get a segment rounded up to 2 MiB
     best fit:      the smallest free block of the same pool and stream that is large enough
-    split:         small pool if the rest >= 512 B; large pool if the rest > 1 MiB and the request
-                   is below max_split_size
+    split:         small pool, or any pool with expandable segments, if the rest >= 512 B; large pool
+                   if the rest > 1 MiB and the request is below max_split_size (``should_split``)
     max_split_size_mb: blocks at or above it are never split; small requests may not take them, and
                    an oversize request may not take one 20 MiB (kLargeBuffer) or more larger than itself
     merge:         a freed block merges with free neighbours in its segment
@@ -104,6 +104,14 @@ def round_size(size: int, divisions: int | None = None) -> int:
     return (size + K_MIN_BLOCK - 1) // K_MIN_BLOCK * K_MIN_BLOCK
 
 
+def should_split(rest: int, size: int, small: bool, expandable: bool, max_split: int | None) -> bool:
+    """Whether a free block that leaves ``rest`` bytes after a ``size``-byte block is split
+    (``should_split`` in CUDACachingAllocator.cpp); unsplit, the whole free block is allocated."""
+    if small or expandable:
+        return rest >= K_MIN_BLOCK
+    return (max_split is None or size < max_split) and rest > K_SMALL_SIZE
+
+
 def allocation_size(size: int) -> int:
     """Block size -> size of a new segment for it."""
     if size <= K_SMALL_SIZE:
@@ -160,12 +168,6 @@ class CachingAllocatorModel:
             if self.max_split is not None and size < self.max_split and entry[0] >= self.max_split:
                 return None  # all the rest are oversize too
         return None
-
-    def _should_split(self, block: Block, size: int) -> bool:
-        rest = block.size - size
-        if block.segment.pool == "small":
-            return rest >= K_MIN_BLOCK
-        return (self.max_split is None or size < self.max_split) and rest > K_SMALL_SIZE
 
     def _limit(self) -> int:
         return int(self.capacity * self.s.memory_fraction) if self.s.memory_fraction else self.capacity
@@ -284,7 +286,7 @@ class CachingAllocatorModel:
             if block is None:
                 self.num_ooms += 1
                 raise OutOfMemory(size, self.reserved, self._limit())
-        if self._should_split(block, size):
+        if should_split(block.size - size, size, block.segment.pool == "small", block.segment.expandable, self.max_split):
             seg = block.segment
             rest = Block(seg, block.offset + size, block.size - size, last_used=self._tick)
             seg.blocks.insert(seg.blocks.index(block) + 1, rest)

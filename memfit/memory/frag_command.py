@@ -10,37 +10,15 @@ from rich.console import Console
 from rich.table import Table
 
 from memfit.errors import UserError
-from memfit.memory.snapshot import analyze, devices_in, load_snapshot, oom_events, timeline
+from memfit.memory.layout import Moment, Rebuilt, settings_in
+from memfit.memory.snapshot import FragReport, analyze, devices_in, load_snapshot, oom_events
 from memfit.units import GIB, MIB
 
 
 
-def run_frag(ns) -> int:
-    snap = load_snapshot(ns.snapshot)
-    devices = devices_in(snap)
-    device = ns.device if ns.device is not None else devices[0]
-    if device not in devices:
-        raise UserError(f"--device {device}: the snapshot has segments on device(s) {', '.join(map(str, devices))}")
-    report = analyze(snap, device, where=ns.snapshot)
-    out_dir = Path(ns.out) if ns.out else Path(str(ns.snapshot) + ".frag")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    from memfit.telemetry.plots import memory_timeline, segment_map
-
-    pngs = [segment_map(report, out_dir / f"segments_device{device}.png")]
-    points = timeline(snap, report)
-    if points:
-        pngs.append(memory_timeline(points, out_dir / f"timeline_device{device}.png",
-                                    f"{Path(ns.snapshot).name}, device {device}: allocated vs reserved"))
-    ooms = oom_events(snap, device)
-    if ns.json:
-        print(json.dumps({**report.as_dict(), "ooms": len(ooms), "plots": [str(p) for p in pngs]}))
-        return 0
-    console = Console() if sys.stdout.isatty() else Console(width=120)
-    t = Table(title=f"{ns.snapshot}: device {device}")
-    t.add_column("quantity")
-    t.add_column("value", justify="right")
-    t.add_column("meaning")
-    rows = [
+def _rows(report: FragReport) -> list[tuple[str, str, str]]:
+    """(quantity, value, meaning) for one moment."""
+    return [
         ("reserved", f"{report.reserved_bytes / GIB:.3f} GiB", "held by the caching allocator (all segments)"),
         ("allocated", f"{report.allocated_bytes / GIB:.3f} GiB", "active blocks (awaiting-free included)"),
         ("  awaiting free", f"{report.awaiting_free_bytes / GIB:.3f} GiB", "freed, still in use by another stream"),
@@ -52,10 +30,53 @@ def run_frag(ns) -> int:
         ("reserved overhead", f"{report.reserved_overhead:.3f}", "(reserved − allocated) / reserved"),
         ("segments", str(len(report.segments)), f"{sum(s.segment_type == 'small' for s in report.segments)} small (2 MiB pool)"),
     ]
-    for r in rows:
-        t.add_row(*r)
+
+
+def _peak_dict(peak: Moment | None) -> dict | None:
+    if peak is None:
+        return None
+    return {**peak.report.as_dict(), "trace_entry": peak.index, "time_us": peak.time_us, "inferred_blocks": peak.inferred_blocks}
+
+
+def run_frag(ns) -> int:
+    snap = load_snapshot(ns.snapshot)
+    devices = devices_in(snap)
+    device = ns.device if ns.device is not None else devices[0]
+    if device not in devices:
+        raise UserError(f"--device {device}: the snapshot has segments on device(s) {', '.join(map(str, devices))}")
+    report = analyze(snap, device, where=ns.snapshot)
+    rebuilt = Rebuilt(snap, device)
+    points = rebuilt.totals()
+    peak = rebuilt.peak()
+    out_dir = Path(ns.out) if ns.out else Path(str(ns.snapshot) + ".frag")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from memfit.telemetry.plots import memory_timeline, segment_map
+
+    pngs = [segment_map(report, out_dir / f"segments_device{device}.png", "at the dump")]
+    if peak is not None:
+        pngs.append(segment_map(peak.report, out_dir / f"segments_at_peak_device{device}.png",
+                                f"at peak allocated (trace entry {peak.index})"))
+        pngs.append(memory_timeline(points, out_dir / f"timeline_device{device}.png",
+                                    f"{Path(ns.snapshot).name}, device {device}: allocated vs reserved", peak))
+    ooms = oom_events(snap, device)
+    if ns.json:
+        print(json.dumps({**report.as_dict(), "at_peak": _peak_dict(peak), "ooms": len(ooms), "plots": [str(p) for p in pngs]}))
+        return 0
+    console = Console() if sys.stdout.isatty() else Console(width=130)
+    t = Table(title=f"{ns.snapshot}: device {device}")
+    t.add_column("quantity")
+    t.add_column("at the dump", justify="right")
+    if peak is not None:
+        t.add_column(f"at peak (entry {peak.index})", justify="right")
+    t.add_column("meaning")
+    at_peak = _rows(peak.report) if peak is not None else None
+    for i, (name, value, meaning) in enumerate(_rows(report)):
+        t.add_row(name, value, *([at_peak[i][1]] if at_peak else []), meaning)
     console.print(t)
-    seg = Table(title="largest segments")
+    if peak is not None and peak.inferred_blocks:
+        console.print(f"note: at the peak {peak.inferred_blocks} live blocks were freed before the dump; their sizes follow "
+                      "from the allocator's rounding and split rules", highlight=False)
+    seg = Table(title="largest segments at the dump")
     for col in ("address", "type", "size MiB", "allocated MiB", "free MiB", "largest free MiB", "blocks"):
         seg.add_column(col, justify="right")
     for s in sorted(report.segments, key=lambda s: s.total_bytes, reverse=True)[: ns.top]:
@@ -92,11 +113,12 @@ def simulate(snap, report, ns, console) -> None:
                   str(r.segment_allocs), str(r.alloc_retries), "yes" if r.oom else "no",
                   ("no-op here" if no_op_reason(r.settings, hip) else "") + ("recommended" if r is best else ""))
     console.print(t)
-    check = replay_check(snap, report.device, results[0].settings)
+    ran_with = settings_in(snap)
+    check = replay_check(snap, report.device, ran_with)
     if check.unmatched_frees:
         console.print(f"note: {check.unmatched_frees} frees of blocks allocated before recording started; the replay "
                       "misses those blocks (start recording before the model is built)", highlight=False)
-    console.print(f"model check (default settings): the replay ends at {check.model_reserved_bytes / GIB:.3f} GiB reserved "
+    console.print(f"model check ({ran_with.label()} settings, as the snapshot was taken): the replay ends at {check.model_reserved_bytes / GIB:.3f} GiB reserved "
                   f"in {check.model_segments} segments; the allocator held {check.snapshot_reserved_bytes / GIB:.3f} GiB "
                   f"in {check.snapshot_segments}", highlight=False)
     for reason in {no_op_reason(r.settings, hip) for r in results} - {None}:

@@ -81,6 +81,19 @@ class FragReport:
     largest_free_bytes: int
     segments: tuple[SegmentStats, ...] = field(default_factory=tuple)
 
+    @classmethod
+    def of(cls, device: int, segs: tuple[SegmentStats, ...]) -> "FragReport":
+        """The device's totals from its segments."""
+        return cls(
+            device=device,
+            reserved_bytes=sum(s.total_bytes for s in segs),
+            allocated_bytes=sum(s.allocated_bytes for s in segs),
+            awaiting_free_bytes=sum(size for s in segs for _, size, state in s.blocks if state == "active_awaiting_free"),
+            requested_bytes=sum(s.requested_bytes for s in segs),
+            largest_free_bytes=max((s.largest_free_bytes for s in segs), default=0),
+            segments=segs,
+        )
+
     @property
     def internal_free_bytes(self) -> int:
         return self.allocated_bytes - self.requested_bytes
@@ -134,45 +147,7 @@ def _segment_stats(seg: dict[str, Any], where: str) -> SegmentStats:
 
 def analyze(snapshot: dict[str, Any], device: int = 0, where: str = "snapshot") -> FragReport:
     """The fragmentation report of ``device``."""
-    segs = tuple(_segment_stats(s, where) for s in snapshot["segments"] if s.get("device", 0) == device)
-    awaiting = sum(size for s in segs for _, size, state in s.blocks if state == "active_awaiting_free")
-    return FragReport(
-        device=device,
-        reserved_bytes=sum(s.total_bytes for s in segs),
-        allocated_bytes=sum(s.allocated_bytes for s in segs),
-        awaiting_free_bytes=awaiting,
-        requested_bytes=sum(s.requested_bytes for s in segs),
-        largest_free_bytes=max((s.largest_free_bytes for s in segs), default=0),
-        segments=segs,
-    )
-
-
-@dataclass(frozen=True)
-class TimelinePoint:
-    index: int
-    time_us: int | None
-    allocated_bytes: int
-    reserved_bytes: int
-
-
-def timeline(snapshot: dict[str, Any], report: FragReport) -> list[TimelinePoint]:
-    """Allocated and reserved bytes after each trace entry of the device, anchored so that the last
-    point equals the snapshot's own totals (a trace may start after the first allocations)."""
-    traces = snapshot.get("device_traces") or []
-    entries = traces[report.device] if report.device < len(traces) else []
-    deltas = []
-    for e in entries:
-        action, size = e.get("action"), int(e.get("size", 0))
-        d_alloc = {"alloc": size, "free_completed": -size}.get(action, 0)
-        d_res = {"segment_alloc": size, "segment_map": size, "segment_free": -size, "segment_unmap": -size}.get(action, 0)
-        deltas.append((d_alloc, d_res, e.get("time_us")))
-    alloc = report.allocated_bytes - sum(d[0] for d in deltas)
-    res = report.reserved_bytes - sum(d[1] for d in deltas)
-    points = []
-    for i, (da, dr, t) in enumerate(deltas):
-        alloc, res = alloc + da, res + dr
-        points.append(TimelinePoint(i, t, alloc, res))
-    return points
+    return FragReport.of(device, tuple(_segment_stats(s, where) for s in snapshot["segments"] if s.get("device", 0) == device))
 
 
 def oom_events(snapshot: dict[str, Any], device: int) -> list[dict[str, Any]]:

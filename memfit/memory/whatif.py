@@ -38,12 +38,22 @@ class Replay:
 def _replayed(entries: list[dict[str, Any]], settings: AllocatorSettings, capacity: int
               ) -> tuple[CachingAllocatorModel, bool, int, int]:
     """The model after the trace's ``alloc`` / ``free_completed`` entries: (model, OOM, entries
-    replayed, frees of addresses the trace never allocated — non-zero when recording started late)."""
+    replayed, frees of addresses the trace never allocated — non-zero when recording started late).
+
+    Where the trace releases segments the model empties its cache: the program's ``empty_cache()``
+    and the allocator's release before a retry (``release_cached_blocks``) both free every wholly
+    free segment. Known limitation: garbage collection and the oversize release free fewer, so a
+    trace made with ``garbage_collection_threshold`` or ``max_split_size_mb`` replays with less cache."""
     model = CachingAllocatorModel(capacity, settings)
     live: dict[int, object] = {}
-    oom, n, unmatched = False, 0, 0
+    oom, n, unmatched, released = False, 0, 0, False
     for e in entries:
         action = e.get("action")
+        if action in ("segment_free", "segment_unmap"):
+            released = True
+        elif released:
+            model.empty_cache()
+            released = False
         if action == "alloc":
             try:
                 live[e["addr"]] = model.malloc(int(e["size"]), int(e.get("stream", 0)))
@@ -56,6 +66,8 @@ def _replayed(entries: list[dict[str, Any]], settings: AllocatorSettings, capaci
             else:
                 unmatched += 1
         n += 1
+    if released:
+        model.empty_cache()
     return model, oom, n, unmatched
 
 

@@ -11,13 +11,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 from matplotlib.patches import Patch  # noqa: E402
 
-from memfit.memory.snapshot import FragReport, TimelinePoint  # noqa: E402
+from memfit.memory.layout import Moment, TimelinePoint  # noqa: E402
+from memfit.memory.snapshot import FragReport  # noqa: E402
 from memfit.units import GIB, MIB
 
 COLORS = {"active_allocated": "#3b6fb6", "active_awaiting_free": "#e59b2e", "inactive": "#d9d9d9"}
 
 
-def segment_map(report: FragReport, path: Path, max_segments: int = 48) -> Path:
+def segment_map(report: FragReport, path: Path, when: str = "", max_segments: int = 48) -> Path:
     """One row per segment (largest first), blocks drawn to scale: active, awaiting free, free."""
     segs = sorted(report.segments, key=lambda s: s.total_bytes, reverse=True)[:max_segments]
     fig, ax = plt.subplots(figsize=(11, 0.28 * len(segs) + 1.8))
@@ -30,7 +31,7 @@ def segment_map(report: FragReport, path: Path, max_segments: int = 48) -> Path:
     ax.set_xlabel("offset in segment (MiB)")
     shown = f"{len(segs)} of {len(report.segments)} segments" if len(report.segments) > len(segs) else f"{len(segs)} segments"
     ax.set_title(
-        f"device {report.device}: reserved {report.reserved_bytes / GIB:.2f} GiB, allocated {report.allocated_bytes / GIB:.2f} GiB, "
+        f"device {report.device}{' ' + when if when else ''}: reserved {report.reserved_bytes / GIB:.2f} GiB, allocated {report.allocated_bytes / GIB:.2f} GiB, "
         f"largest free block {report.largest_free_bytes / MIB:.0f} MiB, fragmentation {report.fragmentation_ratio:.2f} ({shown})",
         fontsize=9,
     )
@@ -41,20 +42,24 @@ def segment_map(report: FragReport, path: Path, max_segments: int = 48) -> Path:
     return path
 
 
-def memory_timeline(points: list[TimelinePoint], path: Path, title: str) -> Path:
-    """Allocated and reserved GiB over the trace (time in s when recorded, else event index)."""
+def memory_timeline(points: list[TimelinePoint], path: Path, title: str, peak: Moment | None = None) -> Path:
+    """Allocated and reserved GiB over the trace (time in s when recorded, else event index), the
+    peak marked with its fragmentation."""
     fig, ax = plt.subplots(figsize=(11, 4))
-    if points and all(p.time_us is not None for p in points):
-        t0 = points[0].time_us
-        x = [(p.time_us - t0) / 1e6 for p in points]
-        ax.set_xlabel("time since first trace entry (s)")
-    else:
-        x = [p.index for p in points]
-        ax.set_xlabel("allocator event")
+    timed = bool(points) and all(p.time_us is not None for p in points)
+    t0 = points[0].time_us if timed else 0
+    x = [(p.time_us - t0) / 1e6 for p in points] if timed else [p.index for p in points]
+    ax.set_xlabel("time since first trace entry (s)" if timed else "allocator event")
     ax.step(x, [p.reserved_bytes / GIB for p in points], where="post", label="reserved", color="#c0392b")
     ax.step(x, [p.allocated_bytes / GIB for p in points], where="post", label="allocated", color="#3b6fb6")
     ax.fill_between(x, [p.allocated_bytes / GIB for p in points], [p.reserved_bytes / GIB for p in points],
                     step="post", color="#c0392b", alpha=0.15, label="reserved − allocated (cached)")
+    if peak is not None:
+        at = x[peak.index]
+        ax.axvline(at, color="#555555", linestyle="--", linewidth=0.8)
+        ax.annotate(f"peak allocated {peak.report.allocated_bytes / GIB:.2f} GiB\n"
+                    f"fragmentation {peak.report.fragmentation_ratio:.2f}, largest free {peak.report.largest_free_bytes / MIB:.0f} MiB",
+                    (at, peak.report.allocated_bytes / GIB), xytext=(6, -28), textcoords="offset points", fontsize=8)
     ax.set_ylabel("GiB")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
