@@ -10,7 +10,9 @@ Parts, each in its own subprocess(es) with its own time limit, so one failure le
    before the weights arrive and dumps a snapshot after step 3; the trace is replayed through memfit's
    allocator model and its peak reserved and segment count set beside what the allocator reported
    (target within 2%), for default settings and for expandable segments. Also the cost of one
-   fragmentation reading against the step time.
+   fragmentation reading against the step time, and the layout rebuilt from the trace
+   (``memory/layout.py``): how many blocks live at the dump its size rule reproduces, and the
+   fragmentation at the trace's peak.
 3. ``bench-lora`` / ``bench-full`` (issues 2, 3, 6): ``memfit bench`` on the 7B-shaped model: AC policy x
    precision, LoRA and full fine-tuning; per cell peak allocated / reserved, fragmentation, step time,
    tokens/s and the planner's prediction beside ``torch.cuda.max_memory_allocated()``.
@@ -71,7 +73,6 @@ def part_replay(s, out: Path, log) -> dict:
         return {"status": "skipped", "why": "needs a CUDA/ROCm device"}
     from memfit.memory.allocator_model import AllocatorSettings
     from memfit.memory.snapshot import load_snapshot
-    from memfit.memory.whatif import replay_check
     from memfit.train.run_dir import read_metrics
 
     rows = []
@@ -87,23 +88,38 @@ def part_replay(s, out: Path, log) -> dict:
             continue
         try:
             steps = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "step"]
-            check = replay_check(load_snapshot(run / "snapshot_step3.pickle"), 0, settings)
+            rows.append(replay_row(label, settings, load_snapshot(run / "snapshot_step3.pickle"), steps))
         except Exception as e:  # keep the other setting's row
             rows.append({"settings": label, "status": f"error: {type(e).__name__}: {e}"})
-            continue
-        measured_peak = max(r["peak_reserved_bytes"] for r in steps)
-        rows.append({
-            "settings": label, "status": "ok", "events": check.events, "unmatched_frees": check.unmatched_frees,
-            "measured_peak_reserved_bytes": measured_peak, "model_peak_reserved_bytes": check.model_peak_reserved_bytes,
-            "peak_reserved_error_pct": 100 * (check.model_peak_reserved_bytes - measured_peak) / measured_peak,
-            "snapshot_reserved_bytes": check.snapshot_reserved_bytes, "model_reserved_bytes": check.model_reserved_bytes,
-            "snapshot_segments": check.snapshot_segments, "model_segments": check.model_segments,
-            "measured_peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in steps),
-            "model_peak_allocated_bytes": check.model_peak_allocated_bytes,
-            "frag_time_s": [r.get("frag_time_s") for r in steps], "step_time_s": [r["step_time_s"] for r in steps],
-        })
         shutil.rmtree(run, ignore_errors=True)  # the snapshot is large; its numbers are in the summary
     return {"status": "ok" if all(r["status"] == "ok" for r in rows) else "partial", "rows": rows}
+
+
+def replay_row(label: str, settings, snap: dict, steps: list[dict]) -> dict:
+    """One setting's numbers: the model's replay of the snapshot's trace and the layout rebuilt from
+    it, beside what the allocator reported in the step records."""
+    from memfit.memory.layout import Rebuilt
+    from memfit.memory.whatif import replay_check
+
+    check = replay_check(snap, 0, settings)
+    rebuilt = Rebuilt(snap, 0)
+    peak = rebuilt.peak()
+    measured_peak = max(r["peak_reserved_bytes"] for r in steps)
+    return {
+        "settings": label, "status": "ok", "events": check.events, "unmatched_frees": check.unmatched_frees,
+        "measured_peak_reserved_bytes": measured_peak, "model_peak_reserved_bytes": check.model_peak_reserved_bytes,
+        "peak_reserved_error_pct": 100 * (check.model_peak_reserved_bytes - measured_peak) / measured_peak,
+        "snapshot_reserved_bytes": check.snapshot_reserved_bytes, "model_reserved_bytes": check.model_reserved_bytes,
+        "snapshot_segments": check.snapshot_segments, "model_segments": check.model_segments,
+        "measured_peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in steps),
+        "model_peak_allocated_bytes": check.model_peak_allocated_bytes,
+        "frag_time_s": [r.get("frag_time_s") for r in steps], "step_time_s": [r["step_time_s"] for r in steps],
+        "layout_blocks_checked": rebuilt.size_rule_checked, "layout_size_misses": rebuilt.size_rule_misses,
+        "layout_settings": rebuilt.settings.label(),
+        "fragmentation_at_peak": peak.report.fragmentation_ratio if peak else None,
+        "allocated_at_peak_bytes": peak.report.allocated_bytes if peak else None,
+        "fragmentation_at_step3_peak": steps[-1].get("fragmentation_at_peak"),
+    }
 
 
 def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
@@ -145,7 +161,9 @@ def summary_md(summary: dict) -> str:
                 f"model {r['model_peak_reserved_bytes'] / GIB:.3f} GiB ({r['peak_reserved_error_pct']:+.2f}%); "
                 f"at the dump {r['snapshot_reserved_bytes'] / GIB:.3f} vs {r['model_reserved_bytes'] / GIB:.3f} GiB, "
                 f"segments {r['snapshot_segments']} vs {r['model_segments']}; {r['events']} events, "
-                f"{r['unmatched_frees']} unmatched frees")
+                f"{r['unmatched_frees']} unmatched frees; layout rebuilt from the trace: block sizes "
+                f"{r['layout_blocks_checked'] - r['layout_size_misses']}/{r['layout_blocks_checked']} right, "
+                f"fragmentation at the peak {r['fragmentation_at_peak']}")
         if part.get("frag_time_vs_step"):
             worst = max(f / t for f, t in part["frag_time_vs_step"])
             lines.append(f"- one fragmentation reading costs up to {100 * worst:.2f}% of a step "

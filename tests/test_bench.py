@@ -86,3 +86,28 @@ def test_gpu_check_script_runs_its_parts_on_cpu(tmp_path, embedded_dir):
     cell = summary["parts"]["bench-full"]["cells"][0]
     assert cell["status"] == "ok" and cell["predicted_peak_bytes"] > 0
     assert sorted(p.name for p in out.iterdir()) == ["bench_full.md", "bench_full_memory.png", "log.txt", "summary.json", "summary.md"]
+
+
+def test_gpu_check_replay_row_and_summary_from_a_snapshot():
+    """The GPU replay part's arithmetic and its summary line, fed a snapshot in PyTorch's format (the
+    allocator model's own workload) and step records as the trainer writes them."""
+    import importlib.util
+    from pathlib import Path
+
+    from memfit.memory.allocator_model import AllocatorSettings
+    from snapshot_fixtures import model_workload
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", script)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    snap, truth = model_workload(AllocatorSettings(), seed=5)
+    peak_reserved, peak_allocated = max(t[1] for t in truth), max(t[0] for t in truth)
+    steps = [{"peak_reserved_bytes": peak_reserved, "peak_allocated_bytes": peak_allocated, "step_time_s": 1.0,
+              "frag_time_s": 0.004, "fragmentation_at_peak": 0.5}]
+    row = gpu_check.replay_row("default", AllocatorSettings(), snap, steps)
+    assert row["peak_reserved_error_pct"] == 0 and row["model_segments"] == row["snapshot_segments"]
+    assert row["layout_blocks_checked"] > 0 and row["layout_size_misses"] == 0
+    assert row["allocated_at_peak_bytes"] == peak_allocated and 0 <= row["fragmentation_at_peak"] <= 1
+    md = gpu_check.summary_md({"date": "d", "device": "x", "parts": {"replay": {"status": "ok", "rows": [row]}}})
+    assert "(+0.00%)" in md and f"block sizes {row['layout_blocks_checked']}/{row['layout_blocks_checked']} right" in md

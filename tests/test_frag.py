@@ -93,7 +93,7 @@ def test_frag_command_writes_report_and_pngs(tmp_path, capsys):
     assert main(["frag", str(p), "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "fragmentation ratio" in text and "OOM in the trace: asked for 64.0 MiB" in text
-    assert "at peak (entry 2)" in text and "1 live blocks were freed before the dump" in text
+    assert "at peak (entry 2)" in text and "freed before the dump: 1 block(s)" in text
 
 
 def test_simulate_compares_settings_and_recommends(tmp_path, capsys):

@@ -15,7 +15,8 @@ from memfit.strategies.lora import apply_lora
 from memfit.strategies.optimizer import build_optimizer, lr_at
 from memfit.strategies.precision import resolve_precision
 from memfit.train.checkpoint import clean_name
-from memfit.train.loop import frag_interval, token_loss_sum
+from memfit.telemetry.allocator_watch import frag_interval, snapshot_name
+from memfit.train.loop import token_loss_sum
 
 CPU = torch.device("cpu")
 FP32 = resolve_precision("fp32", CPU)
@@ -148,3 +149,9 @@ def test_fragmentation_reading_interval_keeps_overhead_under_one_percent():
     for cost, step in [(0.3, 0.05), (0.01, 0.001), (1.5, 0.7)]:
         every = frag_interval(cost, step, 1)
         assert every > 1 and cost / (every * step) <= 0.01 < cost / ((every - 1) * step)  # the smallest that keeps 1%
+
+
+def test_snapshot_files_are_per_rank_under_torchrun():
+    assert snapshot_name("snapshot_step3", 0, 1) == "snapshot_step3.pickle"
+    assert [snapshot_name("oom_step2_snapshot", r, 2) for r in (0, 1)] == [
+        "oom_step2_snapshot_rank0.pickle", "oom_step2_snapshot_rank1.pickle"]

@@ -74,8 +74,8 @@ def run_frag(ns) -> int:
         t.add_row(name, value, *([at_peak[i][1]] if at_peak else []), meaning)
     console.print(t)
     if peak is not None and peak.inferred_blocks:
-        console.print(f"note: at the peak {peak.inferred_blocks} live blocks were freed before the dump; their sizes follow "
-                      "from the allocator's rounding and split rules", highlight=False)
+        console.print(f"note: live at the peak and freed before the dump: {peak.inferred_blocks} block(s); their sizes "
+                      "follow from the allocator's rounding and split rules", highlight=False)
     seg = Table(title="largest segments at the dump")
     for col in ("address", "type", "size MiB", "allocated MiB", "free MiB", "largest free MiB", "blocks"):
         seg.add_column(col, justify="right")

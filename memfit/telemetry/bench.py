@@ -1,8 +1,10 @@
 """``memfit bench``: run a matrix of strategies, each cell its own ``memfit train`` subprocess (clean
 allocator state), and tabulate what was measured beside what the planner predicted.
 
-A cell runs ``warmup + steps`` optimizer steps; statistics use the steps after warm-up, and one more
-step runs under torch.profiler for the measured tensor peak beside the planner's prediction. Cells with a
+A cell runs ``warmup + steps`` optimizer steps; statistics use the steps after warm-up. One more step,
+outside the timed ones, is inspected: under torch.profiler for the measured tensor peak beside the
+planner's prediction, and on a GPU with the allocator trace recorded, from which the fragmentation at
+that step's peak is rebuilt (``memory/layout.py``). Cells with a
 ZeRO stage (``--zero 0,2``) run on ``--nproc-per-node`` ranks through torchrun (FSDP2 engine); their
 memory is the worst rank's and the prediction the planner's per-rank one. The global batch
 is the same in every cell (micro-batch x gradient accumulation), so cells of one precision must reach
@@ -49,7 +51,7 @@ class Cell:
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     peak_rss_bytes: int | None = None
-    fragmentation_ratio: float | None = None  # GPU: the highest read after a measured step (memory_snapshot)
+    fragmentation_ratio: float | None = None  # GPU: at the inspected step's peak (else the highest end-of-step reading)
     profiled_peak_bytes: int | None = None  # torch.profiler's tensor peak of the first measured step
     predicted_peak_bytes: int | None = None
     prediction_error_pct: float | None = None
@@ -89,8 +91,9 @@ def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: 
         raise UserError(f"--micro-batch {cell.micro_batch} x {cell.nproc} rank(s) does not divide the global batch {global_batch}")
     cell.grad_accum = global_batch // per_pass
     zero = [] if cell.zero is None else [f"distributed.zero_stage={cell.zero}"]
-    if profiled(cell):  # one extra step, under torch.profiler, outside the timed ones
-        steps += 1
+    steps += 1  # the inspected step, outside the timed ones
+    zero.append(f"train.snapshot_at_step={steps}")
+    if profiled(cell):
         zero.append(f"train.profile_step={steps}")
     launch = [] if cell.zero is None else ["--nproc-per-node", str(cell.nproc)]
     return [
@@ -133,7 +136,9 @@ def run_cell(config: str, cell: Cell, out: Path, warmup: int, steps: int, global
     if "peak_allocated_bytes" in measured[0]:
         cell.peak_allocated_bytes = max(r["peak_allocated_bytes"] for r in measured)
         cell.peak_reserved_bytes = max(r["peak_reserved_bytes"] for r in measured)
-        cell.fragmentation_ratio = max((r["fragmentation_ratio"] for r in measured if "fragmentation_ratio" in r), default=None)
+        at_peak = [r["fragmentation_at_peak"] for r in records if r["kind"] == "step" and "fragmentation_at_peak" in r]
+        cell.fragmentation_ratio = at_peak[0] if at_peak else max(
+            (r["fragmentation_ratio"] for r in measured if "fragmentation_ratio" in r), default=None)
     else:
         cell.peak_rss_bytes = max(r["peak_rss_bytes"] for r in measured)
     cell.predicted_peak_bytes = summary.get("predicted_peak_bytes")

@@ -8,7 +8,6 @@ model built in the precision's parameter dtype; LoRA adapters before activation-
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -37,13 +36,13 @@ from memfit.memory.categories import StepMemory
 from memfit.memory.measure import profiled_peak_bytes
 from memfit.memory.plan import check_fits, predict_run
 from memfit.memory.sharding import ShardingSpec
-from memfit.memory.snapshot import analyze
 from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
 from memfit.strategies.allocator import apply_allocator_env, apply_device_limits, maybe_release_cache
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora
 from memfit.strategies.optimizer import build_optimizer, build_scheduler, resolve_implementation
 from memfit.strategies.precision import Precision, resolve_precision
+from memfit.telemetry.allocator_watch import AllocatorWatch
 from memfit.telemetry.display import TrainDisplay, summary_tables
 from memfit.telemetry.memory import GIB, local_tensor, memory_record, process_rss_bytes, reset_peaks, state_bytes
 from memfit.telemetry.oom import oom_request_bytes
@@ -142,15 +141,6 @@ class TrainResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-FRAG_OVERHEAD = 0.01  # the most of the training time that reading fragmentation may take
-
-
-def frag_interval(cost_s: float, step_time_s: float, every: int) -> int:
-    """Steps until the next fragmentation reading: ``train.frag_every``, or more when one reading
-    (``cost_s``, a snapshot of every segment) would exceed FRAG_OVERHEAD of the steps between."""
-    return max(every, math.ceil(cost_s / (FRAG_OVERHEAD * max(step_time_s, 1e-9))))
-
-
 class Trainer:
     """Builds everything a run needs from a validated ``RunConfig``; ``fit()`` trains and exports.
 
@@ -208,9 +198,10 @@ class Trainer:
         self.predicted = self._plan_check(mconf) if t.plan_check else None
         self.baseline_rss_bytes = process_rss_bytes()
         self.notes += apply_device_limits(cfg.allocator, self.device)
-        if self.device.type == "cuda" and t.record_memory_history:  # before the weights arrive: a whole trace
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-        elif t.record_memory_history or t.snapshot_at_step is not None:
+        self.watch = AllocatorWatch(self.device, self.run.root, ctx.rank, ctx.world_size, t.frag_every,
+                                    t.record_memory_history, t.snapshot_at_step)
+        self.watch.start()  # before the weights arrive: a whole-run trace
+        if not self.watch.on and (t.record_memory_history or t.snapshot_at_step is not None):
             self.notes.append("train.record_memory_history / snapshot_at_step apply to CUDA/ROCm devices only")
         model = self._plain_model()
         self.wrapped = apply_activation_checkpointing(model, cfg.strategy.activation_checkpointing)
@@ -233,7 +224,6 @@ class Trainer:
         self.display_console = display_console
         self.metrics: TrainerMetrics | None = None
         self.metrics_port: int | None = None
-        self._next_frag = t.frag_every
 
     def _plain_model(self) -> torch.nn.Module:
         """The model as configured (weights, LoRA adapters), before any wrapper or engine: a random
@@ -439,6 +429,7 @@ class Trainer:
                     do_eval(0)
                 for step in range(state.step + 1, t.max_steps + 1):
                     reset_peaks(self.device)
+                    self.watch.before_step(step)
                     start = time.perf_counter()
                     batches = [next(loader) for _ in range(self.accum)]
                     lr = self.scheduler.get_last_lr()[0]
@@ -469,7 +460,7 @@ class Trainer:
                     }
                     if step == t.profile_step:
                         rec.update(profiled)
-                    self._gpu_memory_extras(step, rec)
+                    self.watch.after_step(step, rec)
                     result.steps.append(rec)
                     if self.metrics is not None:
                         self.metrics.update({**rec, **self._local_memory, "rank": ctx.rank})
@@ -508,30 +499,10 @@ class Trainer:
         result.summary = summary
         return result
 
-    def _gpu_memory_extras(self, step: int, rec: dict[str, Any]) -> None:
-        """On a GPU: fragmentation every ``train.frag_every`` steps or more (into the step record and
-        metrics, with what reading it cost) and the snapshot asked for by ``train.snapshot_at_step``."""
-        t = self.cfg.train
-        if self.device.type != "cuda":
-            return
-        if t.frag_every and step >= self._next_frag:
-            start = time.perf_counter()
-            report = analyze({"segments": torch.cuda.memory_snapshot()}, self.device.index or 0)
-            cost_s = time.perf_counter() - start
-            every = frag_interval(cost_s, rec["step_time_s"], t.frag_every)
-            self._next_frag = step + every
-            rec.update(fragmentation_ratio=report.fragmentation_ratio, largest_free_block_bytes=report.largest_free_bytes,
-                       frag_time_s=cost_s, frag_every=every)
-        if t.snapshot_at_step == step:
-            torch.cuda.memory._dump_snapshot(str(self.run.root / f"snapshot_step{step}.pickle"))
-
     def _out_of_memory(self, step: int, requested: int) -> OutOfMemoryExit:
         """Dump a snapshot on a GPU, and say what was asked, what was predicted and what to try."""
-        where = ""
-        if self.device.type == "cuda":
-            path = self.run.root / f"oom_step{step}_snapshot.pickle"
-            torch.cuda.memory._dump_snapshot(str(path))
-            where = f"; snapshot {path} (memfit frag {path} --simulate)"
+        path = self.watch.oom_snapshot(step)
+        where = f"; snapshot {path} (memfit frag {path} --simulate)" if path else ""
         predicted = ""
         if self.predicted is not None:
             parts = ", ".join(f"{c.value} {v / GIB:.2f}" for c, v in self.predicted.peak.bytes_by_category.items() if v)
