@@ -134,6 +134,9 @@ def add_plan_parser(sub) -> None:
     out.add_argument("--top", type=int, default=10, help="rows of the table")
     out.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
     out.add_argument("--explain", type=int, metavar="N", help="per-phase breakdown of the N-th fitting candidate")
+    out.add_argument("--simulate", action="store_true",
+                     help="with --explain: replay that candidate's traced step under several allocator settings")
+    out.add_argument("--hip-version", help="with --simulate: judge settings for this ROCm version, e.g. 6.2")
     out.add_argument("--write-config", metavar="PATH", help="write the winner as a memfit train YAML")
     out.add_argument("--write-deepspeed", metavar="PATH", help="write the winner as a DeepSpeed JSON")
     plan.set_defaults(func=cmd_plan)

@@ -164,3 +164,27 @@ def test_replaying_the_models_own_trace_ends_where_the_model_ended(expandable):
     assert check.model_reserved_bytes == check.snapshot_reserved_bytes == truth[-1][1]
     assert check.model_segments == check.snapshot_segments and check.unmatched_frees == 0
     assert check.model_peak_reserved_bytes == max(t[1] for t in truth)
+
+
+def test_defaults_stay_recommended_unless_a_setting_saves_two_percent(capsys):
+    from rich.console import Console
+
+    from memfit.memory.allocator_model import AllocatorSettings
+    from memfit.memory.frag_command import render_whatif
+    from memfit.memory.whatif import Replay, recommend
+
+    def run(settings, reserved, oom=False, retries=0):
+        return Replay(settings, reserved, 90 * MIB, 3, retries, oom, 0.1, 100)
+
+    default, gc = AllocatorSettings(), AllocatorSettings(garbage_collection_threshold=0.8, memory_fraction=0.95)
+    expandable = AllocatorSettings(expandable_segments=True)
+    assert recommend([run(default, 100 * MIB), run(gc, 99 * MIB)], None).settings == default  # 1%: noise
+    assert recommend([run(default, 100 * MIB), run(gc, 97 * MIB)], None).settings == gc
+    assert recommend([run(default, 100 * MIB, retries=2), run(gc, 99 * MIB)], None).settings == gc
+    assert recommend([run(default, 100 * MIB), run(expandable, 50 * MIB)], "6.2.41133").settings == default  # no-op there
+    assert recommend([run(default, 100 * MIB, oom=True), run(gc, 99 * MIB, oom=True)], None) is None
+    results = [run(default, 100 * MIB), run(gc, 97 * MIB)]
+    render_whatif(results, results[1], None, Console(width=200), "t", rocm=True)
+    out = capsys.readouterr().out
+    assert ("recommendation: PYTORCH_HIP_ALLOC_CONF=garbage_collection_threshold:0.8 and "
+            "allocator.memory_fraction=0.95 (torch.cuda.set_per_process_memory_fraction)") in out

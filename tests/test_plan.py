@@ -171,6 +171,7 @@ def _plan(capsys, *args):
         (["--model", "tiny", "--gpu", "t4", "--seq-len", "64", "--precision", "bf16-mixed"], "t4 has no bf16"),
         (["--model", "tiny", "--gpu", "mi210", "--seq-len", "5000"], "exceeds the model's max_position_embeddings 1024"),
         (["--model", "llama2-70b", "--gpu", "rtx4090", "--seq-len", "512", "--global-batch", "1"], "nothing fits on rtx4090: the closest candidate"),
+        (["--model", "tiny", "--gpu", "mi210", "--simulate"], "--simulate replays one candidate's step: give --explain N too"),
     ],
 )
 def test_plan_errors_are_one_line(capsys, args, message):
@@ -191,6 +192,18 @@ def test_plan_json_explain_and_written_configs(capsys, tmp_path):
     assert cfg.model.source == "random:tiny" and cfg.data.seq_len == 128
     ds = json.loads(ds_json.read_text())
     assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2 == 8
+
+
+def test_plan_simulate_replays_the_explained_step_under_allocator_settings(capsys):
+    code, out, _ = _plan(capsys, "--model", "tiny", "--gpu", "mi210", "--seq-len", "128", "--global-batch", "4",
+                         "--ac", "none", "--precision", "bf16-mixed", "--micro-batch", "4", "--explain", "1", "--simulate")
+    assert code == 0
+    text = " ".join(out.split())
+    assert "what-if: the traced step's" in text and "at mi210's 64 GiB" in text
+    for label in ("default", "expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"):
+        assert label in text
+    assert "recommendation:" in text and "give --hip-version to judge it" in text
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in text  # an AMD GPU: the HIP variable, when one is recommended
 
 
 def test_plan_reads_train_config_and_deepspeed_json(capsys, tmp_path):

@@ -46,7 +46,9 @@ class AllocatorSettings:
     memory_fraction: float | None = None
     expandable_segments: bool = False
 
-    def label(self) -> str:
+    def conf(self) -> str:
+        """The ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_HIP_ALLOC_CONF`` value ("" for the defaults);
+        the memory fraction is not part of it (``torch.cuda.set_per_process_memory_fraction``)."""
         parts = []
         if self.expandable_segments:
             parts.append("expandable_segments:True")
@@ -56,7 +58,10 @@ class AllocatorSettings:
             parts.append(f"roundup_power2_divisions:{self.roundup_power2_divisions}")
         if self.garbage_collection_threshold is not None:
             parts.append(f"garbage_collection_threshold:{self.garbage_collection_threshold}")
-        label = ",".join(parts) or "default"
+        return ",".join(parts)
+
+    def label(self) -> str:
+        label = self.conf() or "default"
         if self.memory_fraction is not None:
             label += f" + memory fraction {self.memory_fraction}"
         return label

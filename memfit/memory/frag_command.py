@@ -11,6 +11,7 @@ from rich.table import Table
 
 from memfit.errors import UserError
 from memfit.memory.layout import Moment, Rebuilt, settings_in
+from memfit.memory.whatif import MIN_GAIN, Replay, compare, no_op_reason, replay_check, trace_entries
 from memfit.memory.snapshot import FragReport, analyze, devices_in, load_snapshot, oom_events
 from memfit.units import GIB, MIB
 
@@ -93,19 +94,11 @@ def run_frag(ns) -> int:
     return 0
 
 
-def simulate(snap, report, ns, console) -> None:
-    """Replay the snapshot's trace under several allocator settings, side by side."""
-    import torch
-
-    from memfit.memory.hardware import parse_memory
-    from memfit.memory.whatif import compare, no_op_reason, replay_check, trace_entries
-
-    entries = trace_entries(snap, report.device, str(ns.snapshot))
-    capacity = parse_memory(ns.capacity) if ns.capacity else 1 << 62
-    hip = ns.hip_version if ns.hip_version is not None else torch.version.hip
-    results, best = compare(entries, capacity, hip)
-    t = Table(title=f"what-if replay of {results[0].events} trace events"
-              + (f" at capacity {capacity / GIB:.1f} GiB" if ns.capacity else " (no capacity limit)"))
+def render_whatif(results: list[Replay], best: Replay | None, hip: str | None, console: Console, title: str,
+                  rocm: bool | None = None) -> None:
+    """The what-if table (one row per allocator setting) and the recommendation, in the variable of a
+    ROCm stack when ``rocm`` (default: when ``hip`` is given)."""
+    t = Table(title=title)
     for col in ("settings", "peak reserved GiB", "peak allocated GiB", "segments mapped", "retries", "OOM", "note"):
         t.add_column(col, justify="left" if col in ("settings", "note") else "right")
     for r in results:
@@ -113,17 +106,38 @@ def simulate(snap, report, ns, console) -> None:
                   str(r.segment_allocs), str(r.alloc_retries), "yes" if r.oom else "no",
                   ("no-op here" if no_op_reason(r.settings, hip) else "") + ("recommended" if r is best else ""))
     console.print(t)
+    for reason in {no_op_reason(r.settings, hip) for r in results} - {None}:
+        console.print(f"note: {reason}", highlight=False)
+    if best is not None:
+        var = f"PYTORCH_{'HIP' if (hip is not None if rocm is None else rocm) else 'CUDA'}_ALLOC_CONF"
+        conf, fraction = best.settings.conf(), best.settings.memory_fraction
+        advice = [f"{var}={conf}"] if conf else []
+        if fraction is not None:
+            advice.append(f"allocator.memory_fraction={fraction} (torch.cuda.set_per_process_memory_fraction)")
+        console.print(f"recommendation: {' and '.join(advice)}" if advice else
+                      f"recommendation: keep the default settings (none saves {MIN_GAIN:.0%} of peak reserved memory)",
+                      highlight=False)
+    else:
+        console.print("recommendation: none; every applicable setting runs out of memory", highlight=False)
+
+
+def simulate(snap, report, ns, console) -> None:
+    """Replay the snapshot's trace under several allocator settings, side by side."""
+    import torch
+
+    from memfit.memory.hardware import parse_memory
+
+    entries = trace_entries(snap, report.device, str(ns.snapshot))
+    capacity = parse_memory(ns.capacity) if ns.capacity else 1 << 62
+    hip = ns.hip_version if ns.hip_version is not None else torch.version.hip
+    results, best = compare(entries, capacity, hip)
     ran_with = settings_in(snap)
     check = replay_check(snap, report.device, ran_with)
     if check.unmatched_frees:
         console.print(f"note: {check.unmatched_frees} frees of blocks allocated before recording started; the replay "
                       "misses those blocks (start recording before the model is built)", highlight=False)
-    console.print(f"model check ({ran_with.label()} settings, as the snapshot was taken): the replay ends at {check.model_reserved_bytes / GIB:.3f} GiB reserved "
-                  f"in {check.model_segments} segments; the allocator held {check.snapshot_reserved_bytes / GIB:.3f} GiB "
-                  f"in {check.snapshot_segments}", highlight=False)
-    for reason in {no_op_reason(r.settings, hip) for r in results} - {None}:
-        console.print(f"note: {reason}", highlight=False)
-    if best is not None:
-        console.print(f"recommendation: PYTORCH_{'HIP' if hip else 'CUDA'}_ALLOC_CONF={best.settings.label()}"
-                      if best.settings.label() != "default" else "recommendation: keep the default settings",
-                      highlight=False)
+    console.print(f"model check ({ran_with.label()} settings, as the snapshot was taken): the replay ends at "
+                  f"{check.model_reserved_bytes / GIB:.3f} GiB reserved in {check.model_segments} segments; the allocator "
+                  f"held {check.snapshot_reserved_bytes / GIB:.3f} GiB in {check.snapshot_segments}", highlight=False)
+    render_whatif(results, best, hip, console, f"what-if replay of {results[0].events} trace events"
+                  + (f" at capacity {capacity / GIB:.1f} GiB" if ns.capacity else " (no capacity limit)"))

@@ -109,21 +109,36 @@ def _train_source(model: str) -> str:
     return str(path.parent if path.name.endswith(".json") else path)
 
 
-def _replayed(w: Workload, c) -> tuple[int, int]:
-    """Peak reserved and allocated of the candidate's full-depth step replayed through the allocator model
-    (two micro-batches stand for any longer accumulation: later ones repeat the second's pattern)."""
+def _step_events(w: Workload, c) -> list[tuple[int, int]]:
+    """The candidate's full-depth first step as allocations and releases, on one device (ZeRO not
+    applied; two micro-batches stand for any longer accumulation: later ones repeat the second's)."""
     from memfit.memory.trace import StepSpec, trace_allocations
-    from memfit.memory.whatif import replay_allocations
 
     spec = StepSpec(w.model_config, c.micro_batch, w.seq_len, c.precision, c.ac, c.optimizer, w.lora, min(c.grad_accum, 2), 512)
-    model = replay_allocations(trace_allocations(spec))
-    return model.peak_reserved, model.peak_allocated
+    return trace_allocations(spec)
+
+
+def _simulate(events: list[tuple[int, int]], c, gpu, hip: str | None, console) -> None:
+    """The step's trace under several allocator settings, at the GPU's capacity where the trace is
+    what one rank holds (ZeRO-0), without a limit otherwise."""
+    from memfit.memory.frag_command import render_whatif
+    from memfit.memory.whatif import as_trace, compare
+
+    capacity = gpu.memory_bytes if c.zero == 0 else 1 << 62
+    results, best = compare(as_trace(events), capacity, hip)
+    where = f"at {gpu.name}'s {capacity / GIB:.0f} GiB" if c.zero == 0 else "without a capacity limit (ZeRO not applied)"
+    render_whatif(results, best, hip, console, f"what-if: the traced step's {len(events)} allocator events {where}",
+                  rocm=hip is not None or gpu.vendor == "amd")
+    if hip is None and gpu.vendor == "amd":
+        console.print("note: expandable_segments needs ROCm >= 7.0; give --hip-version to judge it", highlight=False)
 
 
 def run_plan(ns) -> int:
     inp = _inputs(ns)
     if ns.gpu and ns.gpu_mem:
         raise UserError("give --gpu or --gpu-mem, not both")
+    if ns.simulate and ns.explain is None:
+        raise UserError("--simulate replays one candidate's step: give --explain N too (N = its row in the table)")
     if not ns.gpu and not ns.gpu_mem:
         raise UserError("memfit plan needs --gpu (e.g. mi210, h100) or --gpu-mem (e.g. 64GiB)")
     gpu = gpu_preset(ns.gpu) if ns.gpu else custom_gpu(parse_memory(ns.gpu_mem))
@@ -158,7 +173,13 @@ def run_plan(ns) -> int:
         if not 1 <= ns.explain <= len(result.fitting):
             raise UserError(f"--explain {ns.explain}: there are {len(result.fitting)} fitting candidates")
         chosen = result.fitting[ns.explain - 1]
-        render_explain(chosen, console, _replayed(workload, chosen))
+        from memfit.memory.whatif import replay_allocations
+
+        events = _step_events(workload, chosen)
+        model = replay_allocations(events)
+        render_explain(chosen, console, (model.peak_reserved, model.peak_allocated))
+        if ns.simulate:
+            _simulate(events, chosen, gpu, ns.hip_version, console)
     if ns.write_config:
         write_train_config(result.best, result, _train_source(inp.model), Path(ns.write_config), ns.engine,
                            ns.write_deepspeed)

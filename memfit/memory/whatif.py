@@ -133,22 +133,36 @@ def no_op_reason(settings: AllocatorSettings, hip: str | None) -> str | None:
     return None
 
 
+MIN_GAIN = 0.02  # a setting is recommended over the defaults when it saves this much peak reserved memory
+
+
 def compare(entries: list[dict[str, Any]], capacity: int, hip: str | None) -> tuple[list[Replay], Replay | None]:
-    """Replays of every scenario and the recommended one: no OOM, applicable here, lowest peak reserved."""
+    """Replays of every scenario (the defaults first) and the recommended one."""
     results = [replay(entries, s, capacity) for s in SCENARIOS]
+    return results, recommend(results, hip)
+
+
+def recommend(results: list[Replay], hip: str | None) -> Replay | None:
+    """No OOM, applicable here, the lowest peak reserved (fewest retries on a tie); the defaults
+    (``results[0]``) stay recommended unless a setting saves MIN_GAIN of their peak reserved, or they
+    run out of memory or retry. None when every applicable setting runs out of memory."""
     usable = [r for r in results if not r.oom and no_op_reason(r.settings, hip) is None]
     best = min(usable, key=lambda r: (r.peak_reserved_bytes, r.alloc_retries), default=None)
-    return results, best
+    default = results[0]
+    if (best is not None and not default.oom and default.alloc_retries == 0
+            and best.peak_reserved_bytes > (1 - MIN_GAIN) * default.peak_reserved_bytes):
+        return default
+    return best
+
+
+def as_trace(events: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """A traced step's storage allocations (``trace_allocations``: (serial, +bytes) then (serial, -bytes))
+    as snapshot trace entries, the serial standing for the address."""
+    return [{"action": "alloc" if delta > 0 else "free_completed", "addr": serial, "size": abs(delta)}
+            for serial, delta in events]
 
 
 def replay_allocations(events: list[tuple[int, int]], settings: AllocatorSettings = AllocatorSettings(),
                        capacity: int = 1 << 62) -> CachingAllocatorModel:
-    """Replay a traced step's storage allocations (``trace_allocations``) through the allocator model."""
-    model = CachingAllocatorModel(capacity, settings)
-    live: dict[int, object] = {}
-    for serial, delta in events:
-        if delta > 0:
-            live[serial] = model.malloc(delta)
-        elif serial in live:
-            model.free(live.pop(serial))
-    return model
+    """Replay a traced step's storage allocations through the allocator model."""
+    return _replayed(as_trace(events), settings, capacity)[0]
