@@ -106,6 +106,7 @@ def test_simulate_compares_settings_and_recommends(tmp_path, capsys):
     assert "expandable_segments is ignored on ROCm 5.7" in text
     assert "recommendation:" in text
     assert "model check (default settings, as the snapshot was taken): the replay ends at" in text
+    assert open(tmp_path / "o" / "whatif_device0.png", "rb").read(8) == PNG_MAGIC
     assert main(["frag", str(p), "--out", str(tmp_path / "o"), "--simulate", "--capacity", "200MiB"]) == 2
 
 
@@ -125,6 +126,16 @@ def test_whatif_replay_numbers_follow_the_model():
     assert best is not None and best.peak_reserved_bytes == min(r.peak_reserved_bytes for r in results)
     tight = replay(entries, AllocatorSettings(), default.peak_allocated_bytes)  # no room for any cache
     assert tight.oom or tight.alloc_retries > 0
+    # over time: one point per alloc / free entry, ending where the replay ended
+    assert [p.index for p in default.series] == list(range(len(entries)))
+    assert default.series[-1].reserved_bytes <= default.peak_reserved_bytes == max(p.reserved_bytes for p in default.series)
+    assert max(p.allocated_bytes for p in default.series) == default.peak_allocated_bytes
+    assert all(0 <= p.fragmentation_ratio <= 1 for p in default.series)
+    assert default.series[-1].fragmentation_ratio == default.fragmentation_at_end
+    retries = [p.alloc_retries for p in tight.series]
+    assert retries == sorted(retries) and retries[-1] == tight.alloc_retries
+    if tight.oom:
+        assert len(tight.series) < len(entries)
 
 
 def test_replay_check_sets_the_model_beside_the_snapshot():
@@ -166,7 +177,7 @@ def test_replaying_the_models_own_trace_ends_where_the_model_ended(expandable):
     assert check.model_peak_reserved_bytes == max(t[1] for t in truth)
 
 
-def test_defaults_stay_recommended_unless_a_setting_saves_two_percent(capsys):
+def test_defaults_stay_recommended_unless_a_setting_retries_less_or_saves_two_percent(capsys):
     from rich.console import Console
 
     from memfit.memory.allocator_model import AllocatorSettings
@@ -180,7 +191,8 @@ def test_defaults_stay_recommended_unless_a_setting_saves_two_percent(capsys):
     expandable = AllocatorSettings(expandable_segments=True)
     assert recommend([run(default, 100 * MIB), run(gc, 99 * MIB)], None).settings == default  # 1%: noise
     assert recommend([run(default, 100 * MIB), run(gc, 97 * MIB)], None).settings == gc
-    assert recommend([run(default, 100 * MIB, retries=2), run(gc, 99 * MIB)], None).settings == gc
+    assert recommend([run(default, 100 * MIB, retries=2), run(gc, 101 * MIB)], None).settings == gc  # no retry
+    assert recommend([run(default, 100 * MIB, retries=1), run(gc, 90 * MIB, retries=1)], None).settings == gc
     assert recommend([run(default, 100 * MIB), run(expandable, 50 * MIB)], "6.2.41133").settings == default  # no-op there
     assert recommend([run(default, 100 * MIB, oom=True), run(gc, 99 * MIB, oom=True)], None) is None
     results = [run(default, 100 * MIB), run(gc, 97 * MIB)]

@@ -327,7 +327,8 @@ class CachingAllocatorModel:
     # -- observations -------------------------------------------------------------------------------
 
     def largest_free_block(self) -> int:
-        return max((b.size for lst in self._free.values() for *_, b in lst), default=0)
+        """The free index is ordered by size: the last entry of each (pool, stream) list."""
+        return max((lst[-1][0] for lst in self._free.values() if lst), default=0)
 
     def fragmentation_ratio(self) -> float:
         external = self.reserved - self.allocated

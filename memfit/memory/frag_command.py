@@ -90,7 +90,7 @@ def run_frag(ns) -> int:
     for p in pngs:
         console.print(f"wrote {p}", highlight=False)
     if ns.simulate:
-        simulate(snap, report, ns, console)
+        simulate(snap, report, ns, console, out_dir)
     return 0
 
 
@@ -115,13 +115,14 @@ def render_whatif(results: list[Replay], best: Replay | None, hip: str | None, c
         if fraction is not None:
             advice.append(f"allocator.memory_fraction={fraction} (torch.cuda.set_per_process_memory_fraction)")
         console.print(f"recommendation: {' and '.join(advice)}" if advice else
-                      f"recommendation: keep the default settings (none saves {MIN_GAIN:.0%} of peak reserved memory)",
+                      "recommendation: keep the default settings (no other setting retries less or saves "
+                      f"{MIN_GAIN:.0%} of peak reserved memory)",
                       highlight=False)
     else:
         console.print("recommendation: none; every applicable setting runs out of memory", highlight=False)
 
 
-def simulate(snap, report, ns, console) -> None:
+def simulate(snap, report, ns, console, out_dir: Path) -> None:
     """Replay the snapshot's trace under several allocator settings, side by side."""
     import torch
 
@@ -139,5 +140,11 @@ def simulate(snap, report, ns, console) -> None:
     console.print(f"model check ({ran_with.label()} settings, as the snapshot was taken): the replay ends at "
                   f"{check.model_reserved_bytes / GIB:.3f} GiB reserved in {check.model_segments} segments; the allocator "
                   f"held {check.snapshot_reserved_bytes / GIB:.3f} GiB in {check.snapshot_segments}", highlight=False)
-    render_whatif(results, best, hip, console, f"what-if replay of {results[0].events} trace events"
-                  + (f" at capacity {capacity / GIB:.1f} GiB" if ns.capacity else " (no capacity limit)"))
+    title = f"what-if replay of {results[0].events} trace events" + (
+        f" at capacity {capacity / GIB:.1f} GiB" if ns.capacity else " (no capacity limit)")
+    render_whatif(results, best, hip, console, title)
+    from memfit.telemetry.plots import whatif_timeline
+
+    png = whatif_timeline(results, out_dir / f"whatif_device{report.device}.png", f"{Path(ns.snapshot).name}: {title}",
+                          capacity if ns.capacity else None)
+    console.print(f"wrote {png}", highlight=False)

@@ -24,6 +24,17 @@ SCENARIOS = (
 
 
 @dataclass(frozen=True)
+class SeriesPoint:
+    """The model after one trace entry."""
+
+    index: int
+    reserved_bytes: int
+    allocated_bytes: int
+    fragmentation_ratio: float
+    alloc_retries: int
+
+
+@dataclass(frozen=True)
 class Replay:
     settings: AllocatorSettings
     peak_reserved_bytes: int
@@ -33,12 +44,14 @@ class Replay:
     oom: bool
     fragmentation_at_end: float
     events: int
+    series: tuple[SeriesPoint, ...] = ()  # after every alloc / free entry (and the failing one on OOM)
 
 
-def _replayed(entries: list[dict[str, Any]], settings: AllocatorSettings, capacity: int
-              ) -> tuple[CachingAllocatorModel, bool, int, int]:
+def _replayed(entries: list[dict[str, Any]], settings: AllocatorSettings, capacity: int,
+              series: list[SeriesPoint] | None = None) -> tuple[CachingAllocatorModel, bool, int, int]:
     """The model after the trace's ``alloc`` / ``free_completed`` entries: (model, OOM, entries
-    replayed, frees of addresses the trace never allocated — non-zero when recording started late).
+    replayed, frees of addresses the trace never allocated — non-zero when recording started late);
+    ``series`` collects the model's state after each alloc / free entry.
 
     Where the trace releases segments the model empties its cache: the program's ``empty_cache()``
     and the allocator's release before a retry (``release_cached_blocks``) both free every wholly
@@ -47,7 +60,7 @@ def _replayed(entries: list[dict[str, Any]], settings: AllocatorSettings, capaci
     model = CachingAllocatorModel(capacity, settings)
     live: dict[int, object] = {}
     oom, n, unmatched, released = False, 0, 0, False
-    for e in entries:
+    for i, e in enumerate(entries):
         action = e.get("action")
         if action in ("segment_free", "segment_unmap"):
             released = True
@@ -59,22 +72,26 @@ def _replayed(entries: list[dict[str, Any]], settings: AllocatorSettings, capaci
                 live[e["addr"]] = model.malloc(int(e["size"]), int(e.get("stream", 0)))
             except OutOfMemory:
                 oom = True
-                break
         elif action == "free_completed":
             if e.get("addr") in live:
                 model.free(live.pop(e["addr"]))
             else:
                 unmatched += 1
+        if series is not None and action in ("alloc", "free_completed"):
+            series.append(SeriesPoint(i, model.reserved, model.allocated, model.fragmentation_ratio(), model.num_alloc_retries))
+        if oom:
+            break
         n += 1
-    if released:
+    if released and not oom:
         model.empty_cache()
     return model, oom, n, unmatched
 
 
 def replay(entries: list[dict[str, Any]], settings: AllocatorSettings, capacity: int) -> Replay:
-    model, oom, n, _ = _replayed(entries, settings, capacity)
+    series: list[SeriesPoint] = []
+    model, oom, n, _ = _replayed(entries, settings, capacity, series)
     return Replay(settings, model.peak_reserved, model.peak_allocated, model.segment_allocs,
-                  model.num_alloc_retries, oom, model.fragmentation_ratio(), n)
+                  model.num_alloc_retries, oom, model.fragmentation_ratio(), n, tuple(series))
 
 
 @dataclass(frozen=True)
@@ -143,13 +160,14 @@ def compare(entries: list[dict[str, Any]], capacity: int, hip: str | None) -> tu
 
 
 def recommend(results: list[Replay], hip: str | None) -> Replay | None:
-    """No OOM, applicable here, the lowest peak reserved (fewest retries on a tie); the defaults
-    (``results[0]``) stay recommended unless a setting saves MIN_GAIN of their peak reserved, or they
-    run out of memory or retry. None when every applicable setting runs out of memory."""
+    """No OOM, applicable here, the fewest retries (each one a synchronising release of the whole
+    cache), then the lowest peak reserved; the defaults (``results[0]``) stay recommended unless a
+    setting retries less or saves MIN_GAIN of their peak reserved. None when every applicable setting
+    runs out of memory."""
     usable = [r for r in results if not r.oom and no_op_reason(r.settings, hip) is None]
-    best = min(usable, key=lambda r: (r.peak_reserved_bytes, r.alloc_retries), default=None)
+    best = min(usable, key=lambda r: (r.alloc_retries, r.peak_reserved_bytes), default=None)
     default = results[0]
-    if (best is not None and not default.oom and default.alloc_retries == 0
+    if (best is not None and default in usable and best.alloc_retries == default.alloc_retries
             and best.peak_reserved_bytes > (1 - MIN_GAIN) * default.peak_reserved_bytes):
         return default
     return best

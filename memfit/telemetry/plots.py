@@ -70,6 +70,34 @@ def memory_timeline(points: list[TimelinePoint], path: Path, title: str, peak: M
     return path
 
 
+def whatif_timeline(replays, path: Path, title: str, capacity_bytes: int | None = None) -> Path:
+    """Reserved GiB over the trace under each allocator setting (what-if replays), allocated under the
+    defaults for reference, the capacity if one was set; an OOM ends its line with a cross."""
+    fig, ax = plt.subplots(figsize=(13, 4.5))
+    for r in replays:
+        if not r.series:
+            continue
+        x = [p.index for p in r.series]
+        line, = ax.step(x, [p.reserved_bytes / GIB for p in r.series], where="post", label=r.settings.label(), linewidth=1.1)
+        if r.oom:
+            ax.plot(x[-1], r.series[-1].reserved_bytes / GIB, "x", color=line.get_color(), markersize=9)
+    base = replays[0]
+    if base.series:
+        ax.step([p.index for p in base.series], [p.allocated_bytes / GIB for p in base.series], where="post",
+                color="#555555", linestyle="--", linewidth=0.9, label="allocated (defaults)")
+    if capacity_bytes:
+        ax.axhline(capacity_bytes / GIB, color="#c0392b", linewidth=0.8, linestyle=":", label="capacity")
+    ax.set_xlabel("trace entry")
+    ax.set_ylabel("reserved GiB")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def bench_memory(cells, path: Path, title: str) -> Path:
     """Peak memory per cell, stacked by category where known (model states exact; the rest measured)."""
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cells) + 2), 4.8))
