@@ -66,13 +66,30 @@ def sawtooth(steps=30):
     return snapshot([segment(0x7E0000000000, [(5 * MIB, "active_allocated", None)] * steps)], [trace])
 
 
+def _runs(pages):
+    """Contiguous runs of page numbers: [(first, count)] in order."""
+    out = []
+    for p in sorted(pages):
+        if out and out[-1][0] + out[-1][1] == p:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((p, 1))
+    return out
+
+
+def _mapped_pages(seg):
+    return {o // seg.page for b in seg.blocks if b.mapped for o in range(b.offset, b.offset + b.size, seg.page)}
+
+
 def model_workload(settings, seed, events=700):
-    """A random workload through the allocator model, written as a snapshot, with the model's own
-    (allocated, reserved, external free, largest free) after every trace entry."""
+    """A random workload through the allocator model, written as a snapshot (an expandable segment as
+    one snapshot segment per contiguous mapped range), with the model's own (allocated, reserved,
+    external free, largest free) after every trace entry."""
     m = CachingAllocatorModel(1 << 40, settings)
     rng = random.Random(seed)
-    base = {}  # segment id -> address; segments 64 GiB apart so none touch
-    mapped: dict[int, int] = {}
+    base = {}  # segment id -> address; segments 16 TiB apart so none touch (an expandable one spans 1 TiB)
+    mapped: dict[int, object] = {}  # segment id -> its bytes (cudaMalloc'd) or its mapped pages (expandable)
+    page_of: dict[int, int] = {}
     trace, truth, live = [], [], []
     state = {"allocated": 0, "reserved": 0}  # as the trace stands: a malloc's segment events precede its alloc
 
@@ -87,20 +104,29 @@ def model_workload(settings, seed, events=700):
             truth.append((m.allocated, m.reserved, m.reserved - m.allocated, m.largest_free_block()))
 
     def sync_segments():
-        for sid in [s for s in mapped if s not in m.segments or m.segments[s].size < mapped[s]]:
-            gone = m.segments[sid].size if sid in m.segments else 0
-            action = "segment_unmap" if settings.expandable_segments else "segment_free"
-            record(entry(action, base[sid] + gone, mapped[sid] - gone, len(trace)))
-            mapped[sid] = gone
-            if gone == 0:
-                del mapped[sid]
+        """Segment events for what the last call changed: releases first, as the allocator makes them."""
+        for sid in list(mapped):
+            seg = m.segments.get(sid)
+            if isinstance(mapped[sid], int):
+                if seg is None:
+                    record(entry("segment_free", base[sid], mapped.pop(sid), len(trace)))
+                continue
+            now = _mapped_pages(seg) if seg is not None else set()
+            for first, n in _runs(mapped[sid] - now):
+                record(entry("segment_unmap", base[sid] + first * page_of[sid], n * page_of[sid], len(trace)))
+            mapped[sid] &= now
         for sid, seg in m.segments.items():
-            have = mapped.get(sid, 0)
-            if seg.size > have:
-                base.setdefault(sid, BASE + (len(base) << 36))
-                action = "segment_map" if seg.expandable else "segment_alloc"
-                record(entry(action, base[sid] + have, seg.size - have, len(trace)))
-                mapped[sid] = seg.size
+            base.setdefault(sid, BASE + (len(base) << 44))
+            page_of[sid] = seg.page
+            if not seg.expandable:
+                if sid not in mapped:
+                    record(entry("segment_alloc", base[sid], seg.size, len(trace)))
+                    mapped[sid] = seg.size
+                continue
+            now = _mapped_pages(seg)
+            for first, n in _runs(now - mapped.get(sid, set())):
+                record(entry("segment_map", base[sid] + first * seg.page, n * seg.page, len(trace)))
+            mapped[sid] = now
 
     def addr(block):
         return base[block.segment.sid] + block.offset
@@ -124,9 +150,17 @@ def model_workload(settings, seed, events=700):
             live.append((b, req))
     segments = []
     for sid, seg in m.segments.items():
-        blocks = [{"address": base[sid] + b.offset, "size": b.size, "state": "active_allocated" if b.allocated else "inactive",
-                   "requested_size": getattr(b, "requested", b.size) if b.allocated else 0, "frames": []}
-                  for b in seg.blocks]
-        segments.append({"device": 0, "address": base[sid], "total_size": seg.size, "stream": 0,
-                         "segment_type": seg.pool, "is_expandable": seg.expandable, "blocks": blocks})
+        runs = [[b for b in seg.blocks]] if not seg.expandable else []
+        for b in seg.blocks if seg.expandable else []:
+            if not b.mapped:
+                continue
+            if runs and runs[-1][-1].next is b:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        for run in runs:
+            blocks = [{"address": base[sid] + b.offset, "size": b.size, "state": "active_allocated" if b.allocated else "inactive",
+                       "requested_size": getattr(b, "requested", b.size) if b.allocated else 0, "frames": []} for b in run]
+            segments.append({"device": 0, "address": base[sid] + run[0].offset, "total_size": sum(b.size for b in run),
+                             "stream": 0, "segment_type": seg.pool, "is_expandable": seg.expandable, "blocks": blocks})
     return {"segments": segments, "device_traces": [trace]}, truth

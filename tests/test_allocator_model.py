@@ -140,6 +140,33 @@ def test_expandable_segments_grow_in_pages_and_avoid_holes():
     assert s.segment.pool == "small" and m.reserved == 80 * MiB + K_SMALL_BUFFER
 
 
+def test_expandable_empty_cache_unmaps_free_pages_anywhere_and_maps_the_lowest_free_range():
+    # unmap_block: the whole 20 MiB pages inside any free block go back, not only the tail's;
+    # find_expandable_block: the lowest-address unmapped range (with the free block before it) that holds
+    # the request is mapped again
+    m = CachingAllocatorModel(GiB, AllocatorSettings(expandable_segments=True))
+    a = m.malloc(30 * MiB)  # pages 0-1 mapped: [a 0-30][free 30-40]
+    b = m.malloc(15 * MiB)  # the 10 MiB free tail + one more page: [a][b 30-45][free 45-60]
+    assert b.offset == 30 * MiB and m.reserved == 60 * MiB
+    m.free(a)  # [free 0-30][b][free 45-60]
+    m.empty_cache()  # page 0 (0-20 MiB) lies inside the first free block; 45-60 holds no whole page
+    assert m.reserved == 40 * MiB and [blk.mapped for blk in b.segment.blocks][:2] == [False, True]
+    c = m.malloc(25 * MiB)  # unmapped 0-20 + free 20-30 hold it: map page 0 again, not a new one at the end
+    assert c.offset == 0 and m.reserved == 60 * MiB and m.segment_allocs == 3  # map calls: a, b, c
+
+
+def test_expandable_best_fit_passes_over_a_block_that_could_grow():
+    # get_free_block: among free blocks that fit, one followed by unmapped space counts with that space,
+    # so a request goes to an interior hole rather than the growable tail
+    m = CachingAllocatorModel(GiB, AllocatorSettings(expandable_segments=True))
+    h = m.malloc(12 * MiB)  # [h 0-12][free 12-20]
+    k = m.malloc(18 * MiB)  # one more page: [h][k 12-30][free 30-40][unmapped]
+    assert k.offset == 12 * MiB and m.reserved == 40 * MiB
+    m.free(h)  # free blocks: 0-12 (12 MiB, next to k) and 30-40 (10 MiB, next to unmapped space)
+    x = m.malloc(8 * MiB)  # smallest fit is the 10 MiB tail, but it could grow: the 12 MiB hole is taken
+    assert x.offset == 0 and m.reserved == 40 * MiB
+
+
 def test_expandable_segments_split_off_any_rest_of_512_bytes_or_more():
     # should_split: with expandable segments a large block splits like a small one (rest >= 512 B);
     # by default a rest of up to 1 MiB (kSmallSize) stays inside the block

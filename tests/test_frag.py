@@ -107,7 +107,16 @@ def test_simulate_compares_settings_and_recommends(tmp_path, capsys):
     assert "recommendation:" in text
     assert "model check (default settings, as the snapshot was taken): the replay ends at" in text
     assert open(tmp_path / "o" / "whatif_device0.png", "rb").read(8) == PNG_MAGIC
-    assert main(["frag", str(p), "--out", str(tmp_path / "o"), "--simulate", "--capacity", "200MiB"]) == 2
+    assert main(["frag", str(p), "--out", str(tmp_path / "j"), "--simulate", "--json", "--hip-version", "5.7.31921"]) == 0
+    sim = json.loads(capsys.readouterr().out)["simulate"]
+    assert sim["settings"][0]["label"] == "default" and sim["recommended"] == "roundup_power2_divisions:4"
+    assert sim["settings"][1]["no_op"] == "expandable_segments is ignored on ROCm 5.7 (needs >= 7.0)"
+    assert sim["model_check"]["events"] == 90 and sim["capacity_bytes"] is None
+    assert main(["frag", str(p), "--out", str(tmp_path / "o"), "--simulate", "--capacity", "200 megs"]) == 2
+    assert "--capacity must look like" in capsys.readouterr().err
+    assert main(["frag", str(p), "--out", str(tmp_path / "c"), "--simulate", "--capacity", "300MiB", "--json"]) == 0
+    sim = json.loads(capsys.readouterr().out)["simulate"]
+    assert sim["capacity_bytes"] == 300 << 20 and any(s["oom"] or s["alloc_retries"] for s in sim["settings"])
 
 
 def test_whatif_replay_numbers_follow_the_model():

@@ -12,6 +12,7 @@ from memfit.cli import main
 from memfit.config.loader import load_config
 from memfit.config.schema import LoraConfig, OptimizerConfig
 from memfit.memory.categories import Category
+from memfit.errors import UserError
 from memfit.memory.hardware import GIB, gpu_preset, parse_memory
 from memfit.memory.measure import measured_steady_peak
 from memfit.memory.plan import Cluster, Pins, Workload, search, time_bucket
@@ -149,6 +150,9 @@ def test_pins_restrict_the_search():
 
 def test_parse_memory():
     assert parse_memory("64GiB") == 64 * GIB and parse_memory("80GB") == 80 * 10**9 and parse_memory("24") == 24 * GIB
+    assert parse_memory("512MiB") == 512 << 20 and parse_memory("1.5 tib") == 3 << 39 and parse_memory("100MB") == 10**8
+    with pytest.raises(UserError, match=r"^--capacity must look like 64GiB, 80GB or 512MiB \(got '64 gigs'\)$"):
+        parse_memory("64 gigs", "--capacity")
 
 
 # -- the command ---------------------------------------------------------------------------------------

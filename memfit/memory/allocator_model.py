@@ -17,11 +17,16 @@ Rules and constants follow ``c10/cuda/CUDACachingAllocator.cpp`` (and ``CUDAAllo
     out of memory: a new segment beyond capacity first triggers garbage collection (only with a memory
                    fraction and garbage_collection_threshold), then the release of cached oversize
                    blocks, then of every wholly free segment (``num_alloc_retries`` += 1), then OOM
-    expandable_segments: one growing segment per pool and stream, mapped in pages of 2 MiB (small) or
-                   20 MiB (large); a request that fits nowhere maps pages at the segment's end
+    expandable_segments: per pool and stream one segment of virtual address space (the device's size),
+                   mapped in pages of 2 MiB (small) or 20 MiB (large). Best fit among mapped free blocks
+                   passes over a block whose unmapped neighbour makes it look bigger (``get_free_block``);
+                   a request that fits no mapped block takes the lowest-address run of free and
+                   unmapped blocks (``find_expandable_block``) and maps the pages it needs
+                   (``map_block``); ``empty_cache`` unmaps the whole pages inside every free block
+                   (``unmap_block``), wherever it lies; mapped and unmapped blocks never merge
 
 Known limitations: streams only separate pools (no cross-stream free delays); GC ages are counted in
-allocations; with expandable segments ``empty_cache`` unmaps only the free tail of a segment.
+allocations; no virtual-address limit beyond the device's size.
 """
 
 from __future__ import annotations
@@ -67,26 +72,66 @@ class AllocatorSettings:
         return label
 
 
-@dataclass
+@dataclass(eq=False)
 class Block:
+    """A block of a segment, linked to its neighbours in address order (as the allocator's are)."""
+
     segment: "Segment"
     offset: int
     size: int
     allocated: bool = False
     last_used: int = 0  # allocation counter when last freed (GC age)
+    mapped: bool = True  # False: reserved address space of an expandable segment, no memory behind it
+    prev: "Block | None" = field(default=None, repr=False)
+    next: "Block | None" = field(default=None, repr=False)
 
 
-@dataclass
+@dataclass(eq=False)
 class Segment:
     sid: int
     pool: str
     stream: int
     size: int  # mapped bytes
     expandable: bool = False
-    blocks: list[Block] = field(default_factory=list)
+    head: Block | None = field(default=None, repr=False)  # lowest address; expandable: mapped or not
+
+    @property
+    def blocks(self) -> list[Block]:
+        """The blocks in address order."""
+        out, b = [], self.head
+        while b is not None:
+            out.append(b)
+            b = b.next
+        return out
+
+    @property
+    def page(self) -> int:
+        """Mapping granularity of an expandable segment."""
+        return K_SMALL_BUFFER if self.pool == "small" else K_LARGE_BUFFER
 
     def wholly_free(self) -> bool:
         return all(not b.allocated for b in self.blocks)
+
+
+def _insert_after(b: Block, new: Block) -> None:
+    new.prev, new.next = b, b.next
+    if b.next is not None:
+        b.next.prev = new
+    b.next = new
+
+
+def _unlink(b: Block) -> None:
+    if b.prev is not None:
+        b.prev.next = b.next
+    else:
+        b.segment.head = b.next
+    if b.next is not None:
+        b.next.prev = b.prev
+
+
+def _growable(b: Block) -> int:
+    """A free block's size counting the unmapped space right after it (``expandable_size``)."""
+    return b.size + (b.next.size if b.next is not None and not b.next.mapped else 0)
 
 
 class OutOfMemory(Exception):
@@ -165,14 +210,17 @@ class CachingAllocatorModel:
         return True
 
     def _best_fit(self, pool: str, stream: int, size: int) -> Block | None:
+        """``get_free_block``: the smallest free block that holds ``size``; in expandable segments the
+        search moves on while the next block would grow less into unmapped space. None when that block
+        is oversize for the request (max_split_size_mb): every larger one is too."""
         lst = self._free.get((pool, stream), [])
-        i = bisect.bisect_left(lst, (size, -1, -1), key=lambda k: k[:3])
-        for entry in lst[i:]:
-            if self._usable(entry[0], size):
-                return entry[3]
-            if self.max_split is not None and size < self.max_split and entry[0] >= self.max_split:
-                return None  # all the rest are oversize too
-        return None
+        k = bisect.bisect_left(lst, (size, -1, -1), key=lambda e: e[:3])
+        if k == len(lst):
+            return None
+        while lst[k][3].segment.expandable and k + 1 < len(lst) and _growable(lst[k + 1][3]) < _growable(lst[k][3]):
+            k += 1
+        block = lst[k][3]
+        return block if self._usable(block.size, size) else None
 
     def _limit(self) -> int:
         return int(self.capacity * self.s.memory_fraction) if self.s.memory_fraction else self.capacity
@@ -183,36 +231,106 @@ class CachingAllocatorModel:
             return None
         seg = Segment(next(self._ids), pool, stream, seg_size)
         block = Block(seg, 0, seg_size)
-        seg.blocks.append(block)
+        seg.head = block
         self.segments[seg.sid] = seg
         self.reserved += seg_size
         self.segment_allocs += 1
         return block
 
     def _expand(self, pool: str, stream: int, size: int) -> Block | None:
-        """Grow (or create) the pool's expandable segment by whole pages until ``size`` fits at its end."""
-        page = K_SMALL_BUFFER if pool == "small" else K_LARGE_BUFFER
-        seg = next((s for s in self.segments.values() if s.expandable and s.pool == pool and s.stream == stream), None)
-        if seg is None:
+        """``try_allocate_expandable_block``: the lowest-address run of free and unmapped blocks that
+        holds ``size`` (a new segment when none does), its unmapped part mapped page by page."""
+        segs = [s for s in self.segments.values() if s.expandable and s.pool == pool and s.stream == stream]
+        cand = next((c for c in map(lambda s: self._expandable_run(s, size), segs) if c is not None), None)
+        if cand is None:
             seg = Segment(next(self._ids), pool, stream, 0, expandable=True)
+            seg.head = Block(seg, 0, -(-max(self.capacity, size) // seg.page) * seg.page, mapped=False)
             self.segments[seg.sid] = seg
-        tail = seg.blocks[-1] if seg.blocks and not seg.blocks[-1].allocated else None
-        have = tail.size if tail else 0
-        pages = -(-(size - have) // page)
-        if self.reserved + pages * page > self._limit():
-            if not seg.blocks:
-                del self.segments[seg.sid]
+            cand = seg.head
+        if not cand.mapped:
+            cand = self._map(cand, min(cand.size, size))
+            if cand is None:
+                return None
+        while cand.size < size:  # free mapped, then unmapped: map what is missing, merging into cand
+            nxt = cand.next
+            merged = self._map(nxt, min(size - cand.size, nxt.size))
+            if merged is None:
+                return None
+            cand = merged
+        self._index_remove(cand)
+        return cand
+
+    @staticmethod
+    def _expandable_run(seg: Segment, size: int) -> Block | None:
+        """``find_expandable_block``: per unmapped block in address order, the run from it (or from the
+        free block before it) over free and unmapped blocks; the first that holds ``size``."""
+        b = seg.head
+        while b is not None:
+            if not b.mapped:
+                start = b.prev if b.prev is not None and not b.prev.allocated else b
+                total, c = 0, start
+                while c is not None and total < size and not c.allocated:
+                    total, c = total + c.size, c.next
+                if total >= size:
+                    return start
+            b = b.next
+        return None
+
+    def _map(self, block: Block, nbytes: int) -> Block | None:
+        """``map_block``: map the pages covering the first ``nbytes`` of unmapped ``block``, merge them
+        with free mapped neighbours and index the result; None when the device is full."""
+        seg = block.segment
+        mapped = min(block.size, -(-nbytes // seg.page) * seg.page)
+        if self.reserved + mapped > self._limit():
             return None
-        self.reserved += pages * page
+        if mapped < block.size:
+            _insert_after(block, Block(seg, block.offset + mapped, block.size - mapped, mapped=False))
+            block.size = mapped
+        block.mapped, block.last_used = True, self._tick
+        seg.size += mapped
+        self.reserved += mapped
         self.segment_allocs += 1
-        if tail:
-            self._index_remove(tail)
-            tail.size += pages * page
-        else:
-            tail = Block(seg, seg.size, pages * page)
-            seg.blocks.append(tail)
-        seg.size += pages * page
-        return tail
+        return self._merge_free(block, index=False)
+
+    def _merge_free(self, block: Block, index: bool = True) -> Block:
+        """Merge free ``block`` with free neighbours of the same mapped state; index the result when mapped.
+        ``index``: whether ``block`` itself is in the free index."""
+        if index and block.mapped:
+            self._index_remove(block)
+        for other in (block.next, block.prev):  # the next, then the previous neighbour
+            if other is not None and not other.allocated and other.mapped == block.mapped:
+                if other.mapped:
+                    self._index_remove(other)
+                lo, hi = (block, other) if other is block.next else (other, block)
+                lo.size += hi.size
+                lo.last_used = max(lo.last_used, hi.last_used)
+                _unlink(hi)
+                block = lo
+        if block.mapped:
+            self._index_add(block)
+        return block
+
+    def _unmap_free(self, block: Block) -> None:
+        """``unmap_block``: unmap the whole pages inside free mapped ``block``."""
+        seg, page = block.segment, block.segment.page
+        begin = -(-block.offset // page) * page
+        end = (block.offset + block.size) // page * page
+        if end <= begin:
+            return
+        self._index_remove(block)
+        pieces = [Block(seg, block.offset, begin - block.offset, last_used=block.last_used),
+                  Block(seg, begin, end - begin, mapped=False),
+                  Block(seg, end, block.offset + block.size - end, last_used=block.last_used)]
+        at = block
+        for b in [b for b in pieces if b.size]:
+            _insert_after(at, b)
+            at = b
+            if b.mapped:
+                self._index_add(b)
+        _unlink(block)
+        seg.size -= end - begin
+        self.reserved -= end - begin
+        self._merge_free(next(b for b in pieces if not b.mapped))
 
     def _release_segment(self, seg: Segment) -> None:
         for b in seg.blocks:
@@ -247,25 +365,12 @@ class CachingAllocatorModel:
         return self._release(big) > 0
 
     def empty_cache(self) -> None:
-        """Return every wholly free segment (and free expandable tails) to the device."""
+        """Return every wholly free segment to the device, and every whole free page of expandable ones."""
         self._release([s for s in self.segments.values() if not s.expandable and s.wholly_free()])
-        page_of = {"small": K_SMALL_BUFFER, "large": K_LARGE_BUFFER}
         for seg in [s for s in self.segments.values() if s.expandable]:
-            tail = seg.blocks[-1] if seg.blocks and not seg.blocks[-1].allocated else None
-            if tail is None:
-                continue
-            page = page_of[seg.pool]
-            drop = tail.size // page * page
-            if drop:
-                self._index_remove(tail)
-                tail.size -= drop
-                seg.size -= drop
-                self.reserved -= drop
-                if tail.size:
-                    self._index_add(tail)
-                else:
-                    seg.blocks.pop()
-            if not seg.blocks:
+            for b in [b for b in seg.blocks if b.mapped and not b.allocated]:
+                self._unmap_free(b)
+            if seg.size == 0:
                 del self.segments[seg.sid]
 
     # -- the allocator API --------------------------------------------------------------------------
@@ -294,7 +399,7 @@ class CachingAllocatorModel:
         if should_split(block.size - size, size, block.segment.pool == "small", block.segment.expandable, self.max_split):
             seg = block.segment
             rest = Block(seg, block.offset + size, block.size - size, last_used=self._tick)
-            seg.blocks.insert(seg.blocks.index(block) + 1, rest)
+            _insert_after(block, rest)
             block.size = size
             self._index_add(rest)
         block.allocated = True
@@ -306,23 +411,11 @@ class CachingAllocatorModel:
         return block
 
     def free(self, block: Block) -> None:
-        seg = block.segment
         block.allocated = False
         block.last_used = self._tick
         self.allocated -= block.size
         self.requested -= getattr(block, "requested", block.size)
-        i = seg.blocks.index(block)
-        for j in (i + 1, i - 1):  # merge the next, then the previous free neighbour
-            if 0 <= j < len(seg.blocks) and not seg.blocks[j].allocated:
-                other = seg.blocks[j]
-                self._index_remove(other)
-                lo, hi = (block, other) if j > i else (other, block)
-                lo.size += hi.size
-                lo.last_used = max(lo.last_used, hi.last_used)
-                seg.blocks.remove(hi)
-                block = lo
-                i = seg.blocks.index(block)
-        self._index_add(block)
+        self._merge_free(block, index=False)
 
     # -- observations -------------------------------------------------------------------------------
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from memfit.errors import UserError
 from memfit.memory.layout import Moment, Rebuilt, settings_in
-from memfit.memory.whatif import MIN_GAIN, Replay, compare, no_op_reason, replay_check, trace_entries
+from memfit.memory.allocator_model import AllocatorSettings
+from memfit.memory.whatif import MIN_GAIN, Replay, TraceCheck, compare, no_op_reason, replay_check, trace_entries
 from memfit.memory.snapshot import FragReport, analyze, devices_in, load_snapshot, oom_events
 from memfit.units import GIB, MIB
 
@@ -60,8 +63,10 @@ def run_frag(ns) -> int:
         pngs.append(memory_timeline(points, out_dir / f"timeline_device{device}.png",
                                     f"{Path(ns.snapshot).name}, device {device}: allocated vs reserved", peak))
     ooms = oom_events(snap, device)
+    sim = simulate(snap, report, ns, out_dir) if ns.simulate else None
     if ns.json:
-        print(json.dumps({**report.as_dict(), "at_peak": _peak_dict(peak), "ooms": len(ooms), "plots": [str(p) for p in pngs]}))
+        print(json.dumps({**report.as_dict(), "at_peak": _peak_dict(peak), "ooms": len(ooms), "plots": [str(p) for p in pngs],
+                          "simulate": sim.as_dict() if sim else None}))
         return 0
     console = Console() if sys.stdout.isatty() else Console(width=130)
     t = Table(title=f"{ns.snapshot}: device {device}")
@@ -89,8 +94,8 @@ def run_frag(ns) -> int:
                       f"{int(e.get('device_free', 0)) / MIB:.1f} MiB free on the device", highlight=False)
     for p in pngs:
         console.print(f"wrote {p}", highlight=False)
-    if ns.simulate:
-        simulate(snap, report, ns, console, out_dir)
+    if sim is not None:
+        render_simulation(sim, console)
     return 0
 
 
@@ -122,29 +127,61 @@ def render_whatif(results: list[Replay], best: Replay | None, hip: str | None, c
         console.print("recommendation: none; every applicable setting runs out of memory", highlight=False)
 
 
-def simulate(snap, report, ns, console, out_dir: Path) -> None:
-    """Replay the snapshot's trace under several allocator settings, side by side."""
+@dataclass(frozen=True)
+class Simulation:
+    """``--simulate``: the trace replayed under every scenario, and the model beside the allocator."""
+
+    results: list[Replay]
+    best: Replay | None
+    hip: str | None
+    capacity_bytes: int | None
+    ran_with: AllocatorSettings
+    check: TraceCheck
+    plot: Path
+
+    @property
+    def title(self) -> str:
+        return f"what-if replay of {self.results[0].events} trace events" + (
+            f" at capacity {self.capacity_bytes / GIB:.1f} GiB" if self.capacity_bytes else " (no capacity limit)")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "settings": [{"label": r.settings.label(), "alloc_conf": r.settings.conf(), "memory_fraction": r.settings.memory_fraction,
+                          "peak_reserved_bytes": r.peak_reserved_bytes, "peak_allocated_bytes": r.peak_allocated_bytes,
+                          "segment_allocs": r.segment_allocs, "alloc_retries": r.alloc_retries, "oom": r.oom,
+                          "no_op": no_op_reason(r.settings, self.hip)} for r in self.results],
+            "recommended": self.best.settings.label() if self.best else None,
+            "model_check": {"settings": self.ran_with.label(), **asdict(self.check)},
+            "plot": str(self.plot),
+        }
+
+
+def simulate(snap: dict[str, Any], report: FragReport, ns, out_dir: Path) -> Simulation:
+    """Replay the snapshot's trace under several allocator settings, side by side, and plot it."""
     import torch
 
     from memfit.memory.hardware import parse_memory
+    from memfit.telemetry.plots import whatif_timeline
 
     entries = trace_entries(snap, report.device, str(ns.snapshot))
-    capacity = parse_memory(ns.capacity) if ns.capacity else 1 << 62
+    capacity = parse_memory(ns.capacity, "--capacity") if ns.capacity else None
     hip = ns.hip_version if ns.hip_version is not None else torch.version.hip
-    results, best = compare(entries, capacity, hip)
+    results, best = compare(entries, capacity or 1 << 62, hip)
     ran_with = settings_in(snap)
     check = replay_check(snap, report.device, ran_with)
+    sim = Simulation(results, best, hip, capacity, ran_with, check, out_dir / f"whatif_device{report.device}.png")
+    whatif_timeline(results, sim.plot, f"{Path(ns.snapshot).name}: {sim.title}", capacity)
+    return sim
+
+
+def render_simulation(sim: Simulation, console: Console) -> None:
+    check = sim.check
     if check.unmatched_frees:
         console.print(f"note: {check.unmatched_frees} frees of blocks allocated before recording started; the replay "
                       "misses those blocks (start recording before the model is built)", highlight=False)
-    console.print(f"model check ({ran_with.label()} settings, as the snapshot was taken): the replay ends at "
+    console.print(f"model check ({sim.ran_with.label()} settings, as the snapshot was taken): the replay ends at "
                   f"{check.model_reserved_bytes / GIB:.3f} GiB reserved in {check.model_segments} segments; the allocator "
                   f"held {check.snapshot_reserved_bytes / GIB:.3f} GiB in {check.snapshot_segments}", highlight=False)
-    title = f"what-if replay of {results[0].events} trace events" + (
-        f" at capacity {capacity / GIB:.1f} GiB" if ns.capacity else " (no capacity limit)")
-    render_whatif(results, best, hip, console, title)
-    from memfit.telemetry.plots import whatif_timeline
-
-    png = whatif_timeline(results, out_dir / f"whatif_device{report.device}.png", f"{Path(ns.snapshot).name}: {title}",
-                          capacity if ns.capacity else None)
-    console.print(f"wrote {png}", highlight=False)
+    render_whatif(sim.results, sim.best, sim.hip, console, sim.title)
+    console.print(f"wrote {sim.plot}", highlight=False)

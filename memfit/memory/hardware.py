@@ -41,20 +41,20 @@ GPUS: dict[str, Gpu] = {
     )
 }
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|GB|G)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|GB|G|MiB|MB|M|TiB|TB|T)?\s*$", re.IGNORECASE)
+_UNITS = {"gib": GIB, "g": GIB, "gb": 10**9, "mib": 1 << 20, "m": 1 << 20, "mb": 10**6, "tib": 1 << 40, "t": 1 << 40, "tb": 10**12}
 
 
-def parse_memory(text: str) -> int:
-    """``64GiB`` / ``64`` (GiB) / ``80GB`` (decimal) to bytes.
+def parse_memory(text: str, flag: str = "--gpu-mem") -> int:
+    """``64GiB`` / ``64`` (GiB) / ``80GB`` (decimal) / ``512MiB`` / ``1TiB`` to bytes.
 
     Raises:
-        UserError: for anything else.
+        UserError: for anything else, naming ``flag``.
     """
     m = _SIZE.match(text)
     if not m:
-        raise UserError(f"--gpu-mem must look like 64GiB or 80GB (got '{text}')")
-    value, unit = float(m.group(1)), (m.group(2) or "GiB").lower()
-    return int(value * (GIB if unit in ("gib", "g") else 10**9))
+        raise UserError(f"{flag} must look like 64GiB, 80GB or 512MiB (got '{text}')")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "GiB").lower()])
 
 
 def gpu_preset(name: str) -> Gpu:

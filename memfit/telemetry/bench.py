@@ -246,7 +246,7 @@ def run_bench(ns, config: str) -> int:
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out '{out}' is not empty; choose a new directory")
     out.mkdir(parents=True, exist_ok=True)
-    mem_limit = parse_memory(ns.mem_limit) if ns.mem_limit else None
+    mem_limit = parse_memory(ns.mem_limit, "--mem-limit") if ns.mem_limit else None
     console = Console(stderr=True)
     for i, cell in enumerate(cells, 1):
         run_cell(config, cell, out, ns.warmup, ns.steps, global_batch, ns.set, mem_limit)
