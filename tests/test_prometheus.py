@@ -22,12 +22,14 @@ def test_trainer_metrics_endpoint_serves_every_gauge():
     m = TrainerMetrics()
     port = m.serve(0)
     try:
-        m.update({"loss": 2.5, "step": 7, "tokens_per_s": 1234.5, "peak_allocated_bytes": 1 << 30, "fragmentation_ratio": 0.42})
+        m.update({"loss": 2.5, "step": 7, "tokens_per_s": 1234.5, "peak_allocated_bytes": 1 << 30, "fragmentation_ratio": 0.42,
+                  "fragmentation_at_peak": 0.17})
         got = scrape(port)
         assert got["memfit_loss"][0].value == 2.5 and got["memfit_step"][0].value == 7
         assert got["memfit_tokens_per_second"][0].value == 1234.5
         assert got["memfit_peak_allocated_bytes"][0].value == 1 << 30
         assert got["memfit_fragmentation_ratio"][0].value == 0.42
+        assert got["memfit_fragmentation_at_peak_ratio"][0].value == 0.17
         assert {"memfit_reserved_bytes", "memfit_alloc_retries", "memfit_ooms", "memfit_step_time_seconds",
                 "memfit_largest_free_block_bytes", "memfit_active_bytes"} <= set(got)
     finally:

@@ -22,6 +22,8 @@ TRAINER_METRICS = {
     "peak_active_bytes": ("memfit_active_bytes", "peak active bytes (allocated + awaiting free) in the last step"),
     "fragmentation_ratio": ("memfit_fragmentation_ratio", "1 - largest free block / external free"),
     "largest_free_block_bytes": ("memfit_largest_free_block_bytes", "largest inactive block"),
+    "fragmentation_at_peak": ("memfit_fragmentation_at_peak_ratio",
+                              "fragmentation at the peak of the step whose allocator trace was recorded (train.snapshot_at_step)"),
     "alloc_retries": ("memfit_alloc_retries", "allocations that needed the cache freed first (cumulative)"),
     "ooms": ("memfit_ooms", "out-of-memory errors raised by the allocator (cumulative)"),
     "step_time_s": ("memfit_step_time_seconds", "wall time of the last optimizer step"),
