@@ -13,7 +13,12 @@ Parts, each in its own subprocess(es) with its own time limit, so one failure le
    fragmentation reading against the step time, and the layout rebuilt from the trace
    (``memory/layout.py``): how many blocks live at the dump its size rule reproduces, and the
    fragmentation at the trace's peak.
-3. ``bench-lora`` / ``bench-full`` (issues 2, 3, 6): ``memfit bench`` on the 7B-shaped model: AC policy x
+3. ``layout`` (fragmentation issue): a random alloc/free workload on the GPU (with ``empty_cache`` calls),
+   in a fresh process per allocator setting (default, expandable segments), takes
+   ``torch.cuda.memory_snapshot()`` three times mid-run as ground truth; the layout rebuilt from the
+   final snapshot's trace at those three moments (the trace marks each with a ``snapshot`` entry) is set
+   beside it: reserved, allocated, requested, external free, largest free block, segments.
+4. ``bench-lora`` / ``bench-full`` (issues 2, 3, 6): ``memfit bench`` on the 7B-shaped model: AC policy x
    precision, LoRA and full fine-tuning; per cell peak allocated / reserved, fragmentation, step time,
    tokens/s and the planner's prediction beside ``torch.cuda.max_memory_allocated()``.
 
@@ -122,6 +127,73 @@ def replay_row(label: str, settings, snap: dict, steps: list[dict]) -> dict:
     }
 
 
+LAYOUT_FIELDS = ("reserved_bytes", "allocated_bytes", "requested_bytes", "external_free_bytes", "largest_free_bytes",
+                 "segments")
+
+
+def compare_moments(snap: dict, truths: list[dict]) -> dict:
+    """The layout rebuilt from ``snap``'s trace at its first ``snapshot`` entries, field by field beside
+    ``truths`` (reports the allocator gave at those moments, in order; only the fields they hold)."""
+    from memfit.memory.layout import Rebuilt
+
+    rebuilt = Rebuilt(snap, 0)
+    marks = [i for i, e in enumerate(rebuilt.entries) if e.get("action") == "snapshot"][: len(truths)]
+    moments = []
+    for index, truth in zip(marks, truths):
+        got = rebuilt.at(index).report.as_dict()
+        fields = {k: (got[k], truth[k]) for k in LAYOUT_FIELDS if k in truth}
+        moments.append({"trace_entry": index, "fields": fields, "exact": all(a == b for a, b in fields.values())})
+    return {"status": "ok" if len(moments) == len(truths) else f"found {len(marks)} of {len(truths)} snapshot entries",
+            "moments": moments, "blocks_checked": rebuilt.size_rule_checked, "size_misses": rebuilt.size_rule_misses,
+            "events": len(rebuilt.entries)}
+
+
+def layout_worker(path: str) -> None:
+    """In a fresh process on the GPU (allocator settings from the environment): the workload, the
+    three ground-truth readings, the final snapshot and the comparison, as JSON to ``path``."""
+    import random
+
+    import torch
+
+    from memfit.memory.snapshot import analyze
+
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=None)
+    rng, live, truths = random.Random(0), [], []
+    for i in range(1, 1501):
+        roll = rng.random()
+        if live and (roll < 0.45 or sum(t.numel() for t in live) > 24 * GIB):
+            live.pop(rng.randrange(len(live)))
+        elif roll < 0.47:
+            torch.cuda.empty_cache()
+        else:
+            size = rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 40 << 20), rng.randrange(40 << 20, 300 << 20)])
+            live.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+        if i in (400, 800, 1200):
+            truths.append(analyze({"segments": torch.cuda.memory_snapshot()}, 0).as_dict())
+    result = compare_moments(torch.cuda.memory._snapshot(), truths)
+    Path(path).write_text(json.dumps(result))
+
+
+def part_layout(s, out: Path, log) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "why": "needs a CUDA/ROCm device"}
+    rows = []
+    for label, conf in (("default", ""), ("expandable_segments", "expandable_segments:True")):
+        path = out / "runs" / f"layout-{label}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        var = "PYTORCH_HIP_ALLOC_CONF" if torch.version.hip else "PYTORCH_CUDA_ALLOC_CONF"
+        env = {**os.environ, var: conf} if conf else dict(os.environ)
+        log.write(f"$ {var}={conf} layout worker\n")
+        proc = subprocess.run([sys.executable, __file__, "--layout-worker", str(path)], capture_output=True, text=True,
+                              timeout=240, cwd=REPO, env=env)
+        log.write(proc.stdout[-3000:] + proc.stderr[-3000:] + f"\n(exit {proc.returncode})\n")
+        rows.append({"settings": label, **json.loads(path.read_text())} if path.is_file() else
+                    {"settings": label, "status": "failed"})
+    return {"status": "ok" if all(r["status"] == "ok" for r in rows) else "partial", "layout_rows": rows}
+
+
 def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
     bench_out = out / "runs" / name
     cmd = [sys.executable, "-m", "memfit.cli", "bench", "tiny-cpu", *matrix, "--steps", str(s.steps),
@@ -164,6 +236,15 @@ def summary_md(summary: dict) -> str:
                 f"{r['unmatched_frees']} unmatched frees; layout rebuilt from the trace: block sizes "
                 f"{r['layout_blocks_checked'] - r['layout_size_misses']}/{r['layout_blocks_checked']} right, "
                 f"fragmentation at the peak {r['fragmentation_at_peak']}")
+        for r in part.get("layout_rows", []):
+            if r["status"] != "ok":
+                lines.append(f"- layout, {r['settings']}: {r['status']}")
+                continue
+            exact = sum(m["exact"] for m in r["moments"])
+            worst = max((abs(a - b) for m in r["moments"] for a, b in m["fields"].values()), default=0)
+            lines.append(f"- layout, {r['settings']}: rebuilt = memory_snapshot() at {exact} of {len(r['moments'])} moments "
+                         f"(largest difference {worst} bytes); block sizes {r['blocks_checked'] - r['size_misses']}/"
+                         f"{r['blocks_checked']} right; {r['events']} events")
         if part.get("frag_time_vs_step"):
             worst = max(f / t for f, t in part["frag_time_vs_step"])
             lines.append(f"- one fragmentation reading costs up to {100 * worst:.2f}% of a step "
@@ -176,8 +257,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"))
     ap.add_argument("--smoke", action="store_true", help="tiny preset on CPU: checks this script, measures nothing")
-    ap.add_argument("--parts", default="doctor,replay,bench-lora,bench-full")
+    ap.add_argument("--parts", default="doctor,replay,layout,bench-lora,bench-full")
+    ap.add_argument("--layout-worker", metavar="JSON", help=argparse.SUPPRESS)
     ns = ap.parse_args()
+    if ns.layout_worker:
+        layout_worker(ns.layout_worker)
+        return 0
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     data = REPO / ".gpu_carry" / "data"
@@ -205,6 +290,7 @@ def main() -> int:
     parts = {
         "doctor": lambda log: part_doctor(ns, out, log),
         "replay": lambda log: part_replay(ns, out, log),
+        "layout": lambda log: part_layout(ns, out, log),
         "bench-lora": lambda log: part_bench(ns, out, log, "bench_lora", ns.lora),
         "bench-full": lambda log: part_bench(ns, out, log, "bench_full", ns.full),
     }

@@ -78,29 +78,60 @@ def test_gpu_check_script_runs_its_parts_on_cpu(tmp_path, embedded_dir):
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
     out = tmp_path / "gc"
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out), "--parts", "doctor,replay,bench-full"],
+    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out), "--parts", "doctor,replay,layout,bench-full"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert {k: v["status"] for k, v in summary["parts"].items()} == {"doctor": "ok", "replay": "skipped", "bench-full": "ok"}
+    assert {k: v["status"] for k, v in summary["parts"].items()} == {"doctor": "ok", "replay": "skipped", "layout": "skipped",
+                                                                     "bench-full": "ok"}
     cell = summary["parts"]["bench-full"]["cells"][0]
     assert cell["status"] == "ok" and cell["predicted_peak_bytes"] > 0
     assert sorted(p.name for p in out.iterdir()) == ["bench_full.md", "bench_full_memory.png", "log.txt", "summary.json", "summary.md"]
 
 
-def test_gpu_check_replay_row_and_summary_from_a_snapshot():
-    """The GPU replay part's arithmetic and its summary line, fed a snapshot in PyTorch's format (the
-    allocator model's own workload) and step records as the trainer writes them."""
+def _gpu_check_module():
     import importlib.util
     from pathlib import Path
-
-    from memfit.memory.allocator_model import AllocatorSettings
-    from snapshot_fixtures import model_workload
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", script)
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
+def test_gpu_check_layout_comparison_and_summary_from_a_snapshot():
+    """The GPU layout part's comparison, fed the allocator model's workload with 'snapshot' entries
+    where memory_snapshot() would have been called and the model's own numbers as the ground truth."""
+    from memfit.memory.allocator_model import AllocatorSettings
+    from snapshot_fixtures import model_workload
+
+    gpu_check = _gpu_check_module()
+    snap, truth = model_workload(AllocatorSettings(expandable_segments=True), seed=2)
+    trace = snap["device_traces"][0]
+    picks = [i for i, t in enumerate(truth) if t[2] is not None][100::150][:3]
+    truths = [dict(zip(("allocated_bytes", "reserved_bytes", "external_free_bytes", "largest_free_bytes"), truth[i]))
+              for i in picks]
+    for n, i in enumerate(picks):  # after entry i (shifted by the marks already inserted)
+        trace.insert(i + 1 + n, {"action": "snapshot", "addr": 0, "size": 0, "stream": 0})
+    result = gpu_check.compare_moments(snap, truths)
+    assert result["status"] == "ok" and [m["exact"] for m in result["moments"]] == [True, True, True]
+    assert result["size_misses"] == 0 and result["blocks_checked"] > 0
+    truths[1]["largest_free_bytes"] += 512
+    off = gpu_check.compare_moments(snap, truths)
+    assert [m["exact"] for m in off["moments"]] == [True, False, True]
+    md = gpu_check.summary_md({"date": "d", "device": "x", "parts": {"layout": {"status": "ok", "layout_rows": [
+        {"settings": "expandable_segments", **off}]}}})
+    assert "rebuilt = memory_snapshot() at 2 of 3 moments (largest difference 512 bytes)" in md
+
+
+def test_gpu_check_replay_row_and_summary_from_a_snapshot():
+    """The GPU replay part's arithmetic and its summary line, fed a snapshot in PyTorch's format (the
+    allocator model's own workload) and step records as the trainer writes them."""
+    from memfit.memory.allocator_model import AllocatorSettings
+    from snapshot_fixtures import model_workload
+
+    gpu_check = _gpu_check_module()
     snap, truth = model_workload(AllocatorSettings(), seed=5)
     peak_reserved, peak_allocated = max(t[1] for t in truth), max(t[0] for t in truth)
     steps = [{"peak_reserved_bytes": peak_reserved, "peak_allocated_bytes": peak_allocated, "step_time_s": 1.0,

@@ -224,7 +224,7 @@ class Rebuilt:
         self.device = device
         self.settings = settings if settings is not None else settings_in(snapshot)
         self.known: dict[int, tuple[int, int]] = {}  # alloc entry index -> (size, requested) from the snapshot
-        self.size_rule_checked = self.size_rule_misses = 0
+        self._size_rule = (0, 0)  # (blocks checked, misses), set by a whole replay
         self.start = self._rewound(snapshot)
         self._totals: list[TimelinePoint] | None = None
 
@@ -298,8 +298,20 @@ class Rebuilt:
             if stop is None:
                 points.append(TimelinePoint(i, e.get("time_us"), lay.allocated, lay.reserved))
         if stop is None:
-            self.size_rule_checked, self.size_rule_misses = checked, misses
+            self._size_rule = (checked, misses)
         return lay, points
+
+    @property
+    def size_rule_checked(self) -> int:
+        """Blocks live at the dump and allocated during the trace: their sizes by the rules were checked."""
+        self.totals()
+        return self._size_rule[0]
+
+    @property
+    def size_rule_misses(self) -> int:
+        """Of those, how many the rounding and split rules sized differently from the snapshot."""
+        self.totals()
+        return self._size_rule[1]
 
     def totals(self) -> list[TimelinePoint]:
         """Allocated and reserved bytes after each entry (blocks at their sizes, not the requests)."""
