@@ -209,3 +209,19 @@ def test_defaults_stay_recommended_unless_a_setting_retries_less_or_saves_two_pe
     out = capsys.readouterr().out
     assert ("recommendation: PYTORCH_HIP_ALLOC_CONF=garbage_collection_threshold:0.8 and "
             "allocator.memory_fraction=0.95 (torch.cuda.set_per_process_memory_fraction)") in out
+
+
+def test_long_replays_keep_a_bounded_series_with_every_change_of_reserved():
+    from memfit.memory.allocator_model import AllocatorSettings
+    from memfit.memory.whatif import SERIES_POINTS, replay
+
+    entries = []
+    for i in range(30_000):  # 60k entries: a 1 MiB block reused, and every 1000th step a 30 MiB one kept
+        entries += [{"action": "alloc", "addr": 1, "size": MIB}, {"action": "free_completed", "addr": 1, "size": MIB}]
+        if i % 1000 == 0:
+            entries.append({"action": "alloc", "addr": 10 + i, "size": 30 * MIB})
+    r = replay(entries, AllocatorSettings(), 1 << 40)
+    assert len(r.series) <= SERIES_POINTS + 60 and r.series[-1].index == len(entries) - 1
+    reserved = [p.reserved_bytes for p in r.series]
+    assert reserved == sorted(reserved) and reserved[-1] == r.peak_reserved_bytes  # each growth is a point
+    assert len(set(reserved)) == 31  # the 1 MiB block's 2 MiB small-pool segment, then one 30 MiB segment per kept block

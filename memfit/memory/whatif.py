@@ -47,11 +47,15 @@ class Replay:
     series: tuple[SeriesPoint, ...] = ()  # after every alloc / free entry (and the failing one on OOM)
 
 
+SERIES_POINTS = 20_000  # about this many points over time per replay (plus every change of reserved)
+
+
 def _replayed(entries: list[dict[str, Any]], settings: AllocatorSettings, capacity: int,
               series: list[SeriesPoint] | None = None) -> tuple[CachingAllocatorModel, bool, int, int]:
     """The model after the trace's ``alloc`` / ``free_completed`` entries: (model, OOM, entries
     replayed, frees of addresses the trace never allocated — non-zero when recording started late);
-    ``series`` collects the model's state after each alloc / free entry.
+    ``series`` collects the model's state after alloc / free entries: every one on traces of up to
+    SERIES_POINTS entries, on longer ones every n-th and each that changed reserved memory.
 
     Where the trace releases segments the model empties its cache: the program's ``empty_cache()``
     and the allocator's release before a retry (``release_cached_blocks``) both free every wholly
@@ -60,6 +64,7 @@ def _replayed(entries: list[dict[str, Any]], settings: AllocatorSettings, capaci
     model = CachingAllocatorModel(capacity, settings)
     live: dict[int, object] = {}
     oom, n, unmatched, released = False, 0, 0, False
+    every, last_reserved = max(1, len(entries) // SERIES_POINTS), -1
     for i, e in enumerate(entries):
         action = e.get("action")
         if action in ("segment_free", "segment_unmap"):
@@ -77,8 +82,10 @@ def _replayed(entries: list[dict[str, Any]], settings: AllocatorSettings, capaci
                 model.free(live.pop(e["addr"]))
             else:
                 unmatched += 1
-        if series is not None and action in ("alloc", "free_completed"):
+        if series is not None and action in ("alloc", "free_completed") and (
+                i % every == 0 or oom or model.reserved != last_reserved or i == len(entries) - 1):
             series.append(SeriesPoint(i, model.reserved, model.allocated, model.fragmentation_ratio(), model.num_alloc_retries))
+            last_reserved = model.reserved
         if oom:
             break
         n += 1
