@@ -203,3 +203,23 @@ def test_keep_checkpoints_zero_writes_no_checkpoint(tiny_cfg):
     result = Trainer(tiny_cfg("train.max_steps=2", "train.keep_checkpoints=0", "train.checkpoint_every=1")).fit()
     assert not any((result.run_dir / "checkpoints").glob("*"))
     assert (result.run_dir / "export" / "config.json").is_file()
+
+
+def test_summary_reports_fragmentation_readings_from_gpu_step_records():
+    """The GPU fields of step records (as AllocatorWatch writes them) reach the run table and summary."""
+    from rich.console import Console
+
+    from memfit.telemetry.display import summary_tables
+    from memfit.telemetry.memory import StateBytes
+
+    gib = 1 << 30
+    base = {"loss": 1.0, "lr": 1e-4, "tokens_per_s": 10.0, "step_time_s": 1.0, "peak_allocated_bytes": 2 * gib,
+            "peak_reserved_bytes": 3 * gib, "alloc_retries": 0}
+    steps = [{**base, "step": 1, "fragmentation_ratio": 0.2}, {**base, "step": 2, "fragmentation_ratio": 0.35},
+             {**base, "step": 3, "fragmentation_at_peak": 0.5}]
+    run, _, summary = summary_tables(steps, [], StateBytes(gib, gib, 0, 0, 10, 10), 0, "cuda:0")
+    assert summary["max_fragmentation_ratio"] == 0.35 and summary["fragmentation_at_peak"] == 0.5
+    console = Console(record=True, width=120)
+    console.print(run)
+    text = console.export_text()
+    assert "highest of 2 readings" in text and "0.350 (step 2)" in text and "fragmentation at step 3's peak" in text

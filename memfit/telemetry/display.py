@@ -46,6 +46,10 @@ class TrainDisplay:
             f"loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s']:.0f} tok/s  "
             f"peak {label} {mem:.2f} GiB"
         )
+        if "fragmentation_ratio" in rec:
+            status += f"  frag {rec['fragmentation_ratio']:.2f}"
+        if "fragmentation_at_peak" in rec:
+            status += f" (at the step's peak {rec['fragmentation_at_peak']:.2f})"
         self.progress.update(self.task, completed=rec["step"], status=status)
         if not self.interactive and self.enabled:
             self.console.print(f"step {rec['step']:>5}  {status}", highlight=False)
@@ -93,6 +97,16 @@ def summary_tables(
     if evals:
         run.add_row("eval loss (first → last)", f"{summary['first_eval_loss']:.4f} → {summary['last_eval_loss']:.4f}")
     run.add_row("parameters (trainable)", f"{states.params:,} ({states.trainable_params:,})")
+    readings = [r for r in steps if "fragmentation_ratio" in r]
+    if readings:
+        worst = max(readings, key=lambda r: r["fragmentation_ratio"])
+        summary["max_fragmentation_ratio"] = worst["fragmentation_ratio"]
+        run.add_row(f"fragmentation ratio, highest of {len(readings)} readings",
+                    f"{worst['fragmentation_ratio']:.3f} (step {worst['step']})")
+    traced = [r for r in steps if "fragmentation_at_peak" in r]
+    if traced:
+        summary["fragmentation_at_peak"] = traced[-1]["fragmentation_at_peak"]
+        run.add_row(f"fragmentation at step {traced[-1]['step']}'s peak", f"{traced[-1]['fragmentation_at_peak']:.3f}")
 
     mem = Table(title=f"where the memory went ({device_label})")
     mem.add_column("category")
