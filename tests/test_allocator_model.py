@@ -122,9 +122,22 @@ def test_garbage_collection_needs_a_memory_fraction():
     no_fraction = run(AllocatorSettings(garbage_collection_threshold=0.5))
     assert no_fraction.reserved == 74 * MiB  # GC inactive without a fraction
     gc = run(AllocatorSettings(garbage_collection_threshold=0.5, memory_fraction=0.8))
-    # threshold 0.5 x 80 MiB = 40 MiB: free the oldest wholly free segments until reserved <= 40 MiB
-    # (60 -> 48 -> 36), then map the 14 MiB segment: 50 MiB, no retry
-    assert gc.reserved == 50 * MiB and gc.num_alloc_retries == 0
+    # threshold 0.5 x 80 MiB = 40 MiB < 60 MiB reserved; the four free segments were all freed at the
+    # same allocation, so all are as old as the average: one pass frees them all (60 -> 12), then the
+    # 14 MiB segment: 26 MiB, no retry
+    assert gc.reserved == 26 * MiB and gc.num_alloc_retries == 0
+
+
+def test_garbage_collection_frees_segments_at_least_as_old_as_the_average():
+    m = CachingAllocatorModel(100 * MiB, AllocatorSettings(garbage_collection_threshold=0.7, memory_fraction=0.8))
+    a, b, c, d, e = (m.malloc(n * MiB) for n in (12, 12, 12, 14, 12))  # allocations 1-5: 62 MiB reserved
+    for blk in (b, c, d):
+        m.free(blk)  # freed after allocation 5
+    m.free(m.malloc(14 * MiB))  # allocation 6 reuses d's segment: d is younger now
+    m.malloc(16 * MiB)  # allocation 7 needs a segment; 62 MiB > 0.7 x 80 = 56 MiB: GC
+    # ages b 2, c 2, d 1, average 5/3: b and c go (24 MiB >= the 6 MiB excess), d stays: 38 + 16 MiB
+    assert m.reserved == 54 * MiB and m.num_alloc_retries == 0
+    assert sorted(s.size for s in m.segments.values()) == [12 * MiB, 12 * MiB, 14 * MiB, 16 * MiB]
 
 
 def test_expandable_segments_grow_in_pages_and_avoid_holes():

@@ -14,8 +14,9 @@ Rules and constants follow ``c10/cuda/CUDACachingAllocator.cpp`` (and ``CUDAAllo
                    an oversize request may not take one 20 MiB (kLargeBuffer) or more larger than itself
     merge:         a freed block merges with free neighbours in its segment
     roundup_power2_divisions: sizes round up to the next 1/N step between powers of two
-    out of memory: a new segment beyond capacity first triggers garbage collection (only with a memory
-                   fraction and garbage_collection_threshold), then the release of cached oversize
+    out of memory: a new segment first triggers garbage collection (only with a memory fraction and
+                   garbage_collection_threshold: whole free large segments at least as old as the
+                   average, pass by pass, while reserved exceeds the threshold), then the release of cached oversize
                    blocks, then of every wholly free segment (``num_alloc_retries`` += 1), then OOM
     expandable_segments: per pool and stream one segment of virtual address space (the device's size),
                    mapped in pages of 2 MiB (small) or 20 MiB (large). Best fit among mapped free blocks
@@ -346,16 +347,23 @@ class CachingAllocatorModel:
         return freed
 
     def _garbage_collect(self) -> None:
-        """Free the oldest wholly free segments until reserved <= threshold x allowed memory."""
-        target = self.s.garbage_collection_threshold * self._limit()
-        if self.reserved <= target:
+        """``garbage_collect_cached_blocks``: once reserved exceeds threshold x allowed memory, release
+        the large pool's wholly free segments whose age (allocations since they were freed) is at least
+        the average age, a whole pass at a time, until the excess is reclaimed or none is old enough."""
+        excess = self.reserved - int(self.s.garbage_collection_threshold * self._limit())
+        if excess <= 0:
             return
-        old = sorted((s for s in self.segments.values() if not s.expandable and s.wholly_free()),
-                     key=lambda s: s.blocks[0].last_used)
-        for seg in old:
-            if self.reserved <= target:
-                break
-            self._release_segment(seg)
+        freeable = sorted((s for s in self.segments.values() if not s.expandable and s.pool == "large" and s.wholly_free()),
+                          key=lambda s: (s.size, s.sid))  # the pool's order: size, then address
+        age = {s.sid: self._tick - s.head.last_used for s in freeable}
+        total_age, reclaimed, freed = sum(age.values()), 0, True
+        while reclaimed < excess and freed and freeable:
+            threshold, freed = total_age / len(freeable), False
+            for seg in list(freeable):  # the whole pass, even past the target
+                if age[seg.sid] >= threshold:
+                    freed, reclaimed, total_age = True, reclaimed + seg.size, total_age - age[seg.sid]
+                    freeable.remove(seg)
+                    self._release_segment(seg)
 
     def _release_oversize(self, size: int) -> bool:
         if self.max_split is None:
