@@ -88,6 +88,21 @@ def test_max_split_size_keeps_oversize_blocks_whole():
     assert other.segment is not huge.segment
 
 
+def test_out_of_room_with_max_split_releases_just_enough_oversize_blocks():
+    # release_available_cached_blocks: the smallest cached block >= the request, else oversize blocks
+    # from the largest down until as much as the request is released; no retry is counted for it
+    m = CachingAllocatorModel(400 * MiB, AllocatorSettings(max_split_size_mb=64))
+    a, b = m.malloc(100 * MiB), m.malloc(200 * MiB)
+    m.free(a), m.free(b)
+    c = m.malloc(150 * MiB)  # 200 >= 150 + 20 may not serve it; 300 + 150 > 400: release the 200 only
+    assert m.reserved == 250 * MiB and a.segment.sid in m.segments and m.num_alloc_retries == 0
+    m = CachingAllocatorModel(300 * MiB, AllocatorSettings(max_split_size_mb=64))
+    a, b = m.malloc(100 * MiB), m.malloc(120 * MiB)
+    m.free(a), m.free(b)
+    c = m.malloc(150 * MiB)  # none >= 150 cached: release 120, then 100 (220 >= 150), then map 150
+    assert m.reserved == 150 * MiB and c.size == 150 * MiB and m.num_alloc_retries == 0
+
+
 def test_empty_cache_returns_wholly_free_segments():
     m = CachingAllocatorModel(GiB)
     a, b = m.malloc(12 * MiB), m.malloc(30 * MiB)

@@ -16,8 +16,10 @@ Rules and constants follow ``c10/cuda/CUDACachingAllocator.cpp`` (and ``CUDAAllo
     roundup_power2_divisions: sizes round up to the next 1/N step between powers of two
     out of memory: a new segment first triggers garbage collection (only with a memory fraction and
                    garbage_collection_threshold: whole free large segments at least as old as the
-                   average, pass by pass, while reserved exceeds the threshold), then the release of cached oversize
-                   blocks, then of every wholly free segment (``num_alloc_retries`` += 1), then OOM
+                   average, pass by pass, while reserved exceeds the threshold), then with max_split_size_mb
+                   the release of one cached oversize block big enough, or of oversize blocks from the
+                   largest down until enough is freed, then of every wholly free segment
+                   (``num_alloc_retries`` += 1), then OOM
     expandable_segments: per pool and stream one segment of virtual address space (the device's size),
                    mapped in pages of 2 MiB (small) or 20 MiB (large). Best fit among mapped free blocks
                    passes over a block whose unmapped neighbour makes it look bigger (``get_free_block``);
@@ -365,12 +367,25 @@ class CachingAllocatorModel:
                     freeable.remove(seg)
                     self._release_segment(seg)
 
-    def _release_oversize(self, size: int) -> bool:
-        if self.max_split is None:
+    def _release_oversize(self, pool: str, stream: int, size: int) -> bool:
+        """``release_available_cached_blocks``: with max_split_size set, the smallest cached block of the
+        pool and stream at least max(size, max_split) large (oversize blocks are whole segments), or
+        else oversize blocks from the largest down until that much is released. False when it cannot."""
+        if self.max_split is None or self.s.expandable_segments:
             return False
-        big = sorted((s for s in self.segments.values() if not s.expandable and s.wholly_free() and s.size >= self.max_split),
-                     key=lambda s: s.size, reverse=True)
-        return self._release(big) > 0
+        want = max(size, self.max_split)
+        lst = self._free.get((pool, stream), [])
+        k = bisect.bisect_left(lst, (want, -1, -1), key=lambda e: e[:3])
+        if k < len(lst):
+            self._release_segment(lst[k][3].segment)
+            return True
+        released = 0
+        for entry in list(reversed(lst)):
+            if released >= want or entry[0] < self.max_split:
+                break
+            released += entry[0]
+            self._release_segment(entry[3].segment)
+        return released >= want
 
     def empty_cache(self) -> None:
         """Return every wholly free segment to the device, and every whole free page of expandable ones."""
@@ -395,7 +410,7 @@ class CachingAllocatorModel:
             if self.s.memory_fraction and self.s.garbage_collection_threshold:
                 self._garbage_collect()
             block = grow(pool, stream, size)
-            if block is None and self._release_oversize(size):
+            if block is None and self._release_oversize(pool, stream, size):
                 block = grow(pool, stream, size)
             if block is None:
                 self.num_alloc_retries += 1
