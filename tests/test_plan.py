@@ -203,7 +203,7 @@ def test_plan_simulate_replays_the_explained_step_under_allocator_settings(capsy
                          "--ac", "none", "--precision", "bf16-mixed", "--micro-batch", "4", "--explain", "1", "--simulate")
     assert code == 0
     text = " ".join(out.split())
-    assert "what-if: the traced step's" in text and "at mi210's 64 GiB" in text
+    assert "what-if: the traced step's" in text and "in mi210's 64 GiB less 512 MiB of runtime context" in text
     for label in ("default", "expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"):
         assert label in text
     assert "recommendation:" in text and "give --hip-version to judge it" in text

@@ -119,14 +119,17 @@ def _step_events(w: Workload, c) -> list[tuple[int, int]]:
 
 
 def _simulate(events: list[tuple[int, int]], c, gpu, hip: str | None, console) -> None:
-    """The step's trace under several allocator settings, at the GPU's capacity where the trace is
-    what one rank holds (ZeRO-0), without a limit otherwise."""
+    """The step's trace under several allocator settings, in the GPU's memory less the runtime context
+    where the trace is what one rank holds (ZeRO-0), without a limit otherwise."""
     from memfit.memory.frag_command import render_whatif
     from memfit.memory.whatif import as_trace, compare
 
-    capacity = gpu.memory_bytes if c.zero == 0 else 1 << 62
+    from memfit.memory.plan import CONTEXT_BYTES
+
+    capacity = gpu.memory_bytes - CONTEXT_BYTES if c.zero == 0 else 1 << 62
     results, best = compare(as_trace(events), capacity, hip)
-    where = f"at {gpu.name}'s {capacity / GIB:.0f} GiB" if c.zero == 0 else "without a capacity limit (ZeRO not applied)"
+    where = (f"in {gpu.name}'s {gpu.memory_bytes / GIB:.0f} GiB less {CONTEXT_BYTES >> 20} MiB of runtime context"
+             if c.zero == 0 else "without a capacity limit (ZeRO not applied)")
     render_whatif(results, best, hip, console, f"what-if: the traced step's {len(events)} allocator events {where}",
                   rocm=hip is not None or gpu.vendor == "amd")
     if hip is None and gpu.vendor == "amd":
