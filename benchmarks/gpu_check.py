@@ -45,16 +45,24 @@ GIB = 1 << 30
 
 
 def _run(cmd: list[str], timeout_s: int, log) -> subprocess.CompletedProcess | None:
+    """Run ``cmd`` in its own process group; past ``timeout_s`` the whole group is killed (a bench's
+    cell subprocesses too, so they do not hold the GPU into the next part)."""
+    import signal
+
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
-    except subprocess.TimeoutExpired as e:
-        log.write(f"timed out after {timeout_s} s\n{(e.stderr or b'')[-4000:]!r}\n")
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        log.write(f"timed out after {timeout_s} s\n{(err or '')[-4000:]}\n")
         return None
-    log.write(proc.stdout[-6000:] + proc.stderr[-6000:] + f"\n(exit {proc.returncode})\n")
+    log.write(out[-6000:] + err[-6000:] + f"\n(exit {proc.returncode})\n")
     log.flush()
-    return proc
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _train_args(s: argparse.Namespace, out: Path, *extra: str) -> list[str]:
@@ -199,7 +207,7 @@ def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
     cmd = [sys.executable, "-m", "memfit.cli", "bench", "tiny-cpu", *matrix, "--steps", str(s.steps),
            "--warmup", "1", "--out", str(bench_out), "--set", *s.base, "output.export=false"]
     proc = _run(cmd, s.bench_timeout, log)
-    results = bench_out / "results.json"
+    results = bench_out / "results.json"  # rewritten after every cell: a timeout keeps the finished ones
     if not results.is_file():
         return {"status": "failed" if proc is not None else "timed out"}
     copies = [("results.md", f"{name}.md"), ("memory_per_cell.png", f"{name}_memory.png")]
@@ -217,7 +225,8 @@ def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
 
             frag += [(r["frag_time_s"], r["step_time_s"]) for r in read_metrics(metrics)
                      if r.get("kind") == "step" and r.get("frag_time_s") is not None]
-    return {"status": "ok", "cells": cells, "frag_time_vs_step": frag}
+    done = proc is not None and all(c["status"] != "pending" for c in cells)
+    return {"status": "ok" if done else "partial (timed out)", "cells": cells, "frag_time_vs_step": frag}
 
 
 def summary_md(summary: dict) -> str:

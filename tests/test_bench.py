@@ -142,3 +142,29 @@ def test_gpu_check_replay_row_and_summary_from_a_snapshot():
     assert row["allocated_at_peak_bytes"] == peak_allocated and 0 <= row["fragmentation_at_peak"] <= 1
     md = gpu_check.summary_md({"date": "d", "device": "x", "parts": {"replay": {"status": "ok", "rows": [row]}}})
     assert "(+0.00%)" in md and f"block sizes {row['layout_blocks_checked']}/{row['layout_blocks_checked']} right" in md
+
+
+def test_results_json_is_rewritten_after_each_cell(tmp_path):
+    """An interrupted bench keeps the cells it finished: results.json holds them, the rest pending."""
+    from memfit.telemetry.bench import matrix, write_progress
+
+    cells = matrix(["none", "full"], ["fp32"], [2], [True])
+    cells[0].status, cells[0].tokens_per_s = "ok", 123.0
+    write_progress(cells, tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [(c["name"], c["status"]) for c in saved] == [(cells[0].name, "ok"), (cells[1].name, "pending")]
+    assert saved[0]["tokens_per_s"] == 123.0 and not (tmp_path / ".results.json.tmp").exists()
+
+
+def test_gpu_check_timeout_kills_the_whole_process_group(tmp_path):
+    """A part past its time limit must not leave a cell process holding the GPU for the next part."""
+    import time
+    from pathlib import Path
+
+    gpu_check = _gpu_check_module()
+    pidfile = tmp_path / "pid"
+    with open(tmp_path / "log", "w") as log:
+        assert gpu_check._run(["bash", "-c", f"sleep 60 & echo $! > {pidfile}; wait"], 2, log) is None
+    status = Path(f"/proc/{int(pidfile.read_text())}/status")
+    time.sleep(0.5)
+    assert not status.exists() or "State:\tZ" in status.read_text()  # gone, or a zombie awaiting its reaper

@@ -197,12 +197,20 @@ def write_outputs(cells: list[Cell], out: Path, context: str) -> dict[str, Path]
     md = [f"{context}\n", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(r) + " |" for r in body]
     paths["md"].write_text("\n".join(md) + "\n")
-    paths["json"].write_text(json.dumps([asdict(c) | {"name": c.name} for c in cells], indent=1) + "\n")
+    write_progress(cells, out)
     from memfit.telemetry.plots import bench_memory, bench_pareto
 
     paths["memory_png"] = bench_memory(cells, out / "memory_per_cell.png", context)
     paths["pareto_png"] = bench_pareto(cells, out / "pareto.png", context)
     return paths
+
+
+def write_progress(cells: list[Cell], out: Path) -> None:
+    """``results.json`` after each cell (cells not run yet say "pending"), replaced atomically, so an
+    interrupted bench keeps what it measured."""
+    tmp = out / ".results.json.tmp"
+    tmp.write_text(json.dumps([asdict(c) | {"name": c.name} for c in cells], indent=1) + "\n")
+    tmp.replace(out / "results.json")
 
 
 def cells_summary(cells: list[Cell]) -> dict[str, Any]:
@@ -250,6 +258,7 @@ def run_bench(ns, config: str) -> int:
     console = Console(stderr=True)
     for i, cell in enumerate(cells, 1):
         run_cell(config, cell, out, ns.warmup, ns.steps, global_batch, ns.set, mem_limit)
+        write_progress(cells, out)
         console.print(f"[{i}/{len(cells)}] {cell.name}: {cell.status}", highlight=False)
     flag_losses(cells)
     context = (f"memfit bench {Path(config).name} {' '.join(ns.set)}: {ns.warmup} warm-up + {ns.steps} measured steps, "
