@@ -195,7 +195,7 @@ def part_layout(s, out: Path, log) -> dict:
         env = {**os.environ, var: conf} if conf else dict(os.environ)
         log.write(f"$ {var}={conf} layout worker\n")
         proc = subprocess.run([sys.executable, __file__, "--layout-worker", str(path)], capture_output=True, text=True,
-                              timeout=240, cwd=REPO, env=env)
+                              timeout=120, cwd=REPO, env=env)
         log.write(proc.stdout[-3000:] + proc.stderr[-3000:] + f"\n(exit {proc.returncode})\n")
         rows.append({"settings": label, **json.loads(path.read_text())} if path.is_file() else
                     {"settings": label, "status": "failed"})
