@@ -194,11 +194,14 @@ def part_layout(s, out: Path, log) -> dict:
         var = "PYTORCH_HIP_ALLOC_CONF" if torch.version.hip else "PYTORCH_CUDA_ALLOC_CONF"
         env = {**os.environ, var: conf} if conf else dict(os.environ)
         log.write(f"$ {var}={conf} layout worker\n")
-        proc = subprocess.run([sys.executable, __file__, "--layout-worker", str(path)], capture_output=True, text=True,
-                              timeout=120, cwd=REPO, env=env)
-        log.write(proc.stdout[-3000:] + proc.stderr[-3000:] + f"\n(exit {proc.returncode})\n")
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--layout-worker", str(path)], capture_output=True,
+                                  text=True, timeout=120, cwd=REPO, env=env)
+            log.write(proc.stdout[-3000:] + proc.stderr[-3000:] + f"\n(exit {proc.returncode})\n")
+        except subprocess.TimeoutExpired:
+            log.write("timed out after 120 s\n")
         rows.append({"settings": label, **json.loads(path.read_text())} if path.is_file() else
-                    {"settings": label, "status": "failed"})
+                    {"settings": label, "status": "failed or timed out"})
     return {"status": "ok" if all(r["status"] == "ok" for r in rows) else "partial", "layout_rows": rows}
 
 
