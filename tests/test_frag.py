@@ -83,6 +83,8 @@ def test_frag_command_writes_report_and_pngs(tmp_path, capsys):
     assert main(["frag", str(p), "--out", str(out), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["reserved_bytes"] == 102 * MIB and r["ooms"] == 1
+    # 64 MiB asked; 32 MiB free in the cache + 3 MiB on the device: too little, whatever the layout
+    assert r["oom_details"][0]["cause"] == "shortage" and r["oom_details"][0]["largest_free_bytes"] == 12 * MIB
     assert r["requested_bytes"] + r["internal_free_bytes"] + r["external_free_bytes"] == r["reserved_bytes"]
     peak = r["at_peak"]  # after the 12 MiB alloc; the layout there is worked out in test_layout.py
     assert peak["trace_entry"] == 2 and peak["largest_free_bytes"] == 8 * MIB and peak["inferred_blocks"] == 1
@@ -92,7 +94,7 @@ def test_frag_command_writes_report_and_pngs(tmp_path, capsys):
         assert open(png, "rb").read(8) == PNG_MAGIC
     assert main(["frag", str(p), "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "fragmentation ratio" in text and "OOM in the trace: asked for 64.0 MiB" in text
+    assert "fragmentation ratio" in text and "OOM at trace entry 5: asked for 64.0 MiB with 3.0 MiB free on the device" in text
     assert "at peak (entry 2)" in text and "freed before the dump: 1 block(s)" in text
 
 
@@ -225,3 +227,22 @@ def test_long_replays_keep_a_bounded_series_with_every_change_of_reserved():
     reserved = [p.reserved_bytes for p in r.series]
     assert reserved == sorted(reserved) and reserved[-1] == r.peak_reserved_bytes  # each growth is a point
     assert len(set(reserved)) == 31  # the 1 MiB block's 2 MiB small-pool segment, then one 30 MiB segment per kept block
+
+
+def test_an_oom_with_enough_free_memory_in_pieces_is_blamed_on_fragmentation(tmp_path, capsys):
+    """Five 20 MiB blocks in one 100 MiB segment, the 2nd and 4th freed: 40 MiB free, no piece over
+    20 MiB; a 30 MiB request fails with 1 MiB left on the device."""
+    from snapshot_fixtures import BASE, entry
+
+    trace = [entry("segment_alloc", BASE, 100 * MIB, 0)]
+    trace += [entry("alloc", BASE + i * 20 * MIB, 20 * MIB, 1 + i) for i in range(5)]
+    trace += [entry("free_completed", BASE + i * 20 * MIB, 20 * MIB, 10 + i) for i in (1, 3)]
+    trace += [{"action": "oom", "size": 30 * MIB, "device_free": MIB, "stream": 0, "time_us": 20, "frames": []}]
+    blocks = [(20 * MIB, "active_allocated" if i % 2 == 0 else "inactive", None if i % 2 == 0 else 0) for i in range(5)]
+    p = _write(tmp_path, snapshot([segment(BASE, blocks)], [trace]))
+    assert main(["frag", str(p), "--out", str(tmp_path / "o"), "--json"]) == 0
+    oom = json.loads(capsys.readouterr().out)["oom_details"][0]
+    assert (oom["cause"], oom["trace_entry"], oom["external_free_bytes"], oom["largest_free_bytes"]) == (
+        "fragmentation", 8, 40 * MIB, 20 * MIB)
+    assert main(["frag", str(p), "--out", str(tmp_path / "o")]) == 0
+    assert "enough free memory, but in pieces" in " ".join(capsys.readouterr().out.split())

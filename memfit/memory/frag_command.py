@@ -15,7 +15,7 @@ from memfit.errors import UserError
 from memfit.memory.layout import Moment, Rebuilt, settings_in
 from memfit.memory.allocator_model import AllocatorSettings
 from memfit.memory.whatif import MIN_GAIN, Replay, TraceCheck, compare, no_op_reason, replay_check, trace_entries
-from memfit.memory.snapshot import FragReport, analyze, devices_in, load_snapshot, oom_events
+from memfit.memory.snapshot import FragReport, analyze, devices_in, load_snapshot
 from memfit.units import GIB, MIB
 
 
@@ -62,10 +62,14 @@ def run_frag(ns) -> int:
                                 f"at peak allocated (trace entry {peak.index})"))
         pngs.append(memory_timeline(points, out_dir / f"timeline_device{device}.png",
                                     f"{Path(ns.snapshot).name}, device {device}: allocated vs reserved", peak))
-    ooms = oom_events(snap, device)
+    ooms = rebuilt.ooms()
     sim = simulate(snap, report, ns, out_dir) if ns.simulate else None
     if ns.json:
-        print(json.dumps({**report.as_dict(), "at_peak": _peak_dict(peak), "ooms": len(ooms), "plots": [str(p) for p in pngs],
+        print(json.dumps({**report.as_dict(), "at_peak": _peak_dict(peak), "ooms": len(ooms),
+                          "oom_details": [{"requested_bytes": o.requested_bytes, "device_free_bytes": o.device_free_bytes,
+                                           "trace_entry": o.moment.index, "cause": o.cause,
+                                           **{k: o.moment.report.as_dict()[k] for k in ("external_free_bytes", "largest_free_bytes", "fragmentation_ratio")}}
+                                          for o in ooms], "plots": [str(p) for p in pngs],
                           "simulate": sim.as_dict() if sim else None}))
         return 0
     console = Console() if sys.stdout.isatty() else Console(width=130)
@@ -89,9 +93,8 @@ def run_frag(ns) -> int:
         seg.add_row(hex(s.address), s.segment_type, f"{s.total_bytes / MIB:.1f}", f"{s.allocated_bytes / MIB:.1f}",
                     f"{(s.total_bytes - s.allocated_bytes) / MIB:.1f}", f"{s.largest_free_bytes / MIB:.1f}", str(len(s.blocks)))
     console.print(seg)
-    for e in ooms:
-        console.print(f"OOM in the trace: asked for {int(e.get('size', 0)) / MIB:.1f} MiB with "
-                      f"{int(e.get('device_free', 0)) / MIB:.1f} MiB free on the device", highlight=False)
+    for o in ooms:
+        console.print(o.explain(), highlight=False)
     for p in pngs:
         console.print(f"wrote {p}", highlight=False)
     if sim is not None:

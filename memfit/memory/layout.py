@@ -28,6 +28,7 @@ from typing import Any
 
 from memfit.memory.allocator_model import K_LARGE_BUFFER, K_SMALL_BUFFER, AllocatorSettings, round_size, should_split
 from memfit.memory.snapshot import ACTIVE_STATES, FragReport, SegmentStats
+from memfit.units import MIB
 
 NO_MAX_SPLIT = 1 << 62  # the snapshot's max_split_size when none is set is SIZE_MAX
 
@@ -209,6 +210,39 @@ class Moment:
     inferred_blocks: int  # live blocks whose size came from the rules, not the snapshot
 
 
+@dataclass(frozen=True)
+class OomMoment:
+    """An out-of-memory error in the trace, with the layout at that moment."""
+
+    requested_bytes: int  # the (rounded) request that failed
+    device_free_bytes: int  # what the device reported free
+    moment: Moment
+
+    @property
+    def cause(self) -> str:
+        """"fragmentation" when the cache held enough free memory but no block large enough (and the
+        device too little to map more); "shortage" when even all of it together was too little."""
+        r = self.moment.report
+        if r.largest_free_bytes >= self.requested_bytes:
+            return "unclear"  # a block was large enough: on another stream, or a request the trace does not show
+        return "fragmentation" if r.external_free_bytes + self.device_free_bytes >= self.requested_bytes else "shortage"
+
+    def explain(self) -> str:
+        r = self.moment.report
+        head = (f"OOM at trace entry {self.moment.index}: asked for {self.requested_bytes / MIB:.1f} MiB with "
+                f"{self.device_free_bytes / MIB:.1f} MiB free on the device; the cache held {r.external_free_bytes / MIB:.1f} MiB "
+                f"free in {sum(st == 'inactive' for s in r.segments for _, _, st in s.blocks)} blocks, the largest "
+                f"{r.largest_free_bytes / MIB:.1f} MiB (fragmentation {r.fragmentation_ratio:.2f})")
+        why = {
+            "fragmentation": "enough free memory, but in pieces: expandable segments or a smaller max_split_size_mb "
+                             "may avoid it (compare them with --simulate)",
+            "shortage": "too little memory: all the free memory together is less than the request; the workload "
+                        "must shrink (memfit plan suggests how)",
+            "unclear": "a free block was large enough: it may have been on another stream",
+        }[self.cause]
+        return f"{head}: {why}"
+
+
 class Rebuilt:
     """One device's trace replayed over the layout it started from.
 
@@ -324,6 +358,12 @@ class Rebuilt:
         lay = self._replay(index)[0] if index >= 0 else self.start
         time_us = self.entries[index].get("time_us") if index >= 0 else None
         return Moment(index, time_us, lay.report(self.device), sum(b.inferred for b in lay.blocks.values()))
+
+    def ooms(self) -> list["OomMoment"]:
+        """Each ``oom`` entry of the trace with the layout when it was written (the allocator has
+        already released its wholly free segments and retried by then)."""
+        return [OomMoment(int(e.get("size", 0)), int(e.get("device_free", 0)), self.at(i))
+                for i, e in enumerate(self.entries) if e.get("action") == "oom"]
 
     def peak(self) -> Moment | None:
         """The layout at the first moment allocated bytes were highest; None without a trace."""

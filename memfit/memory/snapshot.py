@@ -148,9 +148,3 @@ def _segment_stats(seg: dict[str, Any], where: str) -> SegmentStats:
 def analyze(snapshot: dict[str, Any], device: int = 0, where: str = "snapshot") -> FragReport:
     """The fragmentation report of ``device``."""
     return FragReport.of(device, tuple(_segment_stats(s, where) for s in snapshot["segments"] if s.get("device", 0) == device))
-
-
-def oom_events(snapshot: dict[str, Any], device: int) -> list[dict[str, Any]]:
-    traces = snapshot.get("device_traces") or []
-    entries = traces[device] if device < len(traces) else []
-    return [e for e in entries if e.get("action") == "oom"]
