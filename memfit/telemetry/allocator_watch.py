@@ -88,10 +88,18 @@ class AllocatorWatch:
                            reserved_at_peak_bytes=peak.report.reserved_bytes,
                            allocated_at_peak_bytes=peak.report.allocated_bytes)
 
-    def oom_snapshot(self, step: int) -> Path | None:
-        """The allocator's state after an out-of-memory error (None off a GPU)."""
+    def oom_snapshot(self, step: int) -> tuple[Path | None, str]:
+        """The allocator's state after an out-of-memory error (None off a GPU), and, when the trace was
+        being recorded, what the layout at the failed request says caused it ("" otherwise)."""
         if not self.on:
-            return None
+            return None, ""
+        snap = torch.cuda.memory._snapshot()
         path = self.root / snapshot_name(f"oom_step{step}_snapshot", self.rank, self.world_size)
-        torch.cuda.memory._dump_snapshot(str(path))
-        return path
+        with open(path, "wb") as fh:
+            pickle.dump(snap, fh)
+        ooms = Rebuilt(snap, self.index).ooms()
+        if not ooms:
+            return path, ""
+        o, r = ooms[-1], ooms[-1].moment.report
+        return path, (f"{o.cause} at the failed request: {r.external_free_bytes / (1 << 20):.0f} MiB free in the cache, "
+                      f"the largest block {r.largest_free_bytes / (1 << 20):.0f} MiB")

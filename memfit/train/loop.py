@@ -501,8 +501,9 @@ class Trainer:
 
     def _out_of_memory(self, step: int, requested: int) -> OutOfMemoryExit:
         """Dump a snapshot on a GPU, and say what was asked, what was predicted and what to try."""
-        path = self.watch.oom_snapshot(step)
+        path, cause = self.watch.oom_snapshot(step)
         where = f"; snapshot {path} (memfit frag {path} --simulate)" if path else ""
+        where += f"; {cause}" if cause else ""
         predicted = ""
         if self.predicted is not None:
             parts = ", ".join(f"{c.value} {v / GIB:.2f}" for c, v in self.predicted.peak.bytes_by_category.items() if v)
