@@ -14,6 +14,7 @@ import torch
 
 from memfit.memory.layout import Rebuilt
 from memfit.memory.snapshot import analyze
+from memfit.units import MIB
 
 FRAG_OVERHEAD = 0.01  # the most of the training time that reading fragmentation may take
 HISTORY_ENTRIES = 1_000_000  # allocator trace ring buffer (entries, a few hundred bytes each)
@@ -101,5 +102,5 @@ class AllocatorWatch:
         if not ooms:
             return path, ""
         o, r = ooms[-1], ooms[-1].moment.report
-        return path, (f"{o.cause} at the failed request: {r.external_free_bytes / (1 << 20):.0f} MiB free in the cache, "
-                      f"the largest block {r.largest_free_bytes / (1 << 20):.0f} MiB")
+        return path, (f"{o.cause} at the failed request: {r.external_free_bytes / MIB:.0f} MiB free in the cache, "
+                      f"the largest block {r.largest_free_bytes / MIB:.0f} MiB")
