@@ -122,6 +122,8 @@ def replay_row(label: str, settings, snap: dict, steps: list[dict]) -> dict:
         "settings": label, "status": "ok", "events": check.events, "unmatched_frees": check.unmatched_frees,
         "measured_peak_reserved_bytes": measured_peak, "model_peak_reserved_bytes": check.model_peak_reserved_bytes,
         "peak_reserved_error_pct": 100 * (check.model_peak_reserved_bytes - measured_peak) / measured_peak,
+        "trace_peak_reserved_bytes": check.trace_peak_reserved_bytes,
+        "peak_reserved_error_vs_trace_pct": 100 * check.peak_reserved_error,
         "snapshot_reserved_bytes": check.snapshot_reserved_bytes, "model_reserved_bytes": check.model_reserved_bytes,
         "snapshot_segments": check.snapshot_segments, "model_segments": check.model_segments,
         "measured_peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in steps),
@@ -242,7 +244,8 @@ def summary_md(summary: dict) -> str:
                 continue
             lines.append(
                 f"- {r['settings']}: peak reserved measured {r['measured_peak_reserved_bytes'] / GIB:.3f} GiB, "
-                f"model {r['model_peak_reserved_bytes'] / GIB:.3f} GiB ({r['peak_reserved_error_pct']:+.2f}%); "
+                f"model {r['model_peak_reserved_bytes'] / GIB:.3f} GiB ({r['peak_reserved_error_pct']:+.2f}%; "
+                f"{r['peak_reserved_error_vs_trace_pct']:+.2f}% vs the whole trace's {r['trace_peak_reserved_bytes'] / GIB:.3f} GiB); "
                 f"at the dump {r['snapshot_reserved_bytes'] / GIB:.3f} vs {r['model_reserved_bytes'] / GIB:.3f} GiB, "
                 f"segments {r['snapshot_segments']} vs {r['model_segments']}; {r['events']} events, "
                 f"{r['unmatched_frees']} unmatched frees; layout rebuilt from the trace: block sizes "

@@ -141,7 +141,7 @@ def test_gpu_check_replay_row_and_summary_from_a_snapshot():
     assert row["layout_blocks_checked"] > 0 and row["layout_size_misses"] == 0
     assert row["allocated_at_peak_bytes"] == peak_allocated and 0 <= row["fragmentation_at_peak"] <= 1
     md = gpu_check.summary_md({"date": "d", "device": "x", "parts": {"replay": {"status": "ok", "rows": [row]}}})
-    assert "(+0.00%)" in md and f"block sizes {row['layout_blocks_checked']}/{row['layout_blocks_checked']} right" in md
+    assert "(+0.00%; +0.00% vs the whole trace" in md and f"block sizes {row['layout_blocks_checked']}/{row['layout_blocks_checked']} right" in md
 
 
 def test_results_json_is_rewritten_after_each_cell(tmp_path):

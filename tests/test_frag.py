@@ -107,7 +107,7 @@ def test_simulate_compares_settings_and_recommends(tmp_path, capsys):
     assert "what-if replay of 90 trace events" in text
     assert "expandable_segments is ignored on ROCm 5.7" in text
     assert "recommendation:" in text
-    assert "model check (default settings, as the snapshot was taken): the replay ends at" in text
+    assert "model check (default settings, as the snapshot was taken): peak reserved" in text
     assert open(tmp_path / "o" / "whatif_device0.png", "rb").read(8) == PNG_MAGIC
     assert main(["frag", str(p), "--out", str(tmp_path / "j"), "--simulate", "--json", "--hip-version", "5.7.31921"]) == 0
     sim = json.loads(capsys.readouterr().out)["simulate"]
@@ -185,7 +185,8 @@ def test_replaying_the_models_own_trace_ends_where_the_model_ended(expandable):
     check = replay_check(snap, 0, settings)
     assert check.model_reserved_bytes == check.snapshot_reserved_bytes == truth[-1][1]
     assert check.model_segments == check.snapshot_segments and check.unmatched_frees == 0
-    assert check.model_peak_reserved_bytes == max(t[1] for t in truth)
+    assert check.model_peak_reserved_bytes == check.trace_peak_reserved_bytes == max(t[1] for t in truth)
+    assert check.peak_reserved_error == 0
 
 
 def test_defaults_stay_recommended_unless_a_setting_retries_less_or_saves_two_percent(capsys):

@@ -442,6 +442,16 @@ class CachingAllocatorModel:
 
     # -- observations -------------------------------------------------------------------------------
 
+    def segment_count(self) -> int:
+        """Segments as a snapshot lists them: an expandable one as one per contiguous mapped range."""
+        n = 0
+        for seg in self.segments.values():
+            if not seg.expandable:
+                n += 1
+                continue
+            n += sum(1 for b in seg.blocks if b.mapped and (b.prev is None or not b.prev.mapped))
+        return n
+
     def largest_free_block(self) -> int:
         """The free index is ordered by size: the last entry of each (pool, stream) list."""
         return max((lst[-1][0] for lst in self._free.values() if lst), default=0)

@@ -183,8 +183,10 @@ def render_simulation(sim: Simulation, console: Console) -> None:
     if check.unmatched_frees:
         console.print(f"note: {check.unmatched_frees} frees of blocks allocated before recording started; the replay "
                       "misses those blocks (start recording before the model is built)", highlight=False)
-    console.print(f"model check ({sim.ran_with.label()} settings, as the snapshot was taken): the replay ends at "
-                  f"{check.model_reserved_bytes / GIB:.3f} GiB reserved in {check.model_segments} segments; the allocator "
-                  f"held {check.snapshot_reserved_bytes / GIB:.3f} GiB in {check.snapshot_segments}", highlight=False)
+    console.print(f"model check ({sim.ran_with.label()} settings, as the snapshot was taken): peak reserved "
+                  f"{check.model_peak_reserved_bytes / GIB:.3f} GiB in the replay, {check.trace_peak_reserved_bytes / GIB:.3f} "
+                  f"GiB in the trace ({100 * check.peak_reserved_error:+.1f}%); at the dump {check.model_reserved_bytes / GIB:.3f} "
+                  f"GiB in {check.model_segments} segments, the allocator held {check.snapshot_reserved_bytes / GIB:.3f} GiB in "
+                  f"{check.snapshot_segments}", highlight=False)
     render_whatif(sim.results, sim.best, sim.hip, console, sim.title)
     console.print(f"wrote {sim.plot}", highlight=False)

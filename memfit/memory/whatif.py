@@ -103,7 +103,8 @@ def replay(entries: list[dict[str, Any]], settings: AllocatorSettings, capacity:
 
 @dataclass(frozen=True)
 class TraceCheck:
-    """The model's replay of a snapshot's trace beside the allocator's own state at the dump."""
+    """The model's replay of a snapshot's trace beside the allocator's own numbers: its state at the
+    dump, and its peak reserved over the trace (exact: from the trace's segment events)."""
 
     model_reserved_bytes: int
     snapshot_reserved_bytes: int
@@ -113,10 +114,15 @@ class TraceCheck:
     model_peak_allocated_bytes: int
     events: int
     unmatched_frees: int  # > 0: recording started after some allocations, the replay misses them
+    trace_peak_reserved_bytes: int = 0
 
     @property
     def reserved_error(self) -> float:
         return (self.model_reserved_bytes - self.snapshot_reserved_bytes) / max(self.snapshot_reserved_bytes, 1)
+
+    @property
+    def peak_reserved_error(self) -> float:
+        return (self.model_peak_reserved_bytes - self.trace_peak_reserved_bytes) / max(self.trace_peak_reserved_bytes, 1)
 
 
 def trace_entries(snap: dict[str, Any], device: int, where: str = "the snapshot") -> list[dict[str, Any]]:
@@ -142,12 +148,14 @@ def replay_check(snap: dict[str, Any], device: int, settings: AllocatorSettings)
     Raises:
         UserError: when the snapshot holds no trace for ``device``.
     """
+    from memfit.memory.layout import Rebuilt
     from memfit.memory.snapshot import analyze
 
     model, _, n, unmatched = _replayed(trace_entries(snap, device), settings, 1 << 62)
     report = analyze(snap, device)
-    return TraceCheck(model.reserved, report.reserved_bytes, len(model.segments), len(report.segments),
-                      model.peak_reserved, model.peak_allocated, n, unmatched)
+    trace_peak = max(p.reserved_bytes for p in Rebuilt(snap, device, settings).totals())
+    return TraceCheck(model.reserved, report.reserved_bytes, model.segment_count(), len(report.segments),
+                      model.peak_reserved, model.peak_allocated, n, unmatched, trace_peak)
 
 
 def no_op_reason(settings: AllocatorSettings, hip: str | None) -> str | None:
