@@ -114,8 +114,8 @@ def replay_row(label: str, settings, snap: dict, steps: list[dict]) -> dict:
     from memfit.memory.layout import Rebuilt
     from memfit.memory.whatif import replay_check
 
-    check = replay_check(snap, 0, settings)
     rebuilt = Rebuilt(snap, 0)
+    check = replay_check(snap, 0, settings, rebuilt)
     peak = rebuilt.peak()
     measured_peak = max(r["peak_reserved_bytes"] for r in steps)
     return {

@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.table import Table
 
 from memfit.errors import UserError
-from memfit.memory.layout import Moment, Rebuilt, settings_in
 from memfit.memory.allocator_model import AllocatorSettings
+from memfit.memory.layout import Moment, Rebuilt, settings_in
 from memfit.memory.whatif import MIN_GAIN, Replay, TraceCheck, compare, no_op_reason, replay_check, trace_entries
 from memfit.memory.snapshot import FragReport, analyze, devices_in, load_snapshot
 from memfit.units import GIB, MIB
@@ -63,13 +63,10 @@ def run_frag(ns) -> int:
         pngs.append(memory_timeline(points, out_dir / f"timeline_device{device}.png",
                                     f"{Path(ns.snapshot).name}, device {device}: allocated vs reserved", peak))
     ooms = rebuilt.ooms()
-    sim = simulate(snap, report, ns, out_dir) if ns.simulate else None
+    sim = simulate(snap, report, ns, out_dir, rebuilt) if ns.simulate else None
     if ns.json:
         print(json.dumps({**report.as_dict(), "at_peak": _peak_dict(peak), "ooms": len(ooms),
-                          "oom_details": [{"requested_bytes": o.requested_bytes, "device_free_bytes": o.device_free_bytes,
-                                           "trace_entry": o.moment.index, "cause": o.cause,
-                                           **{k: o.moment.report.as_dict()[k] for k in ("external_free_bytes", "largest_free_bytes", "fragmentation_ratio")}}
-                                          for o in ooms], "plots": [str(p) for p in pngs],
+                          "oom_details": [o.as_dict() for o in ooms], "plots": [str(p) for p in pngs],
                           "simulate": sim.as_dict() if sim else None}))
         return 0
     console = Console() if sys.stdout.isatty() else Console(width=130)
@@ -160,7 +157,7 @@ class Simulation:
         }
 
 
-def simulate(snap: dict[str, Any], report: FragReport, ns, out_dir: Path) -> Simulation:
+def simulate(snap: dict[str, Any], report: FragReport, ns, out_dir: Path, rebuilt: Rebuilt) -> Simulation:
     """Replay the snapshot's trace under several allocator settings, side by side, and plot it."""
     import torch
 
@@ -172,7 +169,7 @@ def simulate(snap: dict[str, Any], report: FragReport, ns, out_dir: Path) -> Sim
     hip = ns.hip_version if ns.hip_version is not None else torch.version.hip
     results, best = compare(entries, capacity or 1 << 62, hip)
     ran_with = settings_in(snap)
-    check = replay_check(snap, report.device, ran_with)
+    check = replay_check(snap, report.device, ran_with, rebuilt)
     sim = Simulation(results, best, hip, capacity, ran_with, check, out_dir / f"whatif_device{report.device}.png")
     whatif_timeline(results, sim.plot, f"{Path(ns.snapshot).name}: {sim.title}", capacity)
     return sim

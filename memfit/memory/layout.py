@@ -227,6 +227,12 @@ class OomMoment:
             return "unclear"  # a block was large enough: on another stream, or a request the trace does not show
         return "fragmentation" if r.external_free_bytes + self.device_free_bytes >= self.requested_bytes else "shortage"
 
+    def as_dict(self) -> dict[str, Any]:
+        r = self.moment.report
+        return {"requested_bytes": self.requested_bytes, "device_free_bytes": self.device_free_bytes,
+                "trace_entry": self.moment.index, "cause": self.cause, "external_free_bytes": r.external_free_bytes,
+                "largest_free_bytes": r.largest_free_bytes, "fragmentation_ratio": r.fragmentation_ratio}
+
     def explain(self) -> str:
         r = self.moment.report
         head = (f"OOM at trace entry {self.moment.index}: asked for {self.requested_bytes / MIB:.1f} MiB with "

@@ -122,9 +122,8 @@ def _simulate(events: list[tuple[int, int]], c, gpu, hip: str | None, console) -
     """The step's trace under several allocator settings, in the GPU's memory less the runtime context
     where the trace is what one rank holds (ZeRO-0), without a limit otherwise."""
     from memfit.memory.frag_command import render_whatif
-    from memfit.memory.whatif import as_trace, compare
-
     from memfit.memory.plan import CONTEXT_BYTES
+    from memfit.memory.whatif import as_trace, compare
 
     capacity = gpu.memory_bytes - CONTEXT_BYTES if c.zero == 0 else 1 << 62
     results, best = compare(as_trace(events), capacity, hip)

@@ -8,10 +8,13 @@ size and stream). Allocations made before recording started are not in the trace
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memfit.memory.allocator_model import AllocatorSettings, CachingAllocatorModel, OutOfMemory
 from memfit.strategies.alloc_conf import rocm_version
+
+if TYPE_CHECKING:
+    from memfit.memory.layout import Rebuilt
 
 SCENARIOS = (
     AllocatorSettings(),
@@ -141,9 +144,12 @@ def trace_entries(snap: dict[str, Any], device: int, where: str = "the snapshot"
     return entries
 
 
-def replay_check(snap: dict[str, Any], device: int, settings: AllocatorSettings) -> TraceCheck:
+def replay_check(snap: dict[str, Any], device: int, settings: AllocatorSettings,
+                 rebuilt: "Rebuilt | None" = None) -> TraceCheck:
     """Replay ``device``'s whole trace under ``settings`` (those the process ran with) and set the
-    model's end state beside the snapshot's segments: how far to trust the model on this workload.
+    model's end state beside the snapshot's segments, and its peak reserved beside the trace's: how
+    far to trust the model on this workload. ``rebuilt``: the snapshot's ``layout.Rebuilt`` for
+    ``device`` when the caller has one (its reserved timeline comes from segment events alone).
 
     Raises:
         UserError: when the snapshot holds no trace for ``device``.
@@ -153,7 +159,8 @@ def replay_check(snap: dict[str, Any], device: int, settings: AllocatorSettings)
 
     model, _, n, unmatched = _replayed(trace_entries(snap, device), settings, 1 << 62)
     report = analyze(snap, device)
-    trace_peak = max(p.reserved_bytes for p in Rebuilt(snap, device, settings).totals())
+    rebuilt = rebuilt if rebuilt is not None else Rebuilt(snap, device, settings)
+    trace_peak = max(p.reserved_bytes for p in rebuilt.totals())
     return TraceCheck(model.reserved, report.reserved_bytes, model.segment_count(), len(report.segments),
                       model.peak_reserved, model.peak_allocated, n, unmatched, trace_peak)
 
