@@ -79,3 +79,13 @@ def test_rebuilt_layout_matches_the_allocator_model_after_every_event(settings):
         assert (report.allocated_bytes, report.reserved_bytes, report.external_free_bytes,
                 report.largest_free_bytes) == truth[i], f"entry {i}"
     assert r.at(len(truth) - 1).report.as_dict() == analyze(snap).as_dict()
+
+
+def test_the_peak_of_a_window_of_the_trace():
+    # a whole-run trace: the step to inspect starts at time_us 3, after a higher peak at entry 1
+    trace = [entry("segment_alloc", BASE, 20 * MIB, 0), entry("alloc", BASE, 12 * MIB, 1),
+             entry("free_completed", BASE, 12 * MIB, 2), entry("alloc", BASE, 4 * MIB, 3),
+             entry("free_completed", BASE, 4 * MIB, 4)]
+    r = Rebuilt(snapshot([segment(BASE, [(20 * MIB, "inactive", 0)])], [trace]))
+    assert r.peak().index == 1 and r.peak(since_us=3).index == 3
+    assert r.peak(since_us=99).index == 1  # no entry that late: the whole trace

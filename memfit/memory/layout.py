@@ -371,9 +371,12 @@ class Rebuilt:
         return [OomMoment(int(e.get("size", 0)), int(e.get("device_free", 0)), self.at(i))
                 for i, e in enumerate(self.entries) if e.get("action") == "oom"]
 
-    def peak(self) -> Moment | None:
-        """The layout at the first moment allocated bytes were highest; None without a trace."""
+    def peak(self, since_us: int | None = None) -> Moment | None:
+        """The layout at the first moment allocated bytes were highest; None without a trace.
+        ``since_us``: only entries stamped at or after it (``time_us``, the trace's clock), when any are."""
         points = self.totals()
+        if since_us is not None:
+            points = [p for p in points if p.time_us is not None and p.time_us >= since_us] or points
         if not points:
             return None
         top = max(p.allocated_bytes for p in points)

@@ -51,6 +51,7 @@ class AllocatorWatch:
         self.root, self.rank, self.world_size = run_root, rank, world_size
         self.frag_every, self.record_history, self.snapshot_at_step = frag_every, record_history, snapshot_at_step
         self._next_frag = frag_every
+        self._step_start_us: int | None = None
 
     def start(self) -> None:
         """Before the weights arrive: a whole-run trace starts here."""
@@ -58,8 +59,18 @@ class AllocatorWatch:
             torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
 
     def before_step(self, step: int) -> None:
-        if self.on and step == self.snapshot_at_step and not self.record_history:
-            torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
+        if self.on and step == self.snapshot_at_step:
+            self._step_start_us = time.time_ns() // 1000  # the trace's time_us is Unix time in microseconds
+            if not self.record_history:
+                torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES, stacks="python")
+
+    def _dump(self, stem: str) -> tuple[dict[str, Any], Path]:
+        """The allocator's snapshot, also written to the run directory (one file per rank)."""
+        snap = torch.cuda.memory._snapshot()
+        path = self.root / snapshot_name(stem, self.rank, self.world_size)
+        with open(path, "wb") as fh:
+            pickle.dump(snap, fh)
+        return snap, path
 
     def after_step(self, step: int, rec: dict[str, Any]) -> None:
         """Fragmentation into the step record every ``frag_every`` steps or more (with what the reading
@@ -75,13 +86,10 @@ class AllocatorWatch:
             rec.update(fragmentation_ratio=report.fragmentation_ratio, largest_free_block_bytes=report.largest_free_bytes,
                        frag_time_s=cost_s, frag_every=every)
         if step == self.snapshot_at_step:
-            snap = torch.cuda.memory._snapshot()
+            snap, path = self._dump(f"snapshot_step{step}")
             if not self.record_history:
                 torch.cuda.memory._record_memory_history(enabled=None)
-            path = self.root / snapshot_name(f"snapshot_step{step}", self.rank, self.world_size)
-            with open(path, "wb") as fh:
-                pickle.dump(snap, fh)
-            peak = Rebuilt(snap, self.index).peak()
+            peak = Rebuilt(snap, self.index).peak(since_us=self._step_start_us)  # this step's, in a whole-run trace
             rec["snapshot"] = str(path)
             if peak is not None:
                 rec.update(fragmentation_at_peak=peak.report.fragmentation_ratio,
@@ -94,10 +102,7 @@ class AllocatorWatch:
         being recorded, what the layout at the failed request says caused it ("" otherwise)."""
         if not self.on:
             return None, ""
-        snap = torch.cuda.memory._snapshot()
-        path = self.root / snapshot_name(f"oom_step{step}_snapshot", self.rank, self.world_size)
-        with open(path, "wb") as fh:
-            pickle.dump(snap, fh)
+        snap, path = self._dump(f"oom_step{step}_snapshot")
         ooms = Rebuilt(snap, self.index).ooms()
         if not ooms:
             return path, ""
