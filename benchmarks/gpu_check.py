@@ -35,6 +35,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +43,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 GIB = 1 << 30
+DEADLINE = [float("inf")]  # perf_counter time by which every part must be done (--budget-s)
+
+
+def _left(timeout_s: float) -> int:
+    """``timeout_s`` clipped to what the run's budget has left."""
+    return max(1, int(min(timeout_s, DEADLINE[0] - time.perf_counter())))
 
 
 def _run(cmd: list[str], timeout_s: int, log) -> subprocess.CompletedProcess | None:
@@ -49,7 +56,8 @@ def _run(cmd: list[str], timeout_s: int, log) -> subprocess.CompletedProcess | N
     cell subprocesses too, so they do not hold the GPU into the next part)."""
     import signal
 
-    log.write(f"$ {' '.join(cmd)}\n")
+    timeout_s = _left(timeout_s)
+    log.write(f"$ {' '.join(cmd)}  (limit {timeout_s} s)\n")
     log.flush()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             start_new_session=True)
@@ -93,9 +101,9 @@ def part_replay(s, out: Path, log) -> dict:
         ("default", AllocatorSettings(), []),
         ("expandable_segments", AllocatorSettings(expandable_segments=True), ["allocator.expandable_segments=true"]),
     ):
-        run = out / "runs" / f"replay-{label}"
+        run = s.work / f"replay-{label}"
         proc = _run(_train_args(s, run, *s.replay_cell, "train.max_steps=3", "train.record_memory_history=true",
-                                "train.snapshot_at_step=3", "train.frag_every=1", *extra), 150, log)
+                                "train.snapshot_at_step=3", "train.frag_every=1", *extra), 120, log)
         if proc is None or proc.returncode != 0:
             rows.append({"settings": label, "status": "failed"})
             continue
@@ -191,24 +199,23 @@ def part_layout(s, out: Path, log) -> dict:
         return {"status": "skipped", "why": "needs a CUDA/ROCm device"}
     rows = []
     for label, conf in (("default", ""), ("expandable_segments", "expandable_segments:True")):
-        path = out / "runs" / f"layout-{label}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = s.work / f"layout-{label}.json"
         var = "PYTORCH_HIP_ALLOC_CONF" if torch.version.hip else "PYTORCH_CUDA_ALLOC_CONF"
         env = {**os.environ, var: conf} if conf else dict(os.environ)
         log.write(f"$ {var}={conf} layout worker\n")
         try:
             proc = subprocess.run([sys.executable, __file__, "--layout-worker", str(path)], capture_output=True,
-                                  text=True, timeout=120, cwd=REPO, env=env)
+                                  text=True, timeout=_left(120), cwd=REPO, env=env)
             log.write(proc.stdout[-3000:] + proc.stderr[-3000:] + f"\n(exit {proc.returncode})\n")
         except subprocess.TimeoutExpired:
-            log.write("timed out after 120 s\n")
+            log.write("timed out\n")
         rows.append({"settings": label, **json.loads(path.read_text())} if path.is_file() else
                     {"settings": label, "status": "failed or timed out"})
     return {"status": "ok" if all(r["status"] == "ok" for r in rows) else "partial", "layout_rows": rows}
 
 
 def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
-    bench_out = out / "runs" / name
+    bench_out = s.work / name
     cmd = [sys.executable, "-m", "memfit.cli", "bench", "tiny-cpu", *matrix, "--steps", str(s.steps),
            "--warmup", "1", "--out", str(bench_out), "--set", *s.base, "output.export=false"]
     proc = _run(cmd, s.bench_timeout, log)
@@ -273,13 +280,16 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"))
     ap.add_argument("--smoke", action="store_true", help="tiny preset on CPU: checks this script, measures nothing")
     ap.add_argument("--parts", default="doctor,replay,layout,bench-lora,bench-full")
+    ap.add_argument("--budget-s", type=float, default=480, help="all parts end within this many seconds")
     ap.add_argument("--layout-worker", metavar="JSON", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.layout_worker:
         layout_worker(ns.layout_worker)
         return 0
+    DEADLINE[0] = time.perf_counter() + ns.budget_s
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
+    ns.work = Path(tempfile.mkdtemp(prefix="memfit-gpu-check-"))  # outside --out: only summaries travel back
     data = REPO / ".gpu_carry" / "data"
     source = str(data) if data.is_dir() else "shakespeare"
     if ns.smoke:
@@ -296,7 +306,7 @@ def main() -> int:
                           "train.micro_batch_size=4"]
         ns.lora = ["--ac", "none,ffn,full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "true"]
         ns.full = ["--ac", "full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "false"]
-        ns.steps, ns.bench_timeout = 3, 200
+        ns.steps, ns.bench_timeout = 3, 190
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
@@ -313,7 +323,10 @@ def main() -> int:
         for name in ns.parts.split(","):
             start = time.perf_counter()
             try:
-                result = parts[name](log)
+                if DEADLINE[0] - start < 30:
+                    result = {"status": "skipped", "why": f"--budget-s {ns.budget_s:.0f} spent"}
+                else:
+                    result = parts[name](log)
             except Exception as e:  # one part's failure must not lose the others' numbers
                 log.write(f"part {name} raised {type(e).__name__}: {e}\n")
                 result = {"status": "error", "error": f"{type(e).__name__}: {e}"}
@@ -322,7 +335,7 @@ def main() -> int:
             (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
             (out / "summary.md").write_text(summary_md(summary) + "\n")
             print(f"{name}: {result['status']} in {result['wall_s']:.0f} s", flush=True)
-    shutil.rmtree(out / "runs", ignore_errors=True)  # only the summary files travel back
+    shutil.rmtree(ns.work, ignore_errors=True)
     return 0
 
 

@@ -199,6 +199,20 @@ def test_gpu_only_memory_recording_is_a_noted_no_op_on_cpu(tiny_cfg):
     assert "train.record_memory_history / snapshot_at_step apply to CUDA/ROCm devices only" in trainer.notes
 
 
+def test_a_planner_defect_is_noted_and_the_run_goes_on(tiny_cfg, monkeypatch):
+    """The fit check is advice: an internal planner error leaves the run without a prediction, not dead."""
+    import memfit.train.loop as loop
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("trace broke")
+
+    monkeypatch.setattr(loop, "predict_run", broken)
+    trainer = Trainer(tiny_cfg("train.max_steps=1", "train.plan_check=true"))
+    assert trainer.predicted is None
+    assert "planner failed (RuntimeError: trace broke); running without the fit check" in trainer.notes
+    assert len(trainer.fit().steps) == 1
+
+
 def test_keep_checkpoints_zero_writes_no_checkpoint(tiny_cfg):
     result = Trainer(tiny_cfg("train.max_steps=2", "train.keep_checkpoints=0", "train.checkpoint_every=1")).fit()
     assert not any((result.run_dir / "checkpoints").glob("*"))

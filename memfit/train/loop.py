@@ -195,7 +195,14 @@ class Trainer:
         train_ds, eval_ds = split(dataset, cfg.data.eval_fraction)
         self.train_ds, self.eval = train_ds, eval_batches(eval_ds, t.micro_batch_size, t.eval_batches)
 
-        self.predicted = self._plan_check(mconf) if t.plan_check else None
+        self.predicted = None
+        if t.plan_check:
+            try:
+                self.predicted = self._plan_check(mconf)
+            except UserError:
+                raise
+            except Exception as e:  # the check is advice: a planner defect must not stop a run it cannot judge
+                self.notes.append(f"planner failed ({type(e).__name__}: {e}); running without the fit check")
         self.baseline_rss_bytes = process_rss_bytes()
         self.notes += apply_device_limits(cfg.allocator, self.device)
         self.watch = AllocatorWatch(self.device, self.run.root, ctx.rank, ctx.world_size, t.frag_every,
