@@ -214,6 +214,111 @@ def part_layout(s, out: Path, log) -> dict:
     return {"status": "ok" if all(r["status"] == "ok" for r in rows) else "partial", "layout_rows": rows}
 
 
+def diag_worker(args: str) -> None:
+    """In this process: one training run whose last step is both profiled (torch.profiler's memory
+    events, written out) and traced by the allocator (its snapshot), so the two accounts of the same
+    step and the planner's prediction can be compared offline. ``args``: JSON [events path, overrides]."""
+    import gzip
+
+    import memfit.memory.measure as measure
+    from memfit.config.loader import load_config
+    from memfit.cli import shipped_configs
+    from memfit.train.loop import Trainer
+
+    events_path, overrides = json.loads(args)
+    seen: list = []
+    original = measure.allocation_events
+
+    def keep(prof, device_type):
+        events = original(prof, device_type)
+        seen.extend(events)
+        return events
+
+    measure.allocation_events = keep
+    trainer = Trainer(load_config(shipped_configs()["tiny-cpu"], overrides))
+    result = trainer.fit()
+    trainer.close()
+    record = next(r for r in result.steps if "profiled_peak_bytes" in r)
+    payload = {"events": seen, "record": record, "predicted_peak_bytes": trainer.predicted.peak_bytes
+               if trainer.predicted else None, "predicted_phase": trainer.predicted.peak_phase if trainer.predicted else None}
+    with gzip.open(events_path, "wt") as f:
+        json.dump(payload, f, default=str)
+
+
+def part_diag(s, out: Path, log) -> dict:
+    """The bench cell whose prediction erred most (7B LoRA, ffn, bf16-pure) once more, its last step
+    profiled and traced; the events and the snapshot come back gzipped, and ``memfit frag --simulate``
+    runs on that real snapshot (its plots come back too)."""
+    import gzip
+
+    run = s.work / "diag"
+    step = 3
+    overrides = [*s.base, *s.diag_cell, f"output.dir={run}", "train.eval_every=0", "train.eval_batches=1",
+                 "output.export=false", "train.keep_checkpoints=0", "train.log_every=1", f"train.max_steps={step}",
+                 f"train.profile_step={step}", f"train.snapshot_at_step={step}"]
+    events = out / "diag_events.json.gz"
+    proc = _run([sys.executable, __file__, "--diag-worker", json.dumps([str(events), overrides])], 150, log)
+    if proc is None or proc.returncode != 0 or not events.is_file():
+        return {"status": "failed"}
+    payload = json.loads(gzip.open(events).read())
+    result = {"status": "ok", "record": payload["record"], "predicted_peak_bytes": payload["predicted_peak_bytes"],
+              "predicted_phase": payload["predicted_phase"], "profiler_events": len(payload["events"])}
+    snap = run / f"snapshot_step{step}.pickle"
+    if snap.is_file():
+        with open(snap, "rb") as src, gzip.open(out / "diag_snapshot.pickle.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        frag = _run([sys.executable, "-m", "memfit.cli", "frag", str(snap), "--simulate", "--json", "--out",
+                     str(s.work / "frag")], 120, log)
+        if frag is not None and frag.returncode == 0:
+            result["frag"] = json.loads(frag.stdout.strip().splitlines()[-1])
+            text = _run([sys.executable, "-m", "memfit.cli", "frag", str(snap), "--simulate", "--out",
+                         str(s.work / "frag")], 120, log)
+            result["frag_text"] = text.stdout if text is not None else None
+            for png in ("segments_at_peak_device0.png", "timeline_device0.png", "whatif_device0.png"):
+                if (s.work / "frag" / png).is_file():
+                    shutil.copy(s.work / "frag" / png, out / f"diag_{png}")
+    return result
+
+
+def part_oom(s, out: Path, log) -> dict:
+    """A cell that cannot fit under a memory-fraction cap: the trainer must exit 3 with the bytes
+    requested, a snapshot, its diagnosis and the planner's numbers, the run directory intact."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "why": "needs a CUDA/ROCm device"}
+    run = s.work / "oom"
+    proc = _run(_train_args(s, run, *s.oom_cell, "train.max_steps=2", "train.plan_check=false",
+                            "train.record_memory_history=true"), 150, log)
+    if proc is None:
+        return {"status": "timed out"}
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "out of memory" in line]
+    files = sorted(p.name for p in run.iterdir()) if run.is_dir() else []
+    return {"status": "ok" if proc.returncode == 3 else f"exit {proc.returncode}", "exit_code": proc.returncode,
+            "message": lines[-1] if lines else None, "run_dir_files": files}
+
+
+def part_exporter(s, out: Path, log) -> dict:
+    """``memfit exporter`` on loopback, scraped twice and parsed with prometheus_client."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    proc = subprocess.Popen([sys.executable, "-m", "memfit.cli", "exporter", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    try:
+        first = proc.stdout.readline()  # "memfit exporter: device memory from BACKEND at http://HOST:PORT/metrics"
+        log.write(first)
+        url = first.rsplit(" at ", 1)[-1].strip()
+        text = urllib.request.urlopen(url, timeout=30).read().decode()
+        samples = {f"{x.name}{x.labels}": x.value for fam in text_string_to_metric_families(text) for x in fam.samples
+                   if x.name.startswith("memfit_")}
+        return {"status": "ok", "banner": first.strip(), "samples": samples}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
     bench_out = s.work / name
     cmd = [sys.executable, "-m", "memfit.cli", "bench", "tiny-cpu", *matrix, "--steps", str(s.steps),
@@ -282,9 +387,13 @@ def main() -> int:
     ap.add_argument("--parts", default="doctor,replay,layout,bench-lora,bench-full")
     ap.add_argument("--budget-s", type=float, default=480, help="all parts end within this many seconds")
     ap.add_argument("--layout-worker", metavar="JSON", help=argparse.SUPPRESS)
+    ap.add_argument("--diag-worker", metavar="JSON", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.layout_worker:
         layout_worker(ns.layout_worker)
+        return 0
+    if ns.diag_worker:
+        diag_worker(ns.diag_worker)
         return 0
     DEADLINE[0] = time.perf_counter() + ns.budget_s
     out = Path(ns.out)
@@ -298,6 +407,9 @@ def main() -> int:
         ns.replay_cell = ["strategy.precision=fp32", "train.micro_batch_size=2"]
         ns.lora = ["--ac", "none,full", "--precision", "fp32", "--micro-batch", "2", "--lora", "true"]
         ns.full = ["--ac", "full", "--precision", "fp32", "--micro-batch", "2", "--lora", "false"]
+        ns.diag_cell = ["strategy.precision=fp32", "strategy.activation_checkpointing=ffn", "lora.enabled=true",
+                        "train.micro_batch_size=2"]
+        ns.oom_cell = ns.replay_cell
         ns.steps, ns.bench_timeout = 2, 300
     else:
         ns.base = ["model.source=random:llama2-7b", f"data.source={source}", "data.seq_len=1024",
@@ -306,6 +418,10 @@ def main() -> int:
                           "train.micro_batch_size=4"]
         ns.lora = ["--ac", "none,ffn,full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "true"]
         ns.full = ["--ac", "full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "false"]
+        ns.diag_cell = ["strategy.precision=bf16-pure", "strategy.activation_checkpointing=ffn", "lora.enabled=true",
+                        "train.micro_batch_size=4"]
+        ns.oom_cell = ["strategy.precision=bf16-mixed", "strategy.activation_checkpointing=none", "lora.enabled=true",
+                       "train.micro_batch_size=4", "allocator.memory_fraction=0.25"]
         ns.steps, ns.bench_timeout = 3, 190
     import torch
 
@@ -318,6 +434,9 @@ def main() -> int:
         "layout": lambda log: part_layout(ns, out, log),
         "bench-lora": lambda log: part_bench(ns, out, log, "bench_lora", ns.lora),
         "bench-full": lambda log: part_bench(ns, out, log, "bench_full", ns.full),
+        "diag": lambda log: part_diag(ns, out, log),
+        "oom": lambda log: part_oom(ns, out, log),
+        "exporter": lambda log: part_exporter(ns, out, log),
     }
     with open(out / "log.txt", "a") as log:
         for name in ns.parts.split(","):
