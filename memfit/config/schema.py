@@ -140,8 +140,8 @@ class TrainConfig:
     snapshot_at_step: Optional[int] = _f(None, "on a GPU, dump a memory snapshot to the run directory after this step")
     profile_step: Optional[int] = _f(
         None,
-        "measure this step's tensor peak on every rank with torch.profiler(profile_memory=True) and log it "
-        "beside the planner's prediction (engines single and fsdp2)",
+        "measure this step's tensor peak on every rank (CPU: torch.profiler(profile_memory=True); GPU: the "
+        "caching allocator's counters) and log it beside the planner's prediction (engines single and fsdp2)",
     )
     metrics_port: Optional[int] = _f(None, "serve memfit_* Prometheus metrics on this port (0 = any free port)")
     metrics_host: str = _f("127.0.0.1", "address the metrics endpoint binds (default loopback only)")

@@ -2,8 +2,9 @@
 allocator state), and tabulate what was measured beside what the planner predicted.
 
 A cell runs ``warmup + steps`` optimizer steps; statistics use the steps after warm-up. One more step,
-outside the timed ones, is inspected: under torch.profiler for the measured tensor peak beside the
-planner's prediction, and on a GPU with the allocator trace recorded, from which the fragmentation at
+outside the timed ones, is inspected: its tensor peak (torch.profiler on CPU, the caching allocator's
+counters on a GPU, where the profiler misses the autograd thread's releases) beside the planner's
+prediction, and on a GPU with the allocator trace recorded, from which the fragmentation at
 that step's peak is rebuilt (``memory/layout.py``). Cells with a
 ZeRO stage (``--zero 0,2``) run on ``--nproc-per-node`` ranks through torchrun (FSDP2 engine); their
 memory is the worst rank's and the prediction the planner's per-rank one. The global batch
@@ -52,7 +53,7 @@ class Cell:
     peak_reserved_bytes: int | None = None
     peak_rss_bytes: int | None = None
     fragmentation_ratio: float | None = None  # GPU: at the inspected step's peak (else the highest end-of-step reading)
-    profiled_peak_bytes: int | None = None  # torch.profiler's tensor peak of the first measured step
+    profiled_peak_bytes: int | None = None  # the inspected step's tensor peak (see train.profile_step)
     predicted_peak_bytes: int | None = None
     prediction_error_pct: float | None = None
     params_bytes: int | None = None
@@ -169,7 +170,7 @@ def _fmt_gib(n: int | None) -> str:
 
 
 def rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
-    header = ["cell", "status", "ranks x mb x acc", "peak GiB", "reserved GiB", "frag", "tensor peak GiB (profiler)",
+    header = ["cell", "status", "ranks x mb x acc", "peak GiB", "reserved GiB", "frag", "inspected step peak GiB",
               "predicted GiB", "error %", "step s (median)",
               "spread s", "tokens/s", "loss", "note"]
     body = []

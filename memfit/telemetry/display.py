@@ -145,7 +145,7 @@ def summary_tables(
         rec = profiled[-1]
         summary.update(profiled_peak_bytes=rec["profiled_peak_bytes"], profiled_step=rec["step"])
         ranks = rec.get("rank_profiled_peak_bytes")
-        how = f"torch.profiler, step {rec['step']}" + (f", worst of {len(ranks)} ranks" if ranks else "")
+        how = f"{rec.get('profiled_with', 'torch.profiler')}, step {rec['step']}" + (f", worst of {len(ranks)} ranks" if ranks else "")
         if predicted_peak_bytes is not None:
             how += f"; planner {100 * (predicted_peak_bytes - rec['profiled_peak_bytes']) / rec['profiled_peak_bytes']:+.1f}%"
         mem.add_row("measured tensor peak", f"{rec['profiled_peak_bytes'] / GIB:.3f}", how)
