@@ -14,7 +14,8 @@ from rich.table import Table
 from memfit.errors import UserError
 from memfit.memory.allocator_model import AllocatorSettings
 from memfit.memory.layout import Moment, Rebuilt, settings_in
-from memfit.memory.whatif import MIN_GAIN, Replay, TraceCheck, compare, no_op_reason, replay_check, trace_entries
+from memfit.memory.whatif import (MIN_GAIN, Replay, TraceCheck, compare, live_at_start, no_op_reason, replay_check,
+                                   trace_entries)
 from memfit.memory.snapshot import FragReport, analyze, devices_in, load_snapshot
 from memfit.units import GIB, MIB
 
@@ -138,6 +139,8 @@ class Simulation:
     ran_with: AllocatorSettings
     check: TraceCheck
     plot: Path
+    prefix_blocks: int = 0  # blocks alive when recording began, allocated first by every replay
+    prefix_bytes: int = 0
 
     @property
     def title(self) -> str:
@@ -153,6 +156,7 @@ class Simulation:
                           "no_op": no_op_reason(r.settings, self.hip)} for r in self.results],
             "recommended": self.best.settings.label() if self.best else None,
             "model_check": {"settings": self.ran_with.label(), **asdict(self.check)},
+            "live_at_start": {"blocks": self.prefix_blocks, "requested_bytes": self.prefix_bytes},
             "plot": str(self.plot),
         }
 
@@ -167,16 +171,21 @@ def simulate(snap: dict[str, Any], report: FragReport, ns, out_dir: Path, rebuil
     entries = trace_entries(snap, report.device, str(ns.snapshot))
     capacity = parse_memory(ns.capacity, "--capacity") if ns.capacity else None
     hip = ns.hip_version if ns.hip_version is not None else torch.version.hip
-    results, best = compare(entries, capacity or 1 << 62, hip)
+    prefix = live_at_start(rebuilt)
+    results, best = compare(entries, capacity or 1 << 62, hip, prefix)
     ran_with = settings_in(snap)
     check = replay_check(snap, report.device, ran_with, rebuilt)
-    sim = Simulation(results, best, hip, capacity, ran_with, check, out_dir / f"whatif_device{report.device}.png")
+    sim = Simulation(results, best, hip, capacity, ran_with, check, out_dir / f"whatif_device{report.device}.png",
+                     len(prefix), sum(requested for _, (requested, _) in prefix))
     whatif_timeline(results, sim.plot, f"{Path(ns.snapshot).name}: {sim.title}", capacity)
     return sim
 
 
 def render_simulation(sim: Simulation, console: Console) -> None:
     check = sim.check
+    if sim.prefix_blocks:
+        console.print(f"recording began with {sim.prefix_blocks} blocks ({sim.prefix_bytes / GIB:.3f} GiB) alive: every "
+                      "replay allocates them first, into an empty cache", highlight=False)
     if check.unmatched_frees:
         console.print(f"note: {check.unmatched_frees} frees of blocks allocated before recording started; the replay "
                       "misses those blocks (start recording before the model is built)", highlight=False)
