@@ -100,7 +100,7 @@ def whatif_timeline(replays, path: Path, title: str, capacity_bytes: int | None 
 
 def bench_memory(cells, path: Path, title: str) -> Path:
     """Peak memory per cell, stacked by category where known (model states exact; the rest measured)."""
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cells) + 2), 4.8))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cells) + 2) + 3, 4.8))  # + the legend, right of the axes
     names = [c.name for c in cells]
     for i, c in enumerate(cells):
         if c.status != "ok" or c.peak_bytes is None:
@@ -123,7 +123,7 @@ def bench_memory(cells, path: Path, title: str) -> Path:
                        Patch(color="#95a5a6", label="activations, temporaries (and runtime on CPU)"),
                        plt.Line2D([0], [0], color="black", label="planner prediction (tensors)")], fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # rotated cell names and the outside legend stay whole
     plt.close(fig)
     return path
 
@@ -148,6 +148,6 @@ def bench_pareto(cells, path: Path, title: str) -> Path:
     ax.set_title(textwrap.fill(title, 90), fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # rotated cell names and the outside legend stay whole
     plt.close(fig)
     return path
