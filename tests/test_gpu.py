@@ -99,3 +99,20 @@ def test_out_of_memory_exits_3_with_a_snapshot_and_the_request(tmp_path):
     run = tmp_path / "run"
     assert list(run.glob("*.pickle")), sorted(p.name for p in run.iterdir())
     assert not list(run.glob("checkpoints/*"))
+
+
+def test_fragmentation_reading_without_the_trace_sees_the_same_segments():
+    """The trainer's reading leaves the recorded trace out where torch can; the segments it sees are
+    the full snapshot's."""
+    from memfit.memory.snapshot import analyze
+    from memfit.telemetry.allocator_watch import current_segments
+
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        kept = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (1, 3, 30, 5, 70)]
+        del kept[1], kept[2]
+        device = torch.cuda.current_device()
+        assert (analyze({"segments": current_segments()}, device).as_dict()
+                == analyze({"segments": torch.cuda.memory._snapshot()["segments"]}, device).as_dict())
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)

@@ -141,6 +141,28 @@ def test_allocator_settings_string():
     assert apply_device_limits(AllocatorConfig(), CPU) == []
 
 
+@pytest.mark.parametrize("has_flag", [True, False])
+def test_fragmentation_readings_leave_the_recorded_trace_out_where_torch_can(monkeypatch, has_flag):
+    """torch.cuda.memory_snapshot(include_traces=False) skips copying the recorded trace (seconds with a
+    whole-run trace); a torch without that argument gets the plain call."""
+    from memfit.telemetry import allocator_watch
+
+    calls = []
+    segments = [{"device": 0, "address": 0, "total_size": 2 << 20, "blocks": []}]
+
+    def with_flag(include_traces=True):
+        calls.append(include_traces)
+        return segments
+
+    def without_flag():
+        calls.append("plain")
+        return segments
+
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", with_flag if has_flag else without_flag)
+    assert allocator_watch.current_segments() is segments
+    assert calls == ([False] if has_flag else ["plain"])
+
+
 def test_fragmentation_reading_interval_keeps_overhead_under_one_percent():
     # a 5 ms snapshot over 0.2 s steps: 1% of 50 steps is 100 ms, so the configured 50 stays
     assert frag_interval(0.005, 0.2, 50) == 50

@@ -26,6 +26,16 @@ def frag_interval(cost_s: float, step_time_s: float, every: int) -> int:
     return max(every, math.ceil(cost_s / (FRAG_OVERHEAD * max(step_time_s, 1e-9))))
 
 
+def current_segments() -> list[dict[str, Any]]:
+    """The allocator's segments now, without its recorded trace where this torch can leave it out
+    (``include_traces=False``, added to ``torch.cuda.memory_snapshot`` in early 2026): with a whole-run
+    trace of 89k entries recorded, a full snapshot took 1.9-2.1 s on an H200 against 8 ms without one."""
+    try:
+        return torch.cuda.memory_snapshot(include_traces=False)
+    except TypeError:  # an older torch: no such argument
+        return torch.cuda.memory_snapshot()
+
+
 def snapshot_name(stem: str, rank: int, world_size: int) -> str:
     """File name of a snapshot pickle; one per rank when there are several."""
     return f"{stem}_rank{rank}.pickle" if world_size > 1 else f"{stem}.pickle"
@@ -79,7 +89,7 @@ class AllocatorWatch:
             return
         if self.frag_every and step >= self._next_frag:
             start = time.perf_counter()
-            report = analyze({"segments": torch.cuda.memory_snapshot()}, self.index)
+            report = analyze({"segments": current_segments()}, self.index)
             cost_s = time.perf_counter() - start
             every = frag_interval(cost_s, rec["step_time_s"], self.frag_every)
             self._next_frag = step + every
