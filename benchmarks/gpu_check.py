@@ -22,6 +22,18 @@ Parts, each in its own subprocess(es) with its own time limit, so one failure le
    precision, LoRA and full fine-tuning; per cell peak allocated / reserved, fragmentation, step time,
    tokens/s and the planner's prediction beside ``torch.cuda.max_memory_allocated()``.
 
+Parts run only when named in ``--parts``:
+
+5. ``diag``: one bench cell (7B LoRA, ffn, bf16-pure) once more, its last step both profiled (torch.profiler's
+   memory events, written to ``diag_events.json.gz``) and traced by the allocator (``diag_snapshot.pickle.gz``),
+   then ``memfit frag --simulate`` on that snapshot (its plots come back as ``diag_*.png``).
+6. ``oom``: a cell under ``allocator.memory_fraction=0.25`` must exit 3 with the bytes requested and a snapshot.
+7. ``exporter``: ``memfit exporter`` on loopback, scraped and parsed with prometheus_client.
+
+``--budget-s`` bounds the whole run: each part's time limit is clipped to what is left, and a part with
+under 30 s left is skipped. Work files live in a temporary directory, so only the summaries, tables and
+plots land in ``--out`` (the device tool brings back at most 8 files).
+
 Writes ``summary.json`` and ``summary.md`` (and the bench tables and plots) to ``--out``. ``--smoke``
 runs the same parts on the tiny preset on CPU to check the script itself (GPU-only parts report
 "skipped").
