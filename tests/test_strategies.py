@@ -127,6 +127,19 @@ def test_lora_freezes_base():
     assert trainable and all("lora_" in n for n in trainable)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lora_adapters_take_the_base_weights_dtype(dtype):
+    """bf16-pure means bf16 weights, gradients and optimizer state, adapters included: PEFT's default
+    fp32 upcast would also cast every adapted input to fp32 and keep it for backward."""
+    model = apply_lora(build_model(ModelSource("preset", preset="tiny"), ModelConfig(), dtype, seed=0),
+                       LoraConfig(enabled=True))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and {p.dtype for p in trainable} == {dtype}
+    tokens = torch.randint(0, 1000, (2, 16))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    assert {p.grad.dtype for p in trainable} == {dtype}
+
+
 def test_allocator_settings_string():
     from memfit.config.schema import AllocatorConfig
 

@@ -39,4 +39,6 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig):
     )
     with warnings.catch_warnings():  # PEFT asks transformers a deprecated question; not ours to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, peft_config)
+        # adapters in the base weights' dtype: PEFT would upcast them to fp32 under bf16 weights, and cast each
+        # adapted input to fp32 (saved for backward): +7 to 13 GiB on a Llama-2-7B LoRA step (bf16-pure, 4 x 1024)
+        return get_peft_model(model, peft_config, autocast_adapter_dtype=False)
