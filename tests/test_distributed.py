@@ -273,7 +273,8 @@ def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, stag
 
 
 def test_a_rank_dying_on_another_node_stops_this_node_too(tmp_path, embedded_dir):
-    args = tiny_overrides(tmp_path / "run", *COMMON, "train.max_steps=100000")
+    # a survivor waiting on a peer that can no longer answer gives up after distributed.timeout_s
+    args = tiny_overrides(tmp_path / "run", *COMMON, "train.max_steps=100000", "distributed.timeout_s=30")
     endpoint = f"127.0.0.1:{_free_port()}"
     nodes = [_memfit(args, nproc=1, popen=True,
                      extra_flags=("--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint", endpoint)) for r in (0, 1)]

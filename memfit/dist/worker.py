@@ -35,6 +35,15 @@ def _leave(code: int) -> NoReturn:
     os._exit(code)
 
 
+def _close_quietly(trainer) -> None:
+    """Stop the metrics endpoint and leave the process group; an error doing so changes nothing now."""
+    if trainer is not None:
+        try:
+            trainer.close()
+        except BaseException:  # noqa: BLE001 — already on the way out with the first error
+            pass
+
+
 def run_rank(cfg: RunConfig) -> NoReturn:
     """Train as this rank and exit: 0, a user error's code (printed), 4 when peers were lost, 1 on a bug."""
     from memfit.train.loop import Trainer
@@ -42,17 +51,18 @@ def run_rank(cfg: RunConfig) -> NoReturn:
     trainer = None
     try:
         trainer = Trainer(cfg)
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
+        trainer.fit()
+        trainer.close()
     except UserError as e:
+        _close_quietly(trainer)
         print_user_error(e)
         _leave(e.exit_code)
     except BaseException as e:
         if not peer_lost(e):  # a bug: keep the traceback
+            _close_quietly(trainer)
             traceback.print_exc()
             _leave(1)
+        # no teardown: destroying a process group whose peer is gone can block, and os._exit follows
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         err = RankFailedExit(f"rank {os.environ.get('RANK', '?')} lost contact with its peers ({first[:200]}); "
                              "another rank has died or stopped: see its node's output")
