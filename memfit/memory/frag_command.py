@@ -187,8 +187,8 @@ def render_simulation(sim: Simulation, console: Console) -> None:
         console.print(f"recording began with {sim.prefix_blocks} blocks ({sim.prefix_bytes / GIB:.3f} GiB) alive: every "
                       "replay allocates them first, into an empty cache", highlight=False)
     if check.unmatched_frees:
-        console.print(f"note: {check.unmatched_frees} frees of blocks allocated before recording started; the replay "
-                      "misses those blocks (start recording before the model is built)", highlight=False)
+        console.print(f"note: {check.unmatched_frees} frees of blocks that neither the trace nor the dump's layout "
+                      "accounts for; the replay misses those blocks", highlight=False)
     console.print(f"model check ({sim.ran_with.label()} settings, as the snapshot was taken): peak reserved "
                   f"{check.model_peak_reserved_bytes / GIB:.3f} GiB in the replay, {check.trace_peak_reserved_bytes / GIB:.3f} "
                   f"GiB in the trace ({100 * check.peak_reserved_error:+.1f}%); at the dump {check.model_reserved_bytes / GIB:.3f} "

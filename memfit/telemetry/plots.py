@@ -148,6 +148,6 @@ def bench_pareto(cells, path: Path, title: str) -> Path:
     ax.set_title(textwrap.fill(title, 90), fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # rotated cell names and the outside legend stay whole
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # labels of points at the edge stay whole
     plt.close(fig)
     return path
