@@ -14,7 +14,7 @@ from memfit.config.schema import LoraConfig, OptimizerConfig
 from memfit.memory.categories import Category
 from memfit.errors import UserError
 from memfit.memory.hardware import GIB, gpu_preset, parse_memory
-from memfit.memory.measure import measured_steady_peak
+from memfit.memory.measure import measured_steady_step
 from memfit.memory.plan import Cluster, Pins, Workload, search, time_bucket
 from memfit.memory.predict import Predictor
 from memfit.memory.sharding import ShardingSpec, per_rank
@@ -30,9 +30,34 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("ac", ["none", "ffn", "full", "every_k:2"])
 def test_trace_matches_profiler_on_tiny(ac, precision, lora):
     spec = StepSpec(preset_config("tiny"), 4, 128, precision, ac, "foreach", LoraConfig(enabled=True) if lora else None)
-    predicted = trace_step(spec).peak_bytes
-    measured = measured_steady_peak(spec)
-    assert abs(predicted - measured) / measured <= 0.03, (predicted, measured)
+    assert_within_3pct_per_category(trace_step(spec).peak, measured_steady_step(spec))
+
+
+def assert_within_3pct_per_category(predicted, measured):
+    """The issue's bar: the peak and each category at it within 3% of the measured step."""
+    for c in Category:
+        assert abs(predicted[c] - measured[c]) <= 0.03 * measured[c], (c, predicted.as_dict(), measured.as_dict())
+    assert abs(predicted.total_bytes - measured.total_bytes) <= 0.03 * measured.total_bytes
+
+
+@pytest.mark.parametrize("follow_real_path", [True, False], ids=["as-on-real-tensors", "fake-only-path"])
+def test_fake_trace_takes_the_attention_path_of_real_tensors(monkeypatch, follow_real_path):
+    """On FakeTensors transformers cannot read the position ids, assumes packed rows, builds a
+    (B, 1, T, T) mask and repeats grouped K/V heads; real tensors take neither. The planner answers
+    as real tensors would: its saved activations equal the measured ones (the tiny preset has 2 K/V
+    heads for 4 query heads). Without that, this step's activations are over-predicted by 4.5 MiB."""
+    import contextlib
+
+    import memfit.memory.trace as trace
+
+    if not follow_real_path:
+        monkeypatch.setattr(trace, "_masks_as_on_real_tensors", contextlib.nullcontext)
+    spec = StepSpec(preset_config("tiny"), 2, 512, "fp32", "none", "foreach")
+    predicted, measured = trace_step(spec).peak[Category.ACTIVATIONS], measured_steady_step(spec)[Category.ACTIVATIONS]
+    if follow_real_path:
+        assert predicted == measured
+    else:
+        assert predicted - measured >= 2 * 512 * 512 * 4  # at least the fp32 (B, 1, T, T) mask
 
 
 def test_trace_categories_are_the_exact_state_bytes():
@@ -257,10 +282,8 @@ def test_planner_matches_profiler_on_real_smollm2(embedded_dir, ac, precision, l
 
     source = ModelSource("hf", path=embedded_dir)
     spec = StepSpec(model_config(source, ModelConfig()), 1, 64, precision, ac, "foreach", LoraConfig(enabled=True) if lora else None)
-    predicted = extrapolated_step(spec).peak_bytes
     model = build_model(source, ModelConfig(), precision_policy(precision).param_dtype, seed=0)
-    measured = measured_steady_peak(spec, model)
-    assert abs(predicted - measured) / measured <= 0.03, (predicted, measured)
+    assert_within_3pct_per_category(extrapolated_step(spec).peak, measured_steady_step(spec, model))
 
 
 def test_trainer_plan_check_refuses_what_does_not_fit():

@@ -14,11 +14,13 @@ address: an allocation at an address that is still live proves the earlier block
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from memfit.config.schema import OptimizerConfig
+from memfit.memory.categories import Breakdown, Category
 
 
 def live_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -43,6 +45,68 @@ def profiled_peak_bytes(fn: Callable[[], object], already_live: Iterable[torch.T
     return base + peak_of(allocation_events(prof, device.lower()))
 
 
+_SAVED = "memfit::saved:"  # a profiler marker per tensor autograd saves: "memfit::saved:<storage address>"
+
+
+def _mark_saved(t: torch.Tensor) -> torch.Tensor:
+    with record_function(f"{_SAVED}{t.untyped_storage().data_ptr()}"):
+        pass
+    return t
+
+
+def profiled_breakdown(
+    fn: Callable[[], object],
+    *,
+    params: Iterable[torch.Tensor],
+    optimizer_state: Iterable[torch.Tensor],
+    other_live: Iterable[torch.Tensor],
+    grads: Callable[[], Iterable[torch.Tensor]],
+) -> Breakdown:
+    """Bytes per category at the peak while ``fn()`` runs on CPU, measured with the planner's rules
+    but without its code: parameters and optimizer state by the storages passed in; gradients, the
+    blocks still live at the end at the addresses of the tensors ``grads()`` returns after ``fn``;
+    activations, the blocks autograd saved for backward (a ``saved_tensors_hooks`` marker in the
+    profile while the block was live; tensors saved inside checkpointed regions and their
+    recomputation go through the checkpoint's own hooks and stay temporaries, as in the planner);
+    temporaries, everything else (``other_live`` too unless saved). The total equals
+    ``profiled_peak_bytes``."""
+    base: dict[int, tuple[int, Category | None]] = {}
+    for tensors, category in ((params, Category.PARAMS), (optimizer_state, Category.OPTIMIZER), (other_live, None)):
+        for t in tensors:
+            st = t.untyped_storage()
+            base.setdefault(st.data_ptr(), (st.nbytes(), category))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autograd.graph.saved_tensors_hooks(_mark_saved, lambda t: t):
+            fn()
+    grad_ptrs = {g.untyped_storage().data_ptr() for g in grads()}
+    events = allocation_events(prof, "cpu")
+    saved = _saved_markers(prof)
+    blocks, at_peak = _blocks(events, saved)
+    saved_base = {ptr for _, ptr in saved}
+    out = dict.fromkeys(Category, 0)
+    for ptr, (nbytes, category) in base.items():
+        out[category or (Category.ACTIVATIONS if ptr in saved_base else Category.TEMPORARIES)] += nbytes
+    last_at = {b.ptr: b for b in blocks}  # the last block allocated at each address
+    for b in at_peak:
+        if b.ptr in grad_ptrs and last_at[b.ptr] is b and b.end is None:
+            out[Category.GRADS] += b.nbytes
+        else:
+            out[Category.ACTIVATIONS if b.saved else Category.TEMPORARIES] += b.nbytes
+    return Breakdown(out)
+
+
+def _saved_markers(prof) -> list[tuple[int, int]]:
+    """(time ns, storage address) of every ``_mark_saved`` marker in the profile."""
+    out = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        ev = stack.pop()
+        stack.extend(ev.children)
+        if ev.name.startswith(_SAVED):
+            out.append((ev.start_time_ns, int(ev.name[len(_SAVED):])))
+    return out
+
+
 def allocation_events(prof, device_type: str) -> list[tuple[int, int, int]]:
     """(time ns, address, +bytes | -bytes) of every allocation and release on ``device_type``."""
     from torch._C._profiler import _EventType
@@ -58,24 +122,58 @@ def allocation_events(prof, device_type: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def peak_of(events: list[tuple[int, int, int]]) -> int:
-    """Highest sum of live blocks; a block counts from its allocation to its release, or to the next
-    allocation at its address (whose release the profiler did not see)."""
-    live: dict[int, int] = {}
+@dataclass
+class _Block:
+    ptr: int
+    nbytes: int
+    start: int  # index of its allocation event
+    end: int | None = None  # index of the event that ended it (release, or reuse of its address)
+    saved: bool = False  # autograd saved it for backward while it was live
+
+
+def _blocks(events: list[tuple[int, int, int]], saved: Iterable[tuple[int, int]] = ()) -> tuple[list[_Block], list[_Block]]:
+    """Replay ``events`` (and saved-tensor markers) in time order: every block allocated, in order,
+    and the blocks live at the (first) peak. A block counts from its allocation to its release, or
+    to the next allocation at its address (whose release the profiler did not see)."""
+    marks = sorted(saved)
+    live: dict[int, _Block] = {}
+    blocks: list[_Block] = []
     current = peak = 0
-    for _, ptr, nbytes in events:
+    peak_at = -1
+    m = 0
+    for i, (time_ns, ptr, nbytes) in enumerate(events):
+        while m < len(marks) and marks[m][0] <= time_ns:
+            if marks[m][1] in live:
+                live[marks[m][1]].saved = True
+            m += 1
         if nbytes > 0:
-            current += nbytes - live.pop(ptr, 0)
-            live[ptr] = nbytes
-            peak = max(peak, current)
+            old = live.pop(ptr, None)
+            if old is not None:
+                old.end, current = i, current - old.nbytes
+            live[ptr] = block = _Block(ptr, nbytes, i)
+            blocks.append(block)
+            current += nbytes
+            if current > peak:
+                peak, peak_at = current, i
         elif ptr in live:  # releases of blocks from before the profiled region are not reported
-            current -= live.pop(ptr)
-    return peak
+            old = live.pop(ptr)
+            old.end, current = i, current - old.nbytes
+    for _, ptr in marks[m:]:
+        if ptr in live:
+            live[ptr].saved = True
+    at_peak = [b for b in blocks if b.start <= peak_at and (b.end is None or b.end > peak_at)]
+    return blocks, at_peak
 
 
-def measured_steady_peak(spec, model=None) -> int:
-    """Peak bytes of the trainer's second (steady-state) step of ``spec`` on real CPU tensors, measured
-    by torch.profiler. ``model`` (built in the precision's dtype) defaults to random weights."""
+def peak_of(events: list[tuple[int, int, int]]) -> int:
+    """Highest sum of live blocks (see ``_blocks``)."""
+    return sum(b.nbytes for b in _blocks(events)[1])
+
+
+def measured_steady_step(spec, model=None) -> Breakdown:
+    """Bytes per category at the peak of the trainer's second (steady-state) step of ``spec`` on real
+    CPU tensors, measured by torch.profiler (``profiled_breakdown``). ``model`` (built in the
+    precision's dtype) defaults to random weights."""
     from memfit.strategies.checkpointing import apply_activation_checkpointing
     from memfit.strategies.lora import apply_lora
     from memfit.strategies.optimizer import build_optimizer
@@ -102,8 +200,7 @@ def measured_steady_peak(spec, model=None) -> int:
     runner.zero_grad()
     state = [v for st in opt.state.values() for v in st.values()]
 
-    def step():
-        runner.step(batches)
-        runner.zero_grad()
-
-    return profiled_peak_bytes(step, [*model.parameters(), *model.buffers(), tokens, *state])
+    measured = profiled_breakdown(lambda: runner.step(batches), params=model.parameters(), optimizer_state=state,
+                                  other_live=[*model.buffers(), tokens], grads=lambda: [p.grad for p in params if p.grad is not None])
+    runner.zero_grad()
+    return measured
