@@ -17,7 +17,9 @@ Known limitations:
     - fp16-mixed is traced without the GradScaler (its found-inf check reads a value); the scaler's
       own bytes are a few scalars.
     - every_k:N with a depth not divisible by N is extrapolated from whole groups of N layers.
-    - The attention mask: see ``_masks_as_on_real_tensors``.
+    - The attention mask: see ``_masks_as_on_real_tensors``. Grouped K/V heads are traced as SDPA's CPU
+      flash kernel takes them (unexpanded); a device kernel that expands them for ``enable_gqa`` (the
+      math fallback repeats K/V to every head) needs more than predicted. Not measured on a GPU yet.
 """
 
 from __future__ import annotations
