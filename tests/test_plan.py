@@ -246,7 +246,7 @@ def test_plan_simulate_replays_the_explained_step_under_allocator_settings(capsy
                          "--ac", "none", "--precision", "bf16-mixed", "--micro-batch", "4", "--explain", "1", "--simulate")
     assert code == 0
     text = " ".join(out.split())
-    assert "what-if: the traced step's" in text and "in mi210's 64 GiB less 512 MiB of runtime context" in text
+    assert "what-if: the two traced steps'" in text and "in mi210's 64 GiB less 512 MiB of runtime context" in text
     for label in ("default", "expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"):
         assert label in text
     assert "recommendation:" in text and "give --hip-version to judge it" in text
@@ -309,6 +309,23 @@ def test_traced_step_replays_through_the_allocator_model():
     assert model.peak_reserved >= model.peak_allocated >= first_step_peak
     assert model.peak_allocated <= first_step_peak * 1.02  # only unsplittable block remainders on top
     assert model.allocated == 0 or model.allocated < model.peak_allocated
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_second_traced_step_is_the_steady_state_of_the_allocator_model(lora):
+    """From step 2 on the optimizer state exists and the cache holds what step 1 left: a third step
+    replays exactly as the second (same peaks, same segments), and step 2 peaks at least as high as
+    step 1 alone (the state is alive during its forward and backward)."""
+    from memfit.memory.trace import trace_allocations
+    from memfit.memory.whatif import replay_allocations
+
+    spec = StepSpec(preset_config("tiny"), 2, 64, "bf16-mixed", "ffn", "foreach", LoraConfig(enabled=True) if lora else None,
+                    round_to=512)
+    one, two, three = (replay_allocations(trace_allocations(spec, steps=n)) for n in (1, 2, 3))
+    assert (two.peak_reserved, two.peak_allocated) == (three.peak_reserved, three.peak_allocated)
+    assert two.peak_allocated >= one.peak_allocated and two.peak_reserved >= one.peak_reserved
+    n1, n2, n3 = (len(trace_allocations(spec, steps=n)) for n in (1, 2, 3))
+    assert n3 - n2 == n2 - n1 > 0  # every later step allocates and frees the same blocks
 
 
 def test_measured_peak_matches_releases_by_address():

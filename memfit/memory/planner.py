@@ -110,12 +110,15 @@ def _train_source(model: str) -> str:
 
 
 def _step_events(w: Workload, c) -> list[tuple[int, int]]:
-    """The candidate's full-depth first step as allocations and releases, on one device (ZeRO not
-    applied; two micro-batches stand for any longer accumulation: later ones repeat the second's)."""
+    """The candidate's first two full-depth steps as allocations and releases, on one device (ZeRO not
+    applied; two micro-batches stand for any longer accumulation: later ones repeat the second's).
+    The second step is the steady state. Against the peak reserved memory an H200 reported for five
+    7B cells, the replay of two traced steps came within -0.35% to -0.84% for four and -4.7% for the
+    fifth (one traced step: -0.4% to -5.6%; benchmarks/RESULTS.md)."""
     from memfit.memory.trace import StepSpec, trace_allocations
 
     spec = StepSpec(w.model_config, c.micro_batch, w.seq_len, c.precision, c.ac, c.optimizer, w.lora, min(c.grad_accum, 2), 512)
-    return trace_allocations(spec)
+    return trace_allocations(spec, steps=2)
 
 
 def _simulate(events: list[tuple[int, int]], c, gpu, hip: str | None, console) -> None:
@@ -129,7 +132,7 @@ def _simulate(events: list[tuple[int, int]], c, gpu, hip: str | None, console) -
     results, best = compare(as_trace(events), capacity, hip)
     where = (f"in {gpu.name}'s {gpu.memory_bytes / GIB:.0f} GiB less {CONTEXT_BYTES >> 20} MiB of runtime context"
              if c.zero == 0 else "without a capacity limit (ZeRO not applied)")
-    render_whatif(results, best, hip, console, f"what-if: the traced step's {len(events)} allocator events {where}",
+    render_whatif(results, best, hip, console, f"what-if: the two traced steps' {len(events)} allocator events {where}",
                   rocm=hip is not None or gpu.vendor == "amd")
     if hip is None and gpu.vendor == "amd":
         console.print("note: expandable_segments needs ROCm >= 7.0; give --hip-version to judge it", highlight=False)

@@ -89,7 +89,7 @@ def render_explain(c: Candidate, console: Console, replayed: tuple[int, int] | N
     console.print(t)
     if replayed is not None:
         reserved, allocated = replayed
-        console.print(f"allocator model, first step (up to 2 micro-batches) replayed on one device (ZeRO not applied): peak reserved "
+        console.print(f"allocator model, first two steps (up to 2 micro-batches each) replayed on one device (ZeRO not applied): peak reserved "
                       f"{_g(reserved)} GiB for a peak allocated {_g(allocated)} GiB ({reserved / max(1, allocated) - 1:+.1%}); "
                       f"the table's margin model assumes +{ALLOCATOR_MARGIN:.0%}", highlight=False)
 
