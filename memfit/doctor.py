@@ -69,6 +69,10 @@ def report(env: dict[str, str] | None = None, hip: Any = _THIS_BUILD, cuda: Any 
         allocator[var] = {"value": env[var], "settings": conf.settings, "errors": conf.errors, "warnings": conf.warnings}
         problems += [f"{var}: {e}" for e in conf.errors]
         warnings += [f"{var}: {w}" for w in conf.warnings]
+    shadowed = [v for v in alloc_conf.ENV_VARS[1:] if v in env and "PYTORCH_ALLOC_CONF" in env]
+    if shadowed:
+        warnings.append(f"{' and '.join(shadowed)} not read: PYTORCH_ALLOC_CONF is set and PyTorch reads only it; "
+                        "put every allocator setting there")
     if allocator and not torch.cuda.is_available():
         warnings.append("allocator settings are set but there is no GPU: they have no effect on CPU")
     for knob, real in alloc_conf.INVENTED_KNOBS.items():

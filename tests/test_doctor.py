@@ -64,6 +64,14 @@ def test_hip_variable_on_a_cuda_build_is_flagged():
     assert any("not a ROCm build" in w for w in r["warnings"])
 
 
+def test_a_variable_hidden_by_pytorch_alloc_conf_is_flagged():
+    env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    r = report(env=env, hip=None, cuda="12.8")
+    assert any(w.startswith("PYTORCH_CUDA_ALLOC_CONF not read: PYTORCH_ALLOC_CONF is set") for w in r["warnings"])
+    assert not any("not read: PYTORCH_ALLOC_CONF" in w for w in report(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+                                                                      hip=None, cuda="12.8")["warnings"])
+
+
 def test_doctor_json_on_this_machine(capsys, monkeypatch):
     for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)

@@ -297,6 +297,38 @@ def test_trainer_plan_check_refuses_what_does_not_fit():
         check_fits(step, reserved_estimate(step.peak_bytes) - 1, "test GPU")
 
 
+def test_trainer_check_refuses_a_run_the_allocator_model_sees_run_out_of_memory():
+    """The margin says it fits; replayed in less memory than the step needs, the model runs out."""
+    from memfit.memory.plan import check_fits, predict_run, reserved_estimate, step_allocations
+    from memfit.memory.whatif import as_trace, replay, settings_from_conf
+
+    cfg = preset_config("tiny")
+    step = predict_run(cfg, 64, 2, 1, "none", "fp32", "foreach", None, on_gpu=True)
+    events = step_allocations(cfg, 64, 2, 1, "none", "fp32", "foreach", None)
+    roomy = replay(as_trace(events), settings_from_conf("", None, None), 1 << 34)
+    check_fits(step, reserved_estimate(step.peak_bytes), "test GPU", roomy)  # accepted
+    tight = replay(as_trace(events), settings_from_conf("", None, None), step.peak_bytes // 2)
+    assert tight.oom
+    with pytest.raises(UserError, match=r"caching-allocator model runs out of memory .* under default settings"):
+        check_fits(step, reserved_estimate(step.peak_bytes), "test GPU", tight)
+
+
+@pytest.mark.parametrize("text, fraction, hip, expected", [
+    ("", None, None, dict()),
+    ("expandable_segments:True,max_split_size_mb:256", None, None, dict(expandable_segments=True, max_split_size_mb=256)),
+    ("expandable_segments:True", None, "6.2.41133-dd7f95766", dict()),  # ignored on ROCm < 7.0
+    ("expandable_segments:True", None, "7.0.51831-a3e329ad8", dict(expandable_segments=True)),
+    ("garbage_collection_threshold:0.8,roundup_power2_divisions:4", 0.9, None,
+     dict(garbage_collection_threshold=0.8, roundup_power2_divisions=4, memory_fraction=0.9)),
+    ("roundup_power2_divisions:[256:1,>:4]", None, None, dict()),  # per-size lists: not modelled
+])
+def test_settings_of_a_process_from_its_allocator_string(text, fraction, hip, expected):
+    from memfit.memory.allocator_model import AllocatorSettings
+    from memfit.memory.whatif import settings_from_conf
+
+    assert settings_from_conf(text, fraction, hip) == AllocatorSettings(**expected)
+
+
 def test_traced_step_replays_through_the_allocator_model():
     """The planner's allocation stream, replayed: reserved >= allocated, allocated peak = the traced
     first-step peak rounded to 512-byte blocks (the model rounds the same way)."""

@@ -231,9 +231,31 @@ def test_summary_reports_fragmentation_readings_from_gpu_step_records():
             "peak_reserved_bytes": 3 * gib, "alloc_retries": 0}
     steps = [{**base, "step": 1, "fragmentation_ratio": 0.2}, {**base, "step": 2, "fragmentation_ratio": 0.35},
              {**base, "step": 3, "fragmentation_at_peak": 0.5}]
-    run, _, summary = summary_tables(steps, [], StateBytes(gib, gib, 0, 0, 10, 10), 0, "cuda:0")
+    run, mem, summary = summary_tables(steps, [], StateBytes(gib, gib, 0, 0, 10, 10), 0, "cuda:0",
+                                       modelled_reserved_bytes=int(3.3 * gib))
     assert summary["max_fragmentation_ratio"] == 0.35 and summary["fragmentation_at_peak"] == 0.5
-    console = Console(record=True, width=120)
+    assert summary["modelled_peak_reserved_bytes"] == int(3.3 * gib)
+    console = Console(record=True, width=160)
     console.print(run)
+    console.print(mem)
     text = console.export_text()
     assert "highest of 2 readings" in text and "0.350 (step 2)" in text and "fragmentation at step 3's peak" in text
+    assert "allocator model's peak reserved" in text and "+10.0% vs reserved" in text
+
+
+def test_trainer_replays_its_planned_steps_under_its_own_allocator_settings(tiny_cfg, monkeypatch):
+    """What the trainer does before allocating on one GPU, run here on CPU: the planned first two steps
+    replayed through the allocator model under the settings the config puts in the environment."""
+    from memfit.memory.plan import step_allocations
+    from memfit.memory.whatif import replay_allocations
+
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)  # restored after the test; the trainer writes one
+    trainer = Trainer(tiny_cfg("allocator.expandable_segments=true", "allocator.max_split_size_mb=64"))
+    replayed = trainer._replay_steps(trainer.mconf, "foreach", 8 << 30)
+    assert replayed.settings.expandable_segments and replayed.settings.max_split_size_mb == 64
+    assert not replayed.oom and replayed.peak_reserved_bytes >= replayed.peak_allocated_bytes > 0
+    cfg = trainer.cfg
+    events = step_allocations(trainer.mconf, cfg.data.seq_len, cfg.train.micro_batch_size, trainer.accum, "none", "fp32",
+                              "foreach", None)
+    assert replayed.peak_allocated_bytes == replay_allocations(events).peak_allocated  # same steps, same blocks

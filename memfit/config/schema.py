@@ -148,6 +148,11 @@ class TrainConfig:
     plan_check: bool = _f(
         True, "predict the step's peak before allocating; on a GPU refuse a run predicted not to fit"
     )
+    allocator_model: bool = _f(
+        True, "with plan_check on one GPU: replay the planned first two steps through the caching-allocator "
+        "model under this run's allocator settings (seconds of CPU), report its peak reserved and refuse "
+        "a run it sees run out of memory"
+    )
 
 
 @dataclass

@@ -3,9 +3,11 @@
 Candidates are checkpointing policy x precision x ZeRO stage x micro-batch (with the gradient
 accumulation that keeps the global batch) x optimizer implementation. Memory comes from the
 ``Predictor`` (traces of the trainer's own step) and ``sharding.per_rank``; on top of the predicted
-allocated peak the allocator keeps cached blocks and the runtime its context, modelled until the
-fragmentation model lands as ``reserved = peak x (1 + ALLOCATOR_MARGIN) + CONTEXT_BYTES``.
-A candidate fits when that is at most the GPU's memory x (1 - headroom).
+allocated peak the allocator keeps cached blocks and the runtime its context, modelled in the
+table as ``reserved = peak x (1 + ALLOCATOR_MARGIN) + CONTEXT_BYTES`` (a full-depth replay through
+the caching-allocator model costs seconds per candidate; see benchmarks/RESULTS.md). A candidate fits
+when that is at most the GPU's memory x (1 - headroom). One chosen configuration is replayed through the
+allocator model (``step_allocations``): ``memfit plan --explain`` and ``memfit train`` on one GPU.
 """
 
 from __future__ import annotations
@@ -205,16 +207,39 @@ def reserved_estimate(peak_bytes: int) -> int:
     return int(peak_bytes * (1 + ALLOCATOR_MARGIN)) + CONTEXT_BYTES
 
 
-def check_fits(step: StepMemory, capacity_bytes: int, device_label: str) -> None:
-    """Refuse a single-device run predicted not to fit ``capacity_bytes``.
+def step_allocations(model_config: PretrainedConfig, seq_len: int, micro_batch: int, grad_accum: int, ac: str,
+                     precision: str, optimizer: str, lora: LoraConfig | None) -> list[tuple[int, int]]:
+    """The first two full-depth steps of one configuration on one device as allocations and releases
+    of 512-byte-rounded blocks, for the allocator model (ZeRO not applied; two micro-batches stand for
+    any longer accumulation: later ones repeat the second's). The second step is the steady state.
+    Against the peak reserved memory an H200 reported for five 7B cells, the replay of two traced
+    steps came within -0.35% to -0.84% for four and -4.7% for the fifth (one traced step: -0.4% to
+    -5.6%; benchmarks/RESULTS.md)."""
+    from memfit.memory.trace import trace_allocations
+
+    spec = StepSpec(model_config, micro_batch, seq_len, precision, ac, optimizer, lora, min(grad_accum, 2), 512)
+    return trace_allocations(spec, steps=2)
+
+
+def check_fits(step: StepMemory, capacity_bytes: int, device_label: str, replayed=None) -> None:
+    """Refuse a single-device run predicted not to fit ``capacity_bytes``, or one whose replay through
+    the allocator model (``replayed``, a ``whatif.Replay``) runs out of memory.
 
     Raises:
         UserError: naming the predicted need, the capacity and the two ways out.
     """
     need = reserved_estimate(step.peak_bytes)
+    ways_out = (f"run `memfit plan --config <this config> --gpu-mem {capacity_bytes / GIB:.0f}GiB` for one that fits, "
+                "or set train.plan_check=false to try anyway")
     if need > capacity_bytes:
         raise UserError(
             f"predicted to need {need / GIB:.2f} GiB (peak {step.peak_bytes / GIB:.2f} GiB in {step.peak_phase}) but "
-            f"{device_label} offers {capacity_bytes / GIB:.2f} GiB; run `memfit plan --config <this config> "
-            f"--gpu-mem {capacity_bytes / GIB:.0f}GiB` for one that fits, or set train.plan_check=false to try anyway"
+            f"{device_label} offers {capacity_bytes / GIB:.2f} GiB; {ways_out}"
+        )
+    if replayed is not None and replayed.oom:
+        raise UserError(
+            f"the caching-allocator model runs out of memory replaying this run's first two steps under "
+            f"{replayed.settings.label()} settings on {device_label} (peak reserved {replayed.peak_reserved_bytes / GIB:.2f} "
+            f"GiB, {replayed.alloc_retries} cache releases and retries); {ways_out}, or try other allocator settings "
+            "(`memfit plan --explain 1 --simulate`)"
         )

@@ -110,15 +110,10 @@ def _train_source(model: str) -> str:
 
 
 def _step_events(w: Workload, c) -> list[tuple[int, int]]:
-    """The candidate's first two full-depth steps as allocations and releases, on one device (ZeRO not
-    applied; two micro-batches stand for any longer accumulation: later ones repeat the second's).
-    The second step is the steady state. Against the peak reserved memory an H200 reported for five
-    7B cells, the replay of two traced steps came within -0.35% to -0.84% for four and -4.7% for the
-    fifth (one traced step: -0.4% to -5.6%; benchmarks/RESULTS.md)."""
-    from memfit.memory.trace import StepSpec, trace_allocations
+    """The candidate's first two full-depth steps as allocations and releases (``plan.step_allocations``)."""
+    from memfit.memory.plan import step_allocations
 
-    spec = StepSpec(w.model_config, c.micro_batch, w.seq_len, c.precision, c.ac, c.optimizer, w.lora, min(c.grad_accum, 2), 512)
-    return trace_allocations(spec, steps=2)
+    return step_allocations(w.model_config, w.seq_len, c.micro_batch, c.grad_accum, c.ac, c.precision, c.optimizer, w.lora)
 
 
 def _simulate(events: list[tuple[int, int]], c, gpu, hip: str | None, console) -> None:

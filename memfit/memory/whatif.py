@@ -10,11 +10,11 @@ a replay starts it empty.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from memfit.memory.allocator_model import AllocatorSettings, CachingAllocatorModel, OutOfMemory
-from memfit.strategies.alloc_conf import rocm_version
+from memfit.strategies.alloc_conf import parse, rocm_version
 
 if TYPE_CHECKING:
     from memfit.memory.layout import Rebuilt
@@ -181,6 +181,32 @@ def no_op_reason(settings: AllocatorSettings, hip: str | None) -> str | None:
     if settings.expandable_segments and rocm is not None and rocm < (7, 0):
         return f"expandable_segments is ignored on ROCm {rocm[0]}.{rocm[1]} (needs >= 7.0)"
     return None
+
+
+def settings_from_conf(text: str, memory_fraction: float | None, hip: str | None) -> AllocatorSettings:
+    """The settings a process runs with, from its allocator settings string (``PYTORCH_*ALLOC_CONF``)
+    and memory fraction, as far as the model knows them: a ``roundup_power2_divisions`` list with
+    per-size entries stays at the default, and expandable segments are off where the platform ignores
+    them (ROCm < 7.0)."""
+    s = parse(text).settings
+    divisions = s.get("roundup_power2_divisions", "")
+    settings = AllocatorSettings(
+        max_split_size_mb=int(s["max_split_size_mb"]) if s.get("max_split_size_mb", "").isdigit() else None,
+        roundup_power2_divisions=int(divisions) if divisions.isdigit() else None,
+        garbage_collection_threshold=_float(s.get("garbage_collection_threshold")),
+        memory_fraction=memory_fraction or _float(s.get("per_process_memory_fraction")),
+        expandable_segments=s.get("expandable_segments", "").lower() == "true",
+    )
+    if no_op_reason(settings, hip) is not None:
+        settings = replace(settings, expandable_segments=False)
+    return settings
+
+
+def _float(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 MIN_GAIN = 0.02  # a setting is recommended over the defaults when it saves this much peak reserved memory

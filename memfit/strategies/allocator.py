@@ -36,6 +36,17 @@ def env_var_name() -> str:
     return "PYTORCH_HIP_ALLOC_CONF" if is_rocm() else "PYTORCH_CUDA_ALLOC_CONF"
 
 
+def conf_var() -> str:
+    """The variable the allocator will read: ``PYTORCH_ALLOC_CONF`` when it is set (PyTorch reads it
+    first, ``c10/core/AllocatorConfig.cpp``; the build's own name is its fallback), else the build's own."""
+    return "PYTORCH_ALLOC_CONF" if os.environ.get("PYTORCH_ALLOC_CONF") else env_var_name()
+
+
+def conf_in_effect() -> str:
+    """The allocator settings string this process runs with ("" for the defaults)."""
+    return os.environ.get(conf_var(), "")
+
+
 def merge_conf(existing: str, items: dict[str, str]) -> str:
     """Merge our items into an existing ``k:v,k:v`` string; ours win, the user's other keys stay."""
     merged: dict[str, str] = {}
@@ -51,7 +62,7 @@ def apply_allocator_env(cfg: AllocatorConfig) -> str | None:
     items = alloc_conf_items(cfg)
     if not items:
         return None
-    name = env_var_name()
+    name = conf_var()  # a user's PYTORCH_ALLOC_CONF would hide settings written to the build's own name
     conf = merge_conf(os.environ.get(name, ""), items)
     os.environ[name] = conf
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -51,6 +51,7 @@ class Cell:
     tokens_per_s: float | None = None
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
+    modelled_reserved_bytes: int | None = None  # GPU: the allocator model's replay of the planned steps
     peak_rss_bytes: int | None = None
     fragmentation_ratio: float | None = None  # GPU: at the inspected step's peak (else the highest end-of-step reading)
     profiled_peak_bytes: int | None = None  # the inspected step's tensor peak (see train.profile_step)
@@ -143,6 +144,7 @@ def run_cell(config: str, cell: Cell, out: Path, warmup: int, steps: int, global
     else:
         cell.peak_rss_bytes = max(r["peak_rss_bytes"] for r in measured)
     cell.predicted_peak_bytes = summary.get("predicted_peak_bytes")
+    cell.modelled_reserved_bytes = summary.get("modelled_peak_reserved_bytes")
     cell.profiled_peak_bytes = next((r["profiled_peak_bytes"] for r in records if "profiled_peak_bytes" in r), None)
     reference = cell.peak_allocated_bytes or cell.profiled_peak_bytes
     if cell.predicted_peak_bytes and reference:
@@ -170,7 +172,8 @@ def _fmt_gib(n: int | None) -> str:
 
 
 def rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
-    header = ["cell", "status", "ranks x mb x acc", "peak GiB", "reserved GiB", "frag", "inspected step peak GiB",
+    header = ["cell", "status", "ranks x mb x acc", "peak GiB", "reserved GiB", "modelled reserved GiB", "frag",
+              "inspected step peak GiB",
               "predicted GiB", "error %", "step s (median)",
               "spread s", "tokens/s", "loss", "note"]
     body = []
@@ -178,6 +181,7 @@ def rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
         note = c.loss_flag or (f"OOM asking for {c.oom_request_bytes / GIB:.2f} GiB" if c.status == "oom" and c.oom_request_bytes else c.message)
         body.append([
             c.name, c.status, f"{c.nproc}x{c.micro_batch}x{c.grad_accum}", _fmt_gib(c.peak_bytes), _fmt_gib(c.peak_reserved_bytes),
+            _fmt_gib(c.modelled_reserved_bytes),
             "" if c.fragmentation_ratio is None else f"{c.fragmentation_ratio:.3f}",
             _fmt_gib(c.profiled_peak_bytes),
             _fmt_gib(c.predicted_peak_bytes), "" if c.prediction_error_pct is None else f"{c.prediction_error_pct:+.1f}",

@@ -70,8 +70,10 @@ def summary_tables(
     baseline_rss_bytes: int,
     device_label: str,
     predicted_peak_bytes: int | None = None,
+    modelled_reserved_bytes: int | None = None,
 ) -> tuple[Table, Table, dict[str, Any]]:
-    """The run table, the memory table and the summary record (all bytes as ints)."""
+    """The run table, the memory table and the summary record (all bytes as ints); on a GPU the
+    allocator model's peak reserved (``modelled_reserved_bytes``) is shown beside the measured one."""
     step_times = [r["step_time_s"] for r in steps]
     tps = [r["tokens_per_s"] for r in steps]
     summary: dict[str, Any] = {
@@ -128,6 +130,10 @@ def summary_tables(
             mem.add_row("planner's predicted peak", f"{predicted_peak_bytes / GIB:.3f}",
                         f"fake-tensor trace ({100 * (predicted_peak_bytes - peak_alloc) / max(1, peak_alloc):+.1f}% vs allocated)")
         mem.add_row("peak reserved", f"{peak_res / GIB:.3f}", "torch.cuda.memory_stats")
+        if modelled_reserved_bytes is not None:
+            summary["modelled_peak_reserved_bytes"] = modelled_reserved_bytes
+            mem.add_row("allocator model's peak reserved", f"{modelled_reserved_bytes / GIB:.3f}",
+                        f"planned first two steps replayed ({100 * (modelled_reserved_bytes - peak_res) / max(1, peak_res):+.1f}% vs reserved)")
         mem.add_row("reserved − allocated (at peak)", f"{(peak_res - peak_alloc) / GIB:.3f}", "cache the allocator holds")
     elif steps:
         peak_rss = max(r["peak_rss_bytes"] for r in steps)

@@ -37,7 +37,7 @@ from memfit.memory.measure import profiled_peak_bytes
 from memfit.memory.plan import check_fits, predict_run
 from memfit.memory.sharding import ShardingSpec
 from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
-from memfit.strategies.allocator import apply_allocator_env, apply_device_limits, maybe_release_cache
+from memfit.strategies.allocator import apply_allocator_env, apply_device_limits, conf_in_effect, maybe_release_cache
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora
 from memfit.strategies.optimizer import build_optimizer, build_scheduler, resolve_implementation
@@ -196,6 +196,7 @@ class Trainer:
         self.train_ds, self.eval = train_ds, eval_batches(eval_ds, t.micro_batch_size, t.eval_batches)
 
         self.predicted = None
+        self.replayed = None  # the allocator model's replay of the planned steps (one GPU)
         if t.plan_check:
             try:
                 self.predicted = self._plan_check(mconf)
@@ -273,9 +274,26 @@ class Trainer:
                            cfg.strategy.activation_checkpointing, self.precision.name, impl,
                            cfg.lora if cfg.lora.enabled else None, on_gpu=gpu, sharding=sharding)
         if gpu:
-            capacity = int(torch.cuda.get_device_properties(self.device).total_memory * (cfg.allocator.memory_fraction or 1.0))
-            check_fits(step, capacity, device_name(self.device))
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            capacity = int(total * (cfg.allocator.memory_fraction or 1.0))
+            if cfg.train.allocator_model and not self.ctx.distributed:
+                self.replayed = self._replay_steps(mconf, impl, total)
+            check_fits(step, capacity, device_name(self.device), self.replayed)
         return step
+
+    def _replay_steps(self, mconf, impl: str, total_bytes: int):
+        """The planned first two steps replayed through the caching-allocator model under the settings
+        this process runs with, in the device's memory less the runtime context (and the memory
+        fraction, which the model applies): its peak reserved memory, and whether it runs out."""
+        from memfit.memory.plan import CONTEXT_BYTES, step_allocations
+        from memfit.memory.whatif import as_trace, replay, settings_from_conf
+
+        cfg = self.cfg
+        settings = settings_from_conf(conf_in_effect(), cfg.allocator.memory_fraction, torch.version.hip)
+        events = step_allocations(mconf, cfg.data.seq_len, cfg.train.micro_batch_size, self.accum,
+                                  cfg.strategy.activation_checkpointing, self.precision.name, impl,
+                                  cfg.lora if cfg.lora.enabled else None)
+        return replay(as_trace(events), settings, total_bytes - CONTEXT_BYTES)
 
     # -- pieces -----------------------------------------------------------------------------------
 
@@ -427,6 +445,9 @@ class Trainer:
         if self.predicted is not None:
             display.log(f"planner: predicted step peak {self.predicted.peak_bytes / GIB:.3f} GiB of tensors "
                         f"{'per rank ' if ctx.distributed else ''}(in {self.predicted.peak_phase})")
+        if self.replayed is not None:
+            display.log(f"allocator model: peak reserved {self.replayed.peak_reserved_bytes / GIB:.3f} GiB under "
+                        f"{self.replayed.settings.label()} settings (the planned first two steps replayed)")
         for note in self.notes:
             display.log(f"note: {note}")
         self._start_metrics(display)
@@ -504,6 +525,7 @@ class Trainer:
         run_table, mem_table, summary = summary_tables(
             result.steps, result.evals, states, self.baseline_rss_bytes, where,
             self.predicted.peak_bytes if self.predicted else None,
+            self.replayed.peak_reserved_bytes if self.replayed else None,
         )
         if ctx.distributed:
             held = ctx.gather_numbers([states.params_bytes, states.grads_bytes, states.optimizer_bytes])
