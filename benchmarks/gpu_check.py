@@ -20,7 +20,10 @@ Parts, each in its own subprocess(es) with its own time limit, so one failure le
    beside it: reserved, allocated, requested, external free, largest free block, segments.
 4. ``bench-lora`` / ``bench-full`` (issues 2, 3, 6): ``memfit bench`` on the 7B-shaped model: AC policy x
    precision, LoRA and full fine-tuning; per cell peak allocated / reserved, fragmentation, step time,
-   tokens/s and the planner's prediction beside ``torch.cuda.max_memory_allocated()``.
+   tokens/s and the planner's prediction beside ``torch.cuda.max_memory_allocated()``, and (since the
+   sixth session) the allocator model's peak reserved for the planned two steps beside
+   ``max_memory_reserved()`` (the ``modelled reserved GiB`` column; each cell traces and replays its
+   two steps on the machine's CPU before allocating).
 
 Parts run only when named in ``--parts``:
 
