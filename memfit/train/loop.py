@@ -199,7 +199,10 @@ class Trainer:
         self.replayed = None  # the allocator model's replay of the planned steps (one GPU)
         if t.plan_check:
             try:
-                self.predicted = self._plan_check(mconf)
+                # the planner's traces draw random numbers; forked, they leave the run's stream as seeded
+                # (adapters on a loaded checkpoint are initialised from it next)
+                with torch.random.fork_rng(devices=[]):
+                    self.predicted = self._plan_check(mconf)
             except UserError:
                 raise
             except Exception as e:  # the check is advice: a planner defect must not stop a run it cannot judge
