@@ -94,14 +94,23 @@ def run_plain(a) -> dict:
     for step in range(a.steps):
         batch = rows[step * a.batch : (step + 1) * a.batch]
         start = time.perf_counter()
-        logits = model(input_ids=batch[:, :-1]).logits  # (B, T, V)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = plain_step(model, params, opt, batch)
         times.append(time.perf_counter() - start)
     return {"step_times_s": times, "loss": float(loss)}
+
+
+def plain_step(model, params, opt, batch):
+    """One step of the plain PyTorch loop (also ``step_ab.py``'s reference): forward, fp32 cross-entropy,
+    backward, clip at 1.0, optimizer step, zero_grad. Returns the loss tensor."""
+    import torch
+
+    logits = model(input_ids=batch[:, :-1]).logits  # (B, T, V)
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
 
 
 def run_hf(a) -> dict:
