@@ -97,27 +97,24 @@ def profiled_breakdown(
 
 def _saved_markers(prof) -> list[tuple[int, int]]:
     """(time ns, storage address) of every ``_mark_saved`` marker in the profile."""
-    out = []
+    return [(ev.start_time_ns, int(ev.name[len(_SAVED):])) for ev in _all_events(prof) if ev.name.startswith(_SAVED)]
+
+
+def _all_events(prof):
+    """Every event of the profile's event tree (ops, markers, allocations), depth first."""
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         ev = stack.pop()
         stack.extend(ev.children)
-        if ev.name.startswith(_SAVED):
-            out.append((ev.start_time_ns, int(ev.name[len(_SAVED):])))
-    return out
+        yield ev
 
 
 def allocation_events(prof, device_type: str) -> list[tuple[int, int, int]]:
     """(time ns, address, +bytes | -bytes) of every allocation and release on ``device_type``."""
     from torch._C._profiler import _EventType
 
-    out = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        ev = stack.pop()
-        stack.extend(ev.children)
-        if ev.tag == _EventType.Allocation and ev.extra_fields.device.type == device_type:
-            out.append((ev.start_time_ns, ev.extra_fields.ptr, ev.extra_fields.alloc_size))
+    out = [(ev.start_time_ns, ev.extra_fields.ptr, ev.extra_fields.alloc_size) for ev in _all_events(prof)
+           if ev.tag == _EventType.Allocation and ev.extra_fields.device.type == device_type]
     out.sort(key=lambda e: e[0])
     return out
 
