@@ -107,9 +107,9 @@ def part_replay(s, out: Path, log) -> dict:
 
     if not torch.cuda.is_available():
         return {"status": "skipped", "why": "needs a CUDA/ROCm device"}
-    from memfit.memory.allocator_model import AllocatorSettings
-    from memfit.memory.snapshot import load_snapshot
-    from memfit.train.run_dir import read_metrics
+    from memfit.allocator.model import AllocatorSettings
+    from memfit.allocator.snapshot import load_snapshot
+    from memfit.telemetry.metrics_file import read_metrics
 
     rows = []
     for label, settings, extra in (
@@ -134,8 +134,8 @@ def part_replay(s, out: Path, log) -> dict:
 def replay_row(label: str, settings, snap: dict, steps: list[dict]) -> dict:
     """One setting's numbers: the model's replay of the snapshot's trace and the layout rebuilt from
     it, beside what the allocator reported in the step records."""
-    from memfit.memory.layout import Rebuilt
-    from memfit.memory.whatif import replay_check
+    from memfit.allocator.layout import Rebuilt
+    from memfit.allocator.whatif import replay_check
 
     rebuilt = Rebuilt(snap, 0)
     check = replay_check(snap, 0, settings, rebuilt)
@@ -167,7 +167,7 @@ LAYOUT_FIELDS = ("reserved_bytes", "allocated_bytes", "requested_bytes", "extern
 def compare_moments(snap: dict, truths: list[dict]) -> dict:
     """The layout rebuilt from ``snap``'s trace at its first ``snapshot`` entries, field by field beside
     ``truths`` (reports the allocator gave at those moments, in order; only the fields they hold)."""
-    from memfit.memory.layout import Rebuilt
+    from memfit.allocator.layout import Rebuilt
 
     rebuilt = Rebuilt(snap, 0)
     marks = [i for i, e in enumerate(rebuilt.entries) if e.get("action") == "snapshot"][: len(truths)]
@@ -188,7 +188,7 @@ def layout_worker(path: str) -> None:
 
     import torch
 
-    from memfit.memory.snapshot import analyze
+    from memfit.allocator.snapshot import analyze
 
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=None)
     rng, live, truths = random.Random(0), [], []
@@ -235,9 +235,9 @@ def diag_worker(args: str) -> None:
     step and the planner's prediction can be compared offline. ``args``: JSON [events path, overrides]."""
     import gzip
 
-    import memfit.memory.measure as measure
+    import memfit.planner.measure as measure
     from memfit.config.loader import load_config
-    from memfit.cli import shipped_configs
+    from memfit.config.shipped import shipped_configs
     from memfit.train.loop import Trainer
 
     events_path, overrides = json.loads(args)
@@ -353,7 +353,7 @@ def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
     for c in cells:
         metrics = bench_out / "cells" / c["name"] / "metrics.jsonl"
         if metrics.is_file():
-            from memfit.train.run_dir import read_metrics
+            from memfit.telemetry.metrics_file import read_metrics
 
             frag += [(r["frag_time_s"], r["step_time_s"]) for r in read_metrics(metrics)
                      if r.get("kind") == "step" and r.get("frag_time_s") is not None]

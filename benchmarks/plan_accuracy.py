@@ -16,9 +16,9 @@ import platform
 from datetime import datetime, timezone
 
 from memfit.config.schema import LoraConfig, ModelConfig
-from memfit.memory.categories import Category
-from memfit.memory.measure import measured_steady_step
-from memfit.memory.trace import StepSpec, extrapolated_step
+from memfit.planner.categories import Category
+from memfit.planner.measure import measured_steady_step
+from memfit.planner.trace import StepSpec, extrapolated_step
 from memfit.models.load import ModelSource, build_model, embedded_checkpoint_dir, model_config
 from memfit.models.presets import preset_config
 from memfit.strategies.precision import precision_policy

@@ -13,9 +13,9 @@ import platform
 import time
 from datetime import datetime, timezone
 
-from memfit.memory.hardware import gpu_preset
-from memfit.memory.plan import Cluster, Workload, search
-from memfit.memory.trace import StepSpec, trace_step
+from memfit.planner.hardware import gpu_preset
+from memfit.planner.search import Cluster, Workload, search
+from memfit.planner.trace import StepSpec, trace_step
 from memfit.models.presets import preset_config
 
 

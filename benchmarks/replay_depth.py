@@ -14,8 +14,8 @@ import argparse
 import time
 
 from memfit.config.schema import LoraConfig
-from memfit.memory.trace import StepSpec, trace_allocations
-from memfit.memory.whatif import replay_allocations
+from memfit.planner.trace import StepSpec, trace_allocations
+from memfit.allocator.whatif import replay_allocations
 from memfit.models.presets import preset_config
 
 GIB = 1 << 30

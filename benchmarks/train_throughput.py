@@ -31,7 +31,7 @@ def _peak_rss_bytes() -> int:
 
 
 def _memfit_config(a, out_dir: str, ac: str = "none"):
-    from memfit.cli import shipped_configs
+    from memfit.config.shipped import shipped_configs
     from memfit.config.loader import load_config
 
     return load_config(

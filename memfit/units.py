@@ -1,4 +1,25 @@
-"""Byte units for display (bytes stay integers everywhere else)."""
+"""Byte units: constants for display (bytes stay integers everywhere else) and parsing sizes users type."""
+
+from __future__ import annotations
+
+import re
+
+from memfit.errors import UserError
 
 MIB = 1 << 20
 GIB = 1 << 30
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|GB|G|MiB|MB|M|TiB|TB|T)?\s*$", re.IGNORECASE)
+_UNITS = {"gib": GIB, "g": GIB, "gb": 10**9, "mib": 1 << 20, "m": 1 << 20, "mb": 10**6, "tib": 1 << 40, "t": 1 << 40, "tb": 10**12}
+
+
+def parse_memory(text: str, flag: str = "--gpu-mem") -> int:
+    """``64GiB`` / ``64`` (GiB) / ``80GB`` (decimal) / ``512MiB`` / ``1TiB`` to bytes.
+
+    Raises:
+        UserError: for anything else, naming ``flag``.
+    """
+    m = _SIZE.match(text)
+    if not m:
+        raise UserError(f"{flag} must look like 64GiB, 80GB or 512MiB (got '{text}')")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "GiB").lower()])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memfit.cli import shipped_configs
+from memfit.config.shipped import shipped_configs
 from memfit.config.loader import load_config
 from memfit.models.load import embedded_checkpoint_dir
 

@@ -7,7 +7,7 @@ requested_size, state, frames}; device_traces[d][k] = {action, addr, size, strea
 
 import random
 
-from memfit.memory.allocator_model import CachingAllocatorModel
+from memfit.allocator.model import CachingAllocatorModel
 
 MIB = 1 << 20
 BASE = 0x7F0000000000

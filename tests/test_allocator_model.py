@@ -3,7 +3,7 @@ here from the rules in c10/cuda/CUDACachingAllocator.cpp (constants cited in the
 
 import pytest
 
-from memfit.memory.allocator_model import (
+from memfit.allocator.model import (
     K_LARGE_BUFFER,
     K_SMALL_BUFFER,
     AllocatorSettings,

@@ -103,7 +103,7 @@ def _gpu_check_module():
 def test_gpu_check_layout_comparison_and_summary_from_a_snapshot():
     """The GPU layout part's comparison, fed the allocator model's workload with 'snapshot' entries
     where memory_snapshot() would have been called and the model's own numbers as the ground truth."""
-    from memfit.memory.allocator_model import AllocatorSettings
+    from memfit.allocator.model import AllocatorSettings
     from snapshot_fixtures import model_workload
 
     gpu_check = _gpu_check_module()
@@ -128,7 +128,7 @@ def test_gpu_check_layout_comparison_and_summary_from_a_snapshot():
 def test_gpu_check_replay_row_and_summary_from_a_snapshot():
     """The GPU replay part's arithmetic and its summary line, fed a snapshot in PyTorch's format (the
     allocator model's own workload) and step records as the trainer writes them."""
-    from memfit.memory.allocator_model import AllocatorSettings
+    from memfit.allocator.model import AllocatorSettings
     from snapshot_fixtures import model_workload
 
     gpu_check = _gpu_check_module()

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from memfit.cli import shipped_configs
+from memfit.config.shipped import shipped_configs
 from memfit.config.loader import dump_config, load_config, parse_override
 from memfit.config.schema import RunConfig, parse_ac_policy
 from memfit.errors import UserError

@@ -6,7 +6,8 @@ import torch
 from memfit.config.schema import DataConfig
 from memfit.errors import UserError
 from memfit.models.load import ModelSource, load_tokenizer
-from memfit.train.data import IGNORE_INDEX, EpochBatchSampler, load_dataset, shakespeare_files, split
+from memfit.step.loss import IGNORE_INDEX
+from memfit.train.data import EpochBatchSampler, load_dataset, shakespeare_files, split
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,15 @@ import sys
 import pytest
 import torch
 
-from memfit.cli import main, shipped_configs
+from memfit.cli import main
+from memfit.config.shipped import shipped_configs
 from memfit.config.loader import load_config
 from memfit.config.schema import grad_accum_steps
-from memfit.dist.checkpoint import check_compatible
-from memfit.dist.deepspeed_engine import reconcile, require_deepspeed, resolve_ds_path
-from memfit.dist.launch import LaunchSpec, check_launch, describe_failure, torchrun_args
+from memfit.train.sharded_checkpoint import check_compatible
+from memfit.distributed.deepspeed_engine import reconcile, require_deepspeed, resolve_ds_path
+from memfit.distributed.launch import LaunchSpec, check_launch, describe_failure, torchrun_args
 from memfit.errors import UserError
-from memfit.memory.sharding import root_fraction
+from memfit.planner.sharding import root_fraction
 from memfit.models.presets import preset_config
 from memfit.strategies.precision import precision_policy
 from memfit.train.checkpoint import TrainerState

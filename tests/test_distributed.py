@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from memfit.train.run_dir import read_metrics
+from memfit.telemetry.metrics_file import read_metrics
 
 from conftest import tiny_overrides
 from test_prometheus import scrape

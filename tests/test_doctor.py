@@ -5,8 +5,8 @@ import json
 import pytest
 
 from memfit.cli import main
-from memfit.doctor import report
-from memfit.strategies.alloc_conf import check, parse, rocm_version
+from memfit.telemetry.platform import report
+from memfit.allocator.conf import check, parse, rocm_version
 
 ROCM_57 = "5.7.31921-d1770ee1b"  # torch.version.hip of a ROCm 5.7 wheel
 ROCM_70 = "7.0.51831-a3e329ad8"

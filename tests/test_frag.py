@@ -7,7 +7,7 @@ import pytest
 
 from memfit.cli import main
 from memfit.errors import UserError
-from memfit.memory.snapshot import analyze, load_snapshot
+from memfit.allocator.snapshot import analyze, load_snapshot
 
 from snapshot_fixtures import MIB, fragmented, segment, snapshot
 
@@ -124,8 +124,8 @@ def test_simulate_compares_settings_and_recommends(tmp_path, capsys):
 
 
 def test_whatif_replay_numbers_follow_the_model():
-    from memfit.memory.allocator_model import AllocatorSettings
-    from memfit.memory.whatif import compare, replay
+    from memfit.allocator.model import AllocatorSettings
+    from memfit.allocator.whatif import compare, replay
     from snapshot_fixtures import sawtooth
 
     entries = sawtooth()["device_traces"][0]
@@ -155,8 +155,8 @@ def test_replay_check_sets_the_model_beside_the_snapshot():
     """5 MiB then 3 MiB, then the 5 MiB freed: both fit one 20 MiB large-pool segment (requests between
     1 and 10 MiB get kLargeBuffer segments; each split leaves > 1 MiB), so the allocator's own state
     at the dump is that segment: 5 MiB free, 3 MiB allocated, 12 MiB free."""
-    from memfit.memory.allocator_model import AllocatorSettings
-    from memfit.memory.whatif import replay_check
+    from memfit.allocator.model import AllocatorSettings
+    from memfit.allocator.whatif import replay_check
     from snapshot_fixtures import segment, snapshot
 
     base = 0x7F0000000000
@@ -183,9 +183,9 @@ def test_a_step_trace_from_an_h200_replays_with_the_blocks_alive_at_its_start(tm
     import gzip
     from pathlib import Path
 
-    from memfit.memory.allocator_model import AllocatorSettings
-    from memfit.memory.layout import Rebuilt
-    from memfit.memory.whatif import live_at_start, replay_check
+    from memfit.allocator.model import AllocatorSettings
+    from memfit.allocator.layout import Rebuilt
+    from memfit.allocator.whatif import live_at_start, replay_check
 
     path = tmp_path / "step3.pickle"
     path.write_bytes(gzip.decompress((Path(__file__).parent / "fixtures" / FIXTURE_H200).read_bytes()))
@@ -203,8 +203,8 @@ def test_a_step_trace_from_an_h200_replays_with_the_blocks_alive_at_its_start(tm
 def test_replaying_the_models_own_trace_ends_where_the_model_ended(expandable):
     """A random workload with empty_cache() calls, written out as PyTorch writes it: the replay (which
     empties its cache where the trace released segments without mapping new ones) reproduces it."""
-    from memfit.memory.allocator_model import AllocatorSettings
-    from memfit.memory.whatif import replay_check
+    from memfit.allocator.model import AllocatorSettings
+    from memfit.allocator.whatif import replay_check
     from snapshot_fixtures import model_workload
 
     settings = AllocatorSettings(expandable_segments=expandable)
@@ -220,9 +220,9 @@ def test_replaying_the_models_own_trace_ends_where_the_model_ended(expandable):
 def test_defaults_stay_recommended_unless_a_setting_retries_less_or_saves_two_percent(capsys):
     from rich.console import Console
 
-    from memfit.memory.allocator_model import AllocatorSettings
-    from memfit.memory.frag_command import render_whatif
-    from memfit.memory.whatif import Replay, recommend
+    from memfit.allocator.model import AllocatorSettings
+    from memfit.commands.frag import render_whatif
+    from memfit.allocator.whatif import Replay, recommend
 
     def run(settings, reserved, oom=False, retries=0):
         return Replay(settings, reserved, 90 * MIB, 3, retries, oom, 0.1, 100)
@@ -243,8 +243,8 @@ def test_defaults_stay_recommended_unless_a_setting_retries_less_or_saves_two_pe
 
 
 def test_long_replays_keep_a_bounded_series_with_every_change_of_reserved():
-    from memfit.memory.allocator_model import AllocatorSettings
-    from memfit.memory.whatif import SERIES_POINTS, replay
+    from memfit.allocator.model import AllocatorSettings
+    from memfit.allocator.whatif import SERIES_POINTS, replay
 
     entries = []
     for i in range(30_000):  # 60k entries: a 1 MiB block reused, and every 1000th step a 30 MiB one kept

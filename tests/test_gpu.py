@@ -67,9 +67,9 @@ def test_training_trace_replays_within_two_percent(tmp_path, conf):
     """The fragmentation issue's GPU check on the tiny preset: a 3-step run records the allocator's
     history; replaying it through memfit's model gives the peak reserved the allocator reported
     (within 2%) and the same number of segments at the dump."""
-    from memfit.memory.allocator_model import AllocatorSettings
-    from memfit.memory.snapshot import load_snapshot
-    from memfit.train.run_dir import read_metrics
+    from memfit.allocator.model import AllocatorSettings
+    from memfit.allocator.snapshot import load_snapshot
+    from memfit.telemetry.metrics_file import read_metrics
 
     proc = _train(tmp_path, conf, "train.max_steps=3", "train.micro_batch_size=8", "train.record_memory_history=true",
                   "train.snapshot_at_step=3")
@@ -92,7 +92,7 @@ def test_allocator_model_predicts_the_runs_peak_reserved(tmp_path, conf):
     """Before allocating, the trainer replays the planned first two steps through the allocator model
     under the run's settings; the summary puts that beside the allocator's own peak reserved. Against
     five 7B cells on an H200 the same replay (computed afterwards on CPU) was -0.35% to -4.7% off."""
-    from memfit.train.run_dir import read_metrics
+    from memfit.telemetry.metrics_file import read_metrics
 
     proc = _train(tmp_path, conf, "train.max_steps=3", "train.micro_batch_size=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -119,7 +119,7 @@ def test_out_of_memory_exits_3_with_a_snapshot_and_the_request(tmp_path):
 def test_fragmentation_reading_without_the_trace_sees_the_same_segments():
     """The trainer's reading leaves the recorded trace out where torch can; the segments it sees are
     the full snapshot's."""
-    from memfit.memory.snapshot import analyze
+    from memfit.allocator.snapshot import analyze
     from memfit.telemetry.allocator_watch import current_segments
 
     torch.cuda.memory._record_memory_history(max_entries=100_000)

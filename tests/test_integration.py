@@ -1,6 +1,5 @@
 """Integration tier: subprocess CLI runs, kill -9 + resume, and the real SmolLM2 model."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -8,7 +7,7 @@ import time
 
 import pytest
 
-from memfit.train.run_dir import read_metrics
+from memfit.telemetry.metrics_file import read_metrics
 
 from conftest import tiny_overrides
 
@@ -67,7 +66,7 @@ def test_cli_reports_user_errors_with_exit_code_2(tmp_path, embedded_dir):
 
 def test_real_smollm2_lora_lowers_heldout_loss(tmp_path):
     """The default model and data: a short LoRA fine-tune of the pretrained SmolLM2-135M on Shakespeare."""
-    from memfit.cli import shipped_configs
+    from memfit.config.shipped import shipped_configs
     from memfit.config.loader import load_config
     from memfit.train.loop import Trainer
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from memfit.memory.allocator_model import AllocatorSettings
-from memfit.memory.layout import Rebuilt, settings_in
-from memfit.memory.snapshot import analyze
+from memfit.allocator.model import AllocatorSettings
+from memfit.allocator.layout import Rebuilt, settings_in
+from memfit.allocator.snapshot import analyze
 
 from snapshot_fixtures import BASE, MIB, entry, fragmented, model_workload, segment, snapshot
 

@@ -10,15 +10,16 @@ import yaml
 
 from memfit.cli import main
 from memfit.config.loader import load_config
-from memfit.config.schema import LoraConfig, OptimizerConfig
-from memfit.memory.categories import Category
+from memfit.config.schema import LoraConfig
+from memfit.planner.categories import Category
 from memfit.errors import UserError
-from memfit.memory.hardware import GIB, gpu_preset, parse_memory
-from memfit.memory.measure import measured_steady_step
-from memfit.memory.plan import Cluster, Pins, Workload, search, time_bucket
-from memfit.memory.predict import Predictor
-from memfit.memory.sharding import ShardingSpec, per_rank
-from memfit.memory.trace import StepSpec, extrapolated_step, trace_step
+from memfit.planner.hardware import gpu_preset
+from memfit.units import GIB, parse_memory
+from memfit.planner.measure import measured_steady_step
+from memfit.planner.search import Cluster, Pins, Workload, search, time_bucket
+from memfit.planner.predict import Predictor
+from memfit.planner.sharding import ShardingSpec, per_rank
+from memfit.planner.trace import StepSpec, extrapolated_step, trace_step
 from memfit.models.presets import preset_config
 from memfit.strategies.precision import precision_policy
 
@@ -48,7 +49,7 @@ def test_fake_trace_takes_the_attention_path_of_real_tensors(monkeypatch, follow
     heads for 4 query heads). Without that, this step's activations are over-predicted by 4.5 MiB."""
     import contextlib
 
-    import memfit.memory.trace as trace
+    import memfit.planner.trace as trace
 
     if not follow_real_path:
         monkeypatch.setattr(trace, "_masks_as_on_real_tensors", contextlib.nullcontext)
@@ -94,7 +95,7 @@ def test_backward_visits_each_layer_region_once_in_order(ac):
     to "last" from the first layer's backward (7B step over-predicted by 5.5% on an H200)."""
     from transformers import LlamaConfig
 
-    from memfit.memory.trace import trace_timeline
+    from memfit.planner.trace import trace_timeline
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
@@ -119,7 +120,7 @@ def test_zero_model_states_follow_the_paper():
     """ZeRO paper (Rajbhandari et al. 2020), per rank with psi parameters and K = 12 optimizer bytes per
     parameter: stage 1 (4 + K/N) psi, stage 2 (2 + (2 + K)/N) psi, stage 3 (16/N) psi — here with
     DeepSpeed semantics on mixed precision as 2-byte weights/grads plus 12 bytes of fp32 state."""
-    from memfit.memory.categories import Breakdown, StepMemory
+    from memfit.planner.categories import Breakdown, StepMemory
 
     psi, n = 1_000_000_000, 8
     states = Breakdown({Category.PARAMS: 2 * psi, Category.GRADS: 2 * psi, Category.OPTIMIZER: 12 * psi})
@@ -135,7 +136,7 @@ def test_zero_model_states_follow_the_paper():
 def test_deepspeed_cold_estimator_formulas():
     """DeepSpeed's estimate_zero2/zero3_model_states_mem_needs (no offload) per GPU:
     ZeRO-2: 2 * params + 16 * params / gpus; ZeRO-3: 4 * largest_layer_params + 18 * params / gpus."""
-    from memfit.memory.categories import Breakdown, StepMemory
+    from memfit.planner.categories import Breakdown, StepMemory
 
     psi, n, layers = 7_000_000_000, 8, 32
     states = Breakdown({Category.PARAMS: 2 * psi, Category.GRADS: 2 * psi, Category.OPTIMIZER: 12 * psi})
@@ -151,7 +152,7 @@ def test_deepspeed_cold_estimator_formulas():
 
 
 def test_fsdp2_stages_shard_what_they_should():
-    from memfit.memory.categories import Breakdown, StepMemory
+    from memfit.planner.categories import Breakdown, StepMemory
 
     b = Breakdown({Category.PARAMS: 800, Category.GRADS: 800, Category.OPTIMIZER: 1600, Category.ACTIVATIONS: 100})
     step = StepMemory(b, {"backward": b}, "backward")
@@ -289,7 +290,7 @@ def test_planner_matches_profiler_on_real_smollm2(embedded_dir, ac, precision, l
 def test_trainer_plan_check_refuses_what_does_not_fit():
     """The decision the trainer makes on a GPU before allocating (capacity given, as a GPU would)."""
     from memfit.errors import UserError
-    from memfit.memory.plan import check_fits, predict_run, reserved_estimate
+    from memfit.planner.search import check_fits, predict_run, reserved_estimate
 
     step = predict_run(preset_config("tiny"), 128, 4, 1, "none", "bf16-mixed", "fused", None, on_gpu=True)
     check_fits(step, reserved_estimate(step.peak_bytes), "test GPU")  # exactly enough: accepted
@@ -299,8 +300,8 @@ def test_trainer_plan_check_refuses_what_does_not_fit():
 
 def test_trainer_check_refuses_a_run_the_allocator_model_sees_run_out_of_memory():
     """The margin says it fits; replayed in less memory than the step needs, the model runs out."""
-    from memfit.memory.plan import check_fits, predict_run, reserved_estimate, step_allocations
-    from memfit.memory.whatif import as_trace, replay, settings_from_conf
+    from memfit.planner.search import check_fits, predict_run, reserved_estimate, step_allocations
+    from memfit.allocator.whatif import as_trace, replay, settings_from_conf
 
     cfg = preset_config("tiny")
     step = predict_run(cfg, 64, 2, 1, "none", "fp32", "foreach", None, on_gpu=True)
@@ -323,8 +324,8 @@ def test_trainer_check_refuses_a_run_the_allocator_model_sees_run_out_of_memory(
     ("roundup_power2_divisions:[256:1,>:4]", None, None, dict()),  # per-size lists: not modelled
 ])
 def test_settings_of_a_process_from_its_allocator_string(text, fraction, hip, expected):
-    from memfit.memory.allocator_model import AllocatorSettings
-    from memfit.memory.whatif import settings_from_conf
+    from memfit.allocator.model import AllocatorSettings
+    from memfit.allocator.whatif import settings_from_conf
 
     assert settings_from_conf(text, fraction, hip) == AllocatorSettings(**expected)
 
@@ -332,8 +333,8 @@ def test_settings_of_a_process_from_its_allocator_string(text, fraction, hip, ex
 def test_traced_step_replays_through_the_allocator_model():
     """The planner's allocation stream, replayed: reserved >= allocated, allocated peak = the traced
     first-step peak rounded to 512-byte blocks (the model rounds the same way)."""
-    from memfit.memory.trace import trace_allocations, trace_timeline
-    from memfit.memory.whatif import replay_allocations
+    from memfit.planner.trace import trace_allocations, trace_timeline
+    from memfit.allocator.whatif import replay_allocations
 
     spec = StepSpec(preset_config("tiny"), 2, 64, "fp32", "ffn", "foreach", round_to=512)
     model = replay_allocations(trace_allocations(spec))
@@ -348,8 +349,8 @@ def test_second_traced_step_is_the_steady_state_of_the_allocator_model(lora):
     """From step 2 on the optimizer state exists and the cache holds what step 1 left: a third step
     replays exactly as the second (same peaks, same segments), and step 2 peaks at least as high as
     step 1 alone (the state is alive during its forward and backward)."""
-    from memfit.memory.trace import trace_allocations
-    from memfit.memory.whatif import replay_allocations
+    from memfit.planner.trace import trace_allocations
+    from memfit.allocator.whatif import replay_allocations
 
     spec = StepSpec(preset_config("tiny"), 2, 64, "bf16-mixed", "ffn", "foreach", LoraConfig(enabled=True) if lora else None,
                     round_to=512)
@@ -363,7 +364,7 @@ def test_second_traced_step_is_the_steady_state_of_the_allocator_model(lora):
 def test_measured_peak_matches_releases_by_address():
     """A release the profiler missed (made on a thread it does not follow) shows as a new allocation at
     a still-live address: the block there was freed first. Releases of unknown blocks are ignored."""
-    from memfit.memory.measure import peak_of
+    from memfit.telemetry.profiler import peak_of
 
     events = [(0, 0xA, 100), (1, 0xB, 50), (2, 0xA, -100), (3, 0xC, 70),  # peak 150 at t=1
               (4, 0xB, 60),  # 0xB's release of 50 was missed: 60 replaces it -> 130
@@ -379,7 +380,7 @@ def test_measured_peak_of_a_single_thread_step_equals_the_running_sum():
 
     from torch.profiler import ProfilerActivity, profile
 
-    from memfit.memory.measure import allocation_events, peak_of
+    from memfit.telemetry.profiler import allocation_events, peak_of
 
     def work():
         a = torch.ones(1000, 1000)

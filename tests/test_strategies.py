@@ -16,7 +16,7 @@ from memfit.strategies.optimizer import build_optimizer, lr_at
 from memfit.strategies.precision import resolve_precision
 from memfit.train.checkpoint import clean_name
 from memfit.telemetry.allocator_watch import frag_interval, snapshot_name
-from memfit.train.loop import token_loss_sum
+from memfit.step.loss import token_loss_sum
 
 CPU = torch.device("cpu")
 FP32 = resolve_precision("fp32", CPU)

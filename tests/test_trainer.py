@@ -8,7 +8,7 @@ import torch
 from memfit.cli import main
 from memfit.models.load import ModelSource, build_model
 from memfit.train.loop import Trainer
-from memfit.train.run_dir import read_metrics
+from memfit.telemetry.metrics_file import read_metrics
 
 from conftest import tiny_overrides
 
@@ -247,7 +247,7 @@ def test_summary_reports_fragmentation_readings_from_gpu_step_records():
     from rich.console import Console
 
     from memfit.telemetry.display import summary_tables
-    from memfit.telemetry.memory import StateBytes
+    from memfit.telemetry.readings import StateBytes
 
     gib = 1 << 30
     base = {"loss": 1.0, "lr": 1e-4, "tokens_per_s": 10.0, "step_time_s": 1.0, "peak_allocated_bytes": 2 * gib,
@@ -269,8 +269,8 @@ def test_summary_reports_fragmentation_readings_from_gpu_step_records():
 def test_trainer_replays_its_planned_steps_under_its_own_allocator_settings(tiny_cfg, monkeypatch):
     """What the trainer does before allocating on one GPU, run here on CPU: the planned first two steps
     replayed through the allocator model under the settings the config puts in the environment."""
-    from memfit.memory.plan import step_allocations
-    from memfit.memory.whatif import replay_allocations
+    from memfit.planner.search import step_allocations
+    from memfit.allocator.whatif import replay_allocations
 
     for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)  # restored after the test; the trainer writes one

@@ -15,11 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
-from memfit.errors import UserError
-from memfit.models.presets import preset_config
+from memfit.errors import UserError, did_you_mean
+from memfit.models.presets import PRESETS, preset_config
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -165,7 +170,6 @@ def config_for_planning(model: str, attn_implementation: str = "sdpa"):
     Raises:
         UserError: unknown name (with the closest preset) or a path without a config.
     """
-    from memfit.models.presets import PRESETS
 
     name = model.split(":", 1)[1] if model.startswith("random:") else model
     if name in PRESETS:
@@ -177,7 +181,6 @@ def config_for_planning(model: str, attn_implementation: str = "sdpa"):
         return config
     if model == EMBEDDED_MODEL or path.is_dir():
         return model_config(resolve_source(model), ModelConfig(attn_implementation=attn_implementation))
-    from memfit.errors import did_you_mean
 
     raise UserError(
         f"--model: '{model}' is not a preset, a checkpoint directory or a config.json{did_you_mean(name, PRESETS)}; "

@@ -13,11 +13,10 @@ import os
 
 import torch
 
+from memfit.allocator.conf import split_pairs
 from memfit.config.schema import AllocatorConfig
-from memfit.strategies.alloc_conf import split_pairs
 from memfit.device import is_rocm
 from memfit.units import GIB
-
 
 
 def alloc_conf_items(cfg: AllocatorConfig) -> dict[str, str]:

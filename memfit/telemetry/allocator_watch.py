@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from memfit.memory.layout import Rebuilt
-from memfit.memory.snapshot import analyze
+from memfit.allocator.layout import Rebuilt
+from memfit.allocator.snapshot import analyze
 from memfit.units import MIB
 
 FRAG_OVERHEAD = 0.01  # the most of the training time that reading fragmentation may take

@@ -5,7 +5,7 @@ A cell runs ``warmup + steps`` optimizer steps; statistics use the steps after w
 outside the timed ones, is inspected: its tensor peak (torch.profiler on CPU, the caching allocator's
 counters on a GPU, where the profiler misses the autograd thread's releases) beside the planner's
 prediction, and on a GPU with the allocator trace recorded, from which the fragmentation at
-that step's peak is rebuilt (``memory/layout.py``). Cells with a
+that step's peak is rebuilt (``memfit.allocator.layout``). Cells with a
 ZeRO stage (``--zero 0,2``) run on ``--nproc-per-node`` ranks through torchrun (FSDP2 engine); their
 memory is the worst rank's and the prediction the planner's per-rank one. The global batch
 is the same in every cell (micro-batch x gradient accumulation), so cells of one precision must reach
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
-from memfit.train.run_dir import read_metrics
+from memfit.telemetry.metrics_file import read_metrics
 from memfit.units import GIB
 
 LOSS_TOLERANCE = {"fp32": 1e-3}  # relative; others (bf16/fp16) use DEFAULT_TOLERANCE
@@ -221,62 +221,3 @@ def write_progress(cells: list[Cell], out: Path) -> None:
 def cells_summary(cells: list[Cell]) -> dict[str, Any]:
     return {"cells": len(cells), "ok": sum(c.status == "ok" for c in cells), "oom": sum(c.status == "oom" for c in cells),
             "failed": sum(c.status == "failed" for c in cells), "loss_flags": sum(bool(c.loss_flag) for c in cells)}
-
-
-def run_bench(ns, config: str) -> int:
-    """``memfit bench``: parse the matrix, run the cells, write and print the results."""
-    import platform
-    from datetime import datetime, timezone
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from memfit.config.loader import load_config
-    from memfit.config.schema import parse_ac_policy
-    from memfit.memory.hardware import parse_memory
-
-    load_config(config, ns.set)  # validate the base config and overrides before spawning anything
-    def split(text: str) -> list[str]:
-        return [v.strip() for v in text.split(",") if v.strip()]
-    try:
-        micro = [int(v) for v in split(ns.micro_batch)]
-    except ValueError:
-        raise UserError(f"--micro-batch must be comma-separated integers (got '{ns.micro_batch}')") from None
-    loras = [{"true": True, "false": False}.get(v.lower()) for v in split(ns.lora)]
-    if None in loras:
-        raise UserError(f"--lora must be a comma-separated list of true/false (got '{ns.lora}')")
-    for policy in split(ns.ac):
-        parse_ac_policy(policy)
-    try:
-        zeros = [None if v in ("none", "-") else int(v) for v in split(ns.zero)] or [None]
-    except ValueError:
-        raise UserError(f"--zero must be comma-separated stages 0-3 or none (got '{ns.zero}')") from None
-    if any(z not in (None, 0, 1, 2, 3) for z in zeros) or ns.nproc_per_node < 2:
-        raise UserError(f"--zero takes stages 0-3 (got '{ns.zero}') and --nproc-per-node >= 2 (got {ns.nproc_per_node})")
-    cells = matrix(split(ns.ac), split(ns.precision), micro, loras, zeros, ns.nproc_per_node)
-    global_batch = ns.global_batch or max(micro) * max(c.nproc for c in cells)
-    out = Path(ns.out or f"runs/bench-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out '{out}' is not empty; choose a new directory")
-    out.mkdir(parents=True, exist_ok=True)
-    mem_limit = parse_memory(ns.mem_limit, "--mem-limit") if ns.mem_limit else None
-    console = Console(stderr=True)
-    for i, cell in enumerate(cells, 1):
-        run_cell(config, cell, out, ns.warmup, ns.steps, global_batch, ns.set, mem_limit)
-        write_progress(cells, out)
-        console.print(f"[{i}/{len(cells)}] {cell.name}: {cell.status}", highlight=False)
-    flag_losses(cells)
-    context = (f"memfit bench {Path(config).name} {' '.join(ns.set)}: {ns.warmup} warm-up + {ns.steps} measured steps, "
-               f"global batch {global_batch}; {datetime.now(timezone.utc).date()} on {platform.node() or 'this machine'} "
-               f"({platform.machine()}, {'GPU' if any(c.peak_allocated_bytes for c in cells) else 'CPU'})")
-    paths = write_outputs(cells, out, context)
-    header, body = rows(cells)
-    table = Table(title=context)
-    for col in header:
-        table.add_column(col)
-    for r in body:
-        table.add_row(*r)
-    Console(width=200 if not sys.stdout.isatty() else None).print(table)
-    print(json.dumps({"benchmark": "memfit bench", "out": str(out), **cells_summary(cells),
-                      "files": {k: str(v) for k, v in paths.items()}}))
-    return 0

@@ -7,10 +7,18 @@ import statistics
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
-from memfit.telemetry.memory import GIB, StateBytes
+from memfit.telemetry.readings import StateBytes
+from memfit.units import GIB
 
 
 class TrainDisplay:

@@ -11,8 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 from matplotlib.patches import Patch  # noqa: E402
 
-from memfit.memory.layout import Moment, TimelinePoint  # noqa: E402
-from memfit.memory.snapshot import FragReport  # noqa: E402
+from memfit.allocator.layout import Moment, TimelinePoint  # noqa: E402
+from memfit.allocator.snapshot import FragReport  # noqa: E402
 from memfit.units import GIB, MIB
 
 COLORS = {"active_allocated": "#3b6fb6", "active_awaiting_free": "#e59b2e", "inactive": "#d9d9d9"}

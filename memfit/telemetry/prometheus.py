@@ -10,7 +10,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
-from memfit.telemetry.memory import process_rss_bytes
+from memfit.telemetry.readings import process_rss_bytes
 
 # step-record key -> (metric name, help)
 TRAINER_METRICS = {

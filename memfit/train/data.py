@@ -17,8 +17,8 @@ import torch
 
 from memfit.config.schema import DataConfig
 from memfit.errors import UserError
+from memfit.step.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 SPLIT_SEED = 0
 
 

@@ -12,15 +12,68 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers.utils import logging as hf_logging
 
+from memfit.allocator.whatif import as_trace, replay, settings_from_conf
 from memfit.config.schema import RunConfig, grad_accum_steps
 from memfit.device import device_name, resolve_device
-from memfit.dist.checkpoint import (
+from memfit.distributed.deepspeed_engine import (
+    ds_reader,
+    ds_writer,
+    gathered,
+    initialize,
+    reconcile,
+    resolve_ds_path,
+)
+from memfit.distributed.engines import Parallel, engine_name, parallelize
+from memfit.distributed.runtime import init_distributed, on_main, shutdown
+from memfit.errors import OutOfMemoryExit, UserError
+from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
+from memfit.planner.categories import StepMemory
+from memfit.planner.search import (
+    CONTEXT_BYTES,
+    check_fits,
+    predict_run,
+    step_allocations,
+)
+from memfit.planner.sharding import ShardingSpec
+from memfit.step.loss import supervised_tokens, token_loss_sum
+from memfit.step.runner import DeepSpeedRunner, StepEngine, StepRunner
+from memfit.strategies.allocator import (
+    apply_allocator_env,
+    apply_device_limits,
+    conf_in_effect,
+    maybe_release_cache,
+)
+from memfit.strategies.checkpointing import apply_activation_checkpointing
+from memfit.strategies.lora import apply_lora
+from memfit.strategies.optimizer import (
+    build_optimizer,
+    build_scheduler,
+    resolve_implementation,
+)
+from memfit.strategies.precision import Precision, resolve_precision
+from memfit.telemetry.allocator_watch import AllocatorWatch
+from memfit.telemetry.display import TrainDisplay, summary_tables
+from memfit.telemetry.metrics_file import MetricsLog, NullLog
+from memfit.telemetry.oom import oom_request_bytes
+from memfit.telemetry.profiler import profiled_peak_bytes
+from memfit.telemetry.prometheus import TrainerMetrics
+from memfit.telemetry.readings import (
+    local_tensor,
+    memory_record,
+    process_rss_bytes,
+    reset_peaks,
+    state_bytes,
+)
+from memfit.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from memfit.train.data import eval_batches, load_dataset, split, train_loader
+from memfit.train.export import export_model
+from memfit.train.run_dir import prepare_run_dir, write_config
+from memfit.train.sharded_checkpoint import (
     check_compatible,
     dcp_reader,
     dcp_writer,
@@ -28,109 +81,7 @@ from memfit.dist.checkpoint import (
     load_distributed,
     save_distributed,
 )
-from memfit.dist.deepspeed_engine import gathered
-from memfit.dist.engines import Parallel, StepEngine, clip_grad_norm, engine_name, parallelize
-from memfit.dist.runtime import DistContext, init_distributed, on_main, shutdown
-from memfit.errors import OutOfMemoryExit, UserError
-from memfit.memory.categories import StepMemory
-from memfit.memory.measure import profiled_peak_bytes
-from memfit.memory.plan import check_fits, predict_run
-from memfit.memory.sharding import ShardingSpec
-from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
-from memfit.strategies.allocator import apply_allocator_env, apply_device_limits, conf_in_effect, maybe_release_cache
-from memfit.strategies.checkpointing import apply_activation_checkpointing
-from memfit.strategies.lora import apply_lora
-from memfit.strategies.optimizer import build_optimizer, build_scheduler, resolve_implementation
-from memfit.strategies.precision import Precision, resolve_precision
-from memfit.telemetry.allocator_watch import AllocatorWatch
-from memfit.telemetry.display import TrainDisplay, summary_tables
-from memfit.telemetry.memory import GIB, local_tensor, memory_record, process_rss_bytes, reset_peaks, state_bytes
-from memfit.telemetry.oom import oom_request_bytes
-from memfit.telemetry.prometheus import TrainerMetrics
-from memfit.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-from memfit.train.data import IGNORE_INDEX, eval_batches, load_dataset, split, train_loader
-from memfit.train.export import export_model
-from memfit.train.run_dir import MetricsLog, NullLog, prepare_run_dir, write_config
-
-
-def token_loss_sum(model, tokens: torch.Tensor, labels: torch.Tensor, precision, device) -> torch.Tensor:
-    """Summed next-token cross-entropy over supervised positions, from fp32 logits.
-
-    Args:
-        tokens: (B, T+1) token ids; the model reads tokens[:, :-1].
-        labels: (B, T+1) targets with IGNORE_INDEX where no loss is taken; scored on labels[:, 1:].
-    """
-    with precision.autocast(device):
-        logits = model(input_ids=tokens[:, :-1]).logits  # (B, T, V)
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-
-
-def global_token_count(batches: list[tuple[torch.Tensor, torch.Tensor]], ctx: DistContext,
-                       device: torch.device) -> torch.Tensor:
-    """Supervised tokens of the whole step over every rank (a tensor, not an int: no host sync, and
-    traceable under FakeTensorMode); the loss of each micro-batch is divided by it."""
-    n_tokens = sum((labels[:, 1:] != IGNORE_INDEX).sum() for _, labels in batches).to(device)
-    return ctx.all_reduce_sum(n_tokens).clamp_min(1)
-
-
-def _no_sync_needed(is_last: bool):
-    return contextlib.nullcontext()
-
-
-@dataclass
-class StepRunner:
-    """One optimizer step of the trainer; the planner traces this same object under FakeTensorMode.
-
-    With several ranks (``ctx``), each rank's loss is normalised by the supervised tokens of the
-    whole *global* step and multiplied by the world size, so the engines' mean over ranks gives the
-    gradient one process would get from the same global batch. ``grad_sync(is_last)`` wraps each
-    micro-batch (DDP skips its all-reduce until the last one).
-    """
-
-    model: torch.nn.Module
-    params: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    precision: Precision
-    device: torch.device
-    grad_clip: float
-    scaler: torch.amp.GradScaler | None = None
-    ctx: DistContext = field(default_factory=DistContext)
-    grad_sync: Callable[[bool], Any] = _no_sync_needed
-
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward over ``batches`` (gradient accumulation), clip, optimizer step, free grads.
-
-        The loss is normalised by the supervised tokens of the whole step, so accumulation over k
-        micro-batches gives the same update as one batch k times larger.
-
-        Returns:
-            (loss, grad_norm) as 0-d tensors; loss is the mean token loss of the (global) step.
-        """
-        n_tokens = global_token_count(batches, self.ctx, self.device)
-        world = self.ctx.world_size
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (tokens, labels) in enumerate(batches):
-            tokens = tokens.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
-            with self.grad_sync(i == len(batches) - 1):
-                loss = token_loss_sum(self.model, tokens, labels, self.precision, self.device) / n_tokens
-                scaled = loss * world if world > 1 else loss
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-            loss_sum += loss.detach()
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = clip_grad_norm(self.params, self.grad_clip or float("inf"))
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        return self.ctx.all_reduce_sum(loss_sum), grad_norm
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+from memfit.units import GIB
 
 
 @dataclass
@@ -244,7 +195,6 @@ class Trainer:
         return apply_lora(model, self.cfg.lora) if self.cfg.lora.enabled else model
 
     def _deepspeed(self, model):
-        from memfit.dist.deepspeed_engine import DeepSpeedRunner, initialize, reconcile, resolve_ds_path
 
         ds_config = reconcile(resolve_ds_path(self.cfg.distributed.deepspeed_config), self.cfg, self.precision,
                               self.ctx.world_size, self.accum)
@@ -288,8 +238,6 @@ class Trainer:
         """The planned first two steps replayed through the caching-allocator model under the settings
         this process runs with, in the device's memory less the runtime context (and the memory
         fraction, which the model applies): its peak reserved memory, and whether it runs out."""
-        from memfit.memory.plan import CONTEXT_BYTES, step_allocations
-        from memfit.memory.whatif import as_trace, replay, settings_from_conf
 
         cfg = self.cfg
         settings = settings_from_conf(conf_in_effect(), cfg.allocator.memory_fraction, torch.version.hip)
@@ -310,14 +258,13 @@ class Trainer:
         for tokens, labels in self.eval:
             tokens, labels = tokens.to(self.device), labels.to(self.device)
             total += float(token_loss_sum(model, tokens, labels, self.par.precision, self.device))
-            count += int((labels[:, 1:] != IGNORE_INDEX).sum())
+            count += int(supervised_tokens(labels))
         model.train()
         return total / max(1, count)
 
     def _shard_io(self):
         """The engine's collective (writer, reader) of a multi-rank checkpoint."""
         if self.kind == "deepspeed":
-            from memfit.dist.deepspeed_engine import ds_reader, ds_writer
 
             return ds_writer(self.par.model), ds_reader(self.par.model)
         return dcp_writer(self.ctx, self.par), dcp_reader(self.ctx, self.par)

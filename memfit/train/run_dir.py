@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -98,43 +97,3 @@ def write_config(run: RunDir, cfg: RunConfig) -> None:
     tmp = run.config_path.with_suffix(".yaml.tmp")
     tmp.write_text(dump_config(cfg))
     os.replace(tmp, run.config_path)
-
-
-class MetricsLog:
-    """Append-only JSONL of records; on resume, records after the checkpoint's step are dropped."""
-
-    def __init__(self, path: Path, keep_through_step: int | None):
-        self.path = path
-        kept: list[str] = []
-        if keep_through_step is not None and path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    break  # a torn last line from a killed run
-                if rec.get("step", 0) <= keep_through_step and rec.get("kind") != "summary":
-                    kept.append(line)
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
-        self._fh = path.open("a", buffering=1)
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        self._fh.close()
-
-
-class NullLog:
-    """The metrics log of ranks other than 0 (rank 0 writes the run's one metrics file)."""
-
-    def write(self, record: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -26,8 +26,14 @@ import bisect
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.memory.allocator_model import K_LARGE_BUFFER, K_SMALL_BUFFER, AllocatorSettings, round_size, should_split
-from memfit.memory.snapshot import ACTIVE_STATES, FragReport, SegmentStats
+from memfit.allocator.model import (
+    K_LARGE_BUFFER,
+    K_SMALL_BUFFER,
+    AllocatorSettings,
+    round_size,
+    should_split,
+)
+from memfit.allocator.snapshot import ACTIVE_STATES, FragReport, SegmentStats
 from memfit.units import MIB
 
 NO_MAX_SPLIT = 1 << 62  # the snapshot's max_split_size when none is set is SIZE_MAX

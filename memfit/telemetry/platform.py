@@ -1,4 +1,4 @@
-"""``memfit doctor``: what this platform is and whether its memory settings will do what they say.
+"""What this platform is and whether its memory settings will do what they say.
 
 Reports the torch build (CUDA, ROCm/HIP or CPU), devices (memory, architecture: ``gcnArchName`` on
 ROCm, compute capability on CUDA), bf16/fp16/TF32 support, collective backends, optional extras, and
@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from memfit.strategies import alloc_conf
-from memfit.units import GIB
+from memfit.allocator import conf as alloc_conf
 
 EXTRAS = {"deepspeed": "deepspeed", "amdsmi": "amdsmi", "nvidia-ml-py": "pynvml"}
 
@@ -87,28 +86,3 @@ def report(env: dict[str, str] | None = None, hip: Any = _THIS_BUILD, cuda: Any 
         "extras": {name: importlib.util.find_spec(mod) is not None for name, mod in EXTRAS.items()},
         "allocator": allocator, "warnings": warnings, "problems": problems,
     }
-
-
-def render(r: dict[str, Any], console) -> None:
-    from rich.table import Table
-
-    t = Table(title="memfit doctor", show_header=False)
-    t.add_column("what")
-    t.add_column("value")
-    t.add_row("torch", f"{r['torch']} ({r['build']}), Python {r['python']}, CPU {r['cpu_capability']}")
-    if not r["devices"]:
-        t.add_row("devices", "no GPU visible (CPU: fp32 and bf16 autocast; fp16-mixed unavailable)")
-    for d in r["devices"]:
-        t.add_row(f"device {d['index']}", f"{d['name']} [{d['arch']}], {d['memory_bytes'] / GIB:.1f} GiB, "
-                  f"bf16 {d['bf16']}, fp16 {d['fp16']}, TF32 {d['tf32']}")
-    t.add_row("collectives", ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in r["collectives"].items()))
-    t.add_row("extras", ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in r["extras"].items()))
-    if not r["allocator"]:
-        t.add_row("allocator", "defaults (no PYTORCH_*ALLOC_CONF set)")
-    for var, a in r["allocator"].items():
-        t.add_row(var, f"{a['value']} -> {a['settings']}")
-    console.print(t)
-    for w in r["warnings"]:
-        console.print(f"warning: {w}", highlight=False)
-    for p in r["problems"]:
-        console.print(f"problem: {p}", highlight=False)

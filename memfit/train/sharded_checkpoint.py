@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from memfit.dist.engines import Parallel
-from memfit.dist.runtime import DistContext
+from memfit.distributed.engines import Parallel
+from memfit.distributed.runtime import DistContext
 from memfit.errors import UserError
 from memfit.train.checkpoint import (
     TrainerState,

@@ -125,35 +125,6 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
     return ds
 
 
-class DeepSpeedRunner:
-    """One optimizer step through a DeepSpeed engine: ``backward`` and ``step`` per micro-batch
-    (DeepSpeed applies the optimizer at its accumulation boundary, clipping as configured)."""
-
-    def __init__(self, engine, ctx, device: torch.device):
-        self.engine, self.ctx, self.device = engine, ctx, device
-
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        from memfit.train.loop import global_token_count, token_loss_sum
-
-        n_tokens = global_token_count(batches, self.ctx, self.device)
-        world = self.ctx.world_size
-        loss_sum = torch.zeros((), device=self.device)
-        no_autocast = Precision("deepspeed", torch.float32, None, False)  # DeepSpeed casts the module itself
-        for tokens, labels in batches:
-            tokens, labels = tokens.to(self.device), labels.to(self.device)
-            loss = token_loss_sum(self.engine, tokens, labels, no_autocast, self.device) / n_tokens
-            # the loss is already normalised over the whole step: no division by accumulation steps
-            self.engine.backward(loss * world, scale_wrt_gas=False)
-            self.engine.step()
-            loss_sum += loss.detach()
-        norm = self.engine.get_global_grad_norm()
-        norm = torch.as_tensor(0.0 if norm is None else float(norm))
-        return self.ctx.all_reduce_sum(loss_sum), norm
-
-    def zero_grad(self) -> None:
-        pass  # DeepSpeed zeroes gradients at its accumulation boundary
-
-
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict[str, Any]):
     """``deepspeed.initialize`` on memfit's model and AdamW; returns the engine."""
     deepspeed = require_deepspeed()

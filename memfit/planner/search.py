@@ -20,13 +20,13 @@ from transformers import PretrainedConfig
 
 from memfit.config.schema import LoraConfig
 from memfit.errors import UserError
-from memfit.memory.categories import Category, StepMemory
-from memfit.memory.cost import Shape, step_flops, step_time_s
-from memfit.memory.hardware import Gpu
+from memfit.planner.categories import Category, StepMemory
+from memfit.planner.cost import Shape, step_flops, step_time_s
+from memfit.planner.hardware import Gpu
+from memfit.planner.predict import Predictor
+from memfit.planner.sharding import ShardingSpec, comm_bytes_per_step, validate
+from memfit.planner.trace import StepSpec, trace_allocations
 from memfit.units import GIB
-from memfit.memory.predict import Predictor
-from memfit.memory.sharding import ShardingSpec, comm_bytes_per_step, validate
-from memfit.memory.trace import StepSpec
 
 ALLOCATOR_MARGIN = 0.08  # cached-but-free blocks at the peak (typical reserved/allocated of a training step)
 CONTEXT_BYTES = 512 << 20  # CUDA/HIP context, cuBLAS/hipBLASLt workspaces: device memory outside the allocator
@@ -215,7 +215,6 @@ def step_allocations(model_config: PretrainedConfig, seq_len: int, micro_batch: 
     Against the peak reserved memory an H200 reported for five 7B cells, the replay of two traced
     steps came within -0.35% to -0.84% for four and -4.7% for the fifth (one traced step: -0.4% to
     -5.6%; benchmarks/RESULTS.md)."""
-    from memfit.memory.trace import trace_allocations
 
     spec = StepSpec(model_config, micro_batch, seq_len, precision, ac, optimizer, lora, min(grad_accum, 2), 512)
     return trace_allocations(spec, steps=2)

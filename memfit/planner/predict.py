@@ -17,10 +17,15 @@ import sys
 from collections.abc import Iterable
 from dataclasses import replace
 
-from memfit.memory.categories import Category, StepMemory
-from memfit.memory.sharding import ShardingSpec, per_rank_moments
-from memfit.memory.trace import StepSpec, extrapolate_regions, extrapolation_depths, trace_timeline
-from memfit.memory.tracker import Timeline, collapse_regions
+from memfit.planner.categories import Category, StepMemory
+from memfit.planner.sharding import ShardingSpec, per_rank_moments
+from memfit.planner.trace import (
+    StepSpec,
+    extrapolate_regions,
+    extrapolation_depths,
+    trace_timeline,
+)
+from memfit.planner.tracker import Timeline, collapse_regions
 
 
 class Predictor:

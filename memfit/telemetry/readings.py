@@ -12,8 +12,6 @@ import resource
 from dataclasses import dataclass
 
 import torch
-from memfit.units import GIB
-
 
 
 def process_rss_bytes() -> int:

@@ -33,7 +33,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from memfit.memory.categories import Breakdown, Category, StepMemory
+from memfit.models.load import decoder_layers
+from memfit.planner.categories import Breakdown, Category, StepMemory
 
 
 def _storage(t: torch.Tensor):
@@ -251,7 +252,6 @@ class StepTracker(TorchDispatchMode):
             self.optimizer.register_step_post_hook(post),
             self.model.register_forward_pre_hook(forward_starts),
         ]
-        from memfit.models.load import decoder_layers
 
         layers = [getattr(m, "_checkpoint_wrapped_module", m) for m in decoder_layers(self.model)]
         self._num_layers = len(layers)

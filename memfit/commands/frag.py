@@ -11,14 +11,21 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from memfit.allocator.layout import Moment, Rebuilt, settings_in
+from memfit.allocator.model import AllocatorSettings
+from memfit.allocator.snapshot import FragReport, analyze, devices_in, load_snapshot
+from memfit.allocator.whatif import (
+    MIN_GAIN,
+    Replay,
+    TraceCheck,
+    compare,
+    live_at_start,
+    no_op_reason,
+    replay_check,
+    trace_entries,
+)
 from memfit.errors import UserError
-from memfit.memory.allocator_model import AllocatorSettings
-from memfit.memory.layout import Moment, Rebuilt, settings_in
-from memfit.memory.whatif import (MIN_GAIN, Replay, TraceCheck, compare, live_at_start, no_op_reason, replay_check,
-                                   trace_entries)
-from memfit.memory.snapshot import FragReport, analyze, devices_in, load_snapshot
-from memfit.units import GIB, MIB
-
+from memfit.units import GIB, MIB, parse_memory
 
 
 def _rows(report: FragReport) -> list[tuple[str, str, str]]:
@@ -43,7 +50,7 @@ def _peak_dict(peak: Moment | None) -> dict | None:
     return {**peak.report.as_dict(), "trace_entry": peak.index, "time_us": peak.time_us, "inferred_blocks": peak.inferred_blocks}
 
 
-def run_frag(ns) -> int:
+def run(ns) -> int:
     snap = load_snapshot(ns.snapshot)
     devices = devices_in(snap)
     device = ns.device if ns.device is not None else devices[0]
@@ -165,7 +172,6 @@ def simulate(snap: dict[str, Any], report: FragReport, ns, out_dir: Path, rebuil
     """Replay the snapshot's trace under several allocator settings, side by side, and plot it."""
     import torch
 
-    from memfit.memory.hardware import parse_memory
     from memfit.telemetry.plots import whatif_timeline
 
     entries = trace_entries(snap, report.device, str(ns.snapshot))

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from memfit.memory.allocator_model import AllocatorSettings, CachingAllocatorModel, OutOfMemory
-from memfit.strategies.alloc_conf import parse, rocm_version
-
-if TYPE_CHECKING:
-    from memfit.memory.layout import Rebuilt
+from memfit.allocator.conf import parse, rocm_version
+from memfit.allocator.layout import Rebuilt
+from memfit.allocator.model import AllocatorSettings, CachingAllocatorModel, OutOfMemory
+from memfit.allocator.snapshot import analyze
+from memfit.errors import UserError
 
 SCENARIOS = (
     AllocatorSettings(),
@@ -145,7 +145,6 @@ def trace_entries(snap: dict[str, Any], device: int, where: str = "the snapshot"
     Raises:
         UserError: when it holds no allocation (history was not recorded).
     """
-    from memfit.errors import UserError
 
     traces = snap.get("device_traces") or []
     entries = traces[device] if device < len(traces) else []
@@ -165,8 +164,6 @@ def replay_check(snap: dict[str, Any], device: int, settings: AllocatorSettings,
     Raises:
         UserError: when the snapshot holds no trace for ``device``.
     """
-    from memfit.memory.layout import Rebuilt
-    from memfit.memory.snapshot import analyze
 
     rebuilt = rebuilt if rebuilt is not None else Rebuilt(snap, device, settings)
     model, _, n, unmatched = _replayed(trace_entries(snap, device), settings, 1 << 62, prefix=live_at_start(rebuilt))

@@ -38,7 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.errors import UserError
-from memfit.memory.categories import Breakdown, Category, StepMemory
+from memfit.planner.categories import Breakdown, Category, StepMemory
+from memfit.planner.cost import Shape
+from memfit.planner.tracker import collapse_regions
 
 ENGINES = ("fsdp2", "deepspeed")
 
@@ -64,7 +66,6 @@ class ShardingSpec:
 def root_fraction(config) -> float:
     """Share of the weights outside the decoder layers (FSDP2's root group): embeddings, final norm,
     and the LM head when it is not tied to the embeddings."""
-    from memfit.memory.cost import Shape
 
     s = Shape.of(config)
     root = s.vocab * s.hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2) + s.hidden
@@ -152,7 +153,6 @@ def per_rank_moments(moments: dict[str, tuple[int, ...]], s: ShardingSpec, grads
     """Every traced moment (rows in ``Category`` order, keyed ``phase:...``) as one rank sees it, and
     then the peaks: the moment of a rank's peak can differ from the single device's (e.g. ZeRO-2
     frees each layer's gathered weights during backward)."""
-    from memfit.memory.tracker import collapse_regions
 
     g_total = max(row[_G] for row in moments.values())
     out = {}

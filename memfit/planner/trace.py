@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from memfit.config.schema import LoraConfig, OptimizerConfig, parse_ac_policy
-from memfit.memory.categories import Breakdown, Category, StepMemory
-from memfit.memory.tracker import StepTracker, Timeline, collapse_regions
+from memfit.planner.categories import Breakdown, Category, StepMemory
+from memfit.planner.tracker import StepTracker, Timeline, collapse_regions
+from memfit.step.runner import StepRunner
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora
 from memfit.strategies.optimizer import build_optimizer
@@ -99,7 +100,6 @@ def trace_allocations(spec: StepSpec, num_layers: int | None = None, steps: int 
 
 
 def _traced(spec: StepSpec, num_layers: int | None, steps: int = 1) -> StepTracker:
-    from memfit.train.loop import StepRunner  # the trainer's step; imported here to keep layers acyclic
 
     depth = num_layers or spec.model_config.num_hidden_layers
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

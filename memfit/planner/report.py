@@ -11,10 +11,10 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from memfit.memory.categories import PHASES, Category
-from memfit.memory.cost import assumptions
+from memfit.planner.categories import PHASES, Category
+from memfit.planner.cost import assumptions
+from memfit.planner.search import ALLOCATOR_MARGIN, CONTEXT_BYTES, Candidate, PlanResult
 from memfit.units import GIB
-from memfit.memory.plan import ALLOCATOR_MARGIN, CONTEXT_BYTES, Candidate, PlanResult
 
 
 def _g(n: int) -> str:

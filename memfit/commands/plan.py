@@ -10,13 +10,31 @@ from pathlib import Path
 
 from rich.console import Console
 
-from memfit.config.schema import LoraConfig, parse_ac_policy
+from memfit.allocator.whatif import as_trace, compare, replay_allocations
+from memfit.commands.frag import render_whatif
+from memfit.config.loader import load_config
+from memfit.config.schema import EMBEDDED_MODEL, LoraConfig, parse_ac_policy
 from memfit.errors import UserError
-from memfit.memory.hardware import custom_gpu, gpu_preset, parse_memory
-from memfit.units import GIB
-from memfit.memory.plan import OPTIMIZER_CHOICES, Cluster, Pins, Workload, search
-from memfit.memory.report import plan_dict, render_explain, render_table, write_deepspeed, write_train_config
 from memfit.models.load import config_for_planning
+from memfit.models.presets import PRESETS
+from memfit.planner.hardware import custom_gpu, gpu_preset
+from memfit.planner.report import (
+    plan_dict,
+    render_explain,
+    render_table,
+    write_deepspeed,
+    write_train_config,
+)
+from memfit.planner.search import (
+    CONTEXT_BYTES,
+    OPTIMIZER_CHOICES,
+    Cluster,
+    Pins,
+    Workload,
+    search,
+    step_allocations,
+)
+from memfit.units import GIB, parse_memory
 
 CONCRETE_PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
 
@@ -37,7 +55,6 @@ class Inputs:
 
 
 def _from_train_config(path: str, inp: Inputs) -> None:
-    from memfit.config.loader import load_config
 
     cfg = load_config(path)
     inp.model = cfg.model.source
@@ -98,8 +115,6 @@ def _inputs(ns) -> Inputs:
 
 def _train_source(model: str) -> str:
     """``model.source`` for the written train config: paths made absolute, bare presets as random:."""
-    from memfit.config.schema import EMBEDDED_MODEL
-    from memfit.models.presets import PRESETS
 
     if model in PRESETS:
         return f"random:{model}"
@@ -111,7 +126,6 @@ def _train_source(model: str) -> str:
 
 def _step_events(w: Workload, c) -> list[tuple[int, int]]:
     """The candidate's first two full-depth steps as allocations and releases (``plan.step_allocations``)."""
-    from memfit.memory.plan import step_allocations
 
     return step_allocations(w.model_config, w.seq_len, c.micro_batch, c.grad_accum, c.ac, c.precision, c.optimizer, w.lora)
 
@@ -119,9 +133,6 @@ def _step_events(w: Workload, c) -> list[tuple[int, int]]:
 def _simulate(events: list[tuple[int, int]], c, gpu, hip: str | None, console) -> None:
     """The step's trace under several allocator settings, in the GPU's memory less the runtime context
     where the trace is what one rank holds (ZeRO-0), without a limit otherwise."""
-    from memfit.memory.frag_command import render_whatif
-    from memfit.memory.plan import CONTEXT_BYTES
-    from memfit.memory.whatif import as_trace, compare
 
     capacity = gpu.memory_bytes - CONTEXT_BYTES if c.zero == 0 else 1 << 62
     results, best = compare(as_trace(events), capacity, hip)
@@ -133,7 +144,7 @@ def _simulate(events: list[tuple[int, int]], c, gpu, hip: str | None, console) -
         console.print("note: expandable_segments needs ROCm >= 7.0; give --hip-version to judge it", highlight=False)
 
 
-def run_plan(ns) -> int:
+def run(ns) -> int:
     inp = _inputs(ns)
     if ns.gpu and ns.gpu_mem:
         raise UserError("give --gpu or --gpu-mem, not both")
@@ -173,7 +184,6 @@ def run_plan(ns) -> int:
         if not 1 <= ns.explain <= len(result.fitting):
             raise UserError(f"--explain {ns.explain}: there are {len(result.fitting)} fitting candidates")
         chosen = result.fitting[ns.explain - 1]
-        from memfit.memory.whatif import replay_allocations
 
         events = _step_events(workload, chosen)
         model = replay_allocations(events)

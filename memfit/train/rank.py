@@ -14,8 +14,11 @@ import sys
 import traceback
 from typing import NoReturn
 
+import torch.distributed as dist
+
 from memfit.config.schema import RunConfig
 from memfit.errors import RankFailedExit, UserError, print_user_error
+from memfit.train.loop import Trainer
 
 # what gloo and the c10d store say when the other end of a connection has gone away (gloo raises a
 # plain RuntimeError; nccl raises DistBackendError)
@@ -24,8 +27,6 @@ PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pi
 
 
 def peer_lost(e: BaseException) -> bool:
-    import torch.distributed as dist
-
     return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(p in str(e) for p in PEER_LOST))
 
 
@@ -46,8 +47,6 @@ def _close_quietly(trainer) -> None:
 
 def run_rank(cfg: RunConfig) -> NoReturn:
     """Train as this rank and exit: 0, a user error's code (printed), 4 when peers were lost, 1 on a bug."""
-    from memfit.train.loop import Trainer
-
     trainer = None
     try:
         trainer = Trainer(cfg)

@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memfit.config.schema import RunConfig, grad_accum_steps
-from memfit.errors import EXIT_OUT_OF_MEMORY, EXIT_RANK_FAILED, EXIT_USER_ERROR, RankFailedExit, UserError
+from memfit.distributed.deepspeed_engine import require_deepspeed, resolve_ds_path
+from memfit.errors import (
+    EXIT_OUT_OF_MEMORY,
+    EXIT_RANK_FAILED,
+    EXIT_USER_ERROR,
+    RankFailedExit,
+    UserError,
+)
+from memfit.models.load import cache_dir
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,6 @@ def check_launch(spec: LaunchSpec, cfg: RunConfig) -> None:
         raise UserError(f"--rdzv-endpoint must be HOST:PORT (got '{spec.rdzv_endpoint}')")
     grad_accum_steps(cfg, spec.world_size)
     if cfg.distributed.engine == "deepspeed":
-        from memfit.dist.deepspeed_engine import require_deepspeed, resolve_ds_path
 
         require_deepspeed()
         resolve_ds_path(cfg.distributed.deepspeed_config)
@@ -72,7 +79,6 @@ def torchrun_args(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides
 
 def worker_env(cfg: RunConfig) -> None:
     """Environment the ranks inherit: DeepSpeed's CPU accelerator and its extension build cache."""
-    from memfit.models.load import cache_dir
 
     cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_available())
     if cpu:  # DeepSpeed's accelerator (transformers imports DeepSpeed when it is installed, too)

@@ -6,12 +6,10 @@ bandwidth of the intra-node fabric (NVLink / Infinity Fabric / PCIe) used for co
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from memfit.errors import UserError, did_you_mean
 from memfit.units import GIB
-
 
 
 @dataclass(frozen=True)
@@ -40,22 +38,6 @@ GPUS: dict[str, Gpu] = {
         Gpu("t4", 16 * GIB, False, 65.0, 16.0, "nvidia"),
     )
 }
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|GB|G|MiB|MB|M|TiB|TB|T)?\s*$", re.IGNORECASE)
-_UNITS = {"gib": GIB, "g": GIB, "gb": 10**9, "mib": 1 << 20, "m": 1 << 20, "mb": 10**6, "tib": 1 << 40, "t": 1 << 40, "tb": 10**12}
-
-
-def parse_memory(text: str, flag: str = "--gpu-mem") -> int:
-    """``64GiB`` / ``64`` (GiB) / ``80GB`` (decimal) / ``512MiB`` / ``1TiB`` to bytes.
-
-    Raises:
-        UserError: for anything else, naming ``flag``.
-    """
-    m = _SIZE.match(text)
-    if not m:
-        raise UserError(f"{flag} must look like 64GiB, 80GB or 512MiB (got '{text}')")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "GiB").lower()])
-
 
 def gpu_preset(name: str) -> Gpu:
     key = name.lower()

@@ -18,16 +18,20 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from memfit.config.schema import OptimizerConfig
-from memfit.dist.runtime import DistContext
+from memfit.distributed.runtime import DistContext
 from memfit.errors import UserError
 from memfit.models.load import decoder_layers
-from memfit.strategies.optimizer import adamw_groups, adamw_kwargs, build_optimizer, resolve_implementation
+from memfit.strategies.optimizer import (
+    adamw_groups,
+    adamw_kwargs,
+    build_optimizer,
+    resolve_implementation,
+)
 from memfit.strategies.precision import Precision
 
 ENGINE_OF_STAGE = {0: "ddp", 1: "zero1", 2: "fsdp2", 3: "fsdp2"}
@@ -52,17 +56,6 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
         total = total.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
-
-
-class StepEngine(Protocol):
-    """What the trainer drives once per optimizer step: ``memfit.train.loop.StepRunner`` (single, DDP,
-    ZeRO-1, FSDP2) and ``memfit.dist.deepspeed_engine.DeepSpeedRunner``."""
-
-    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward over the micro-batches and the optimizer step: (mean token loss, grad norm)."""
-        ...
-
-    def zero_grad(self) -> None: ...
 
 
 @dataclass
@@ -116,7 +109,7 @@ def parallelize(model: torch.nn.Module, kind: str, stage: int, precision: Precis
         return Parallel(kind, ddp, model, optimizer, params, precision)
     if kind == "fsdp2":
         return _fully_shard(model, stage, precision, device, opt)
-    raise UserError(f"unknown engine '{kind}'")  # deepspeed is built by memfit.dist.deepspeed_engine
+    raise UserError(f"unknown engine '{kind}'")  # deepspeed is built by memfit.distributed.deepspeed_engine
 
 
 def _fully_shard(model, stage: int, precision: Precision, device: torch.device, opt: OptimizerConfig) -> Parallel:

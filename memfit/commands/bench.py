@@ -1,0 +1,78 @@
+"""``memfit bench``: parse the matrix from the command line, run its cells (``memfit.telemetry.bench``),
+write the results and print the table."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from memfit.config.loader import load_config
+from memfit.config.schema import parse_ac_policy
+from memfit.config.shipped import resolve_config_path
+from memfit.errors import UserError
+from memfit.telemetry.bench import (
+    cells_summary,
+    flag_losses,
+    matrix,
+    rows,
+    run_cell,
+    write_outputs,
+    write_progress,
+)
+from memfit.units import parse_memory
+
+
+def run(ns) -> int:
+    """``memfit bench``: parse the matrix, run the cells, write and print the results."""
+    config = str(resolve_config_path(ns.config))
+    load_config(config, ns.set)  # validate the base config and overrides before spawning anything
+    def split(text: str) -> list[str]:
+        return [v.strip() for v in text.split(",") if v.strip()]
+    try:
+        micro = [int(v) for v in split(ns.micro_batch)]
+    except ValueError:
+        raise UserError(f"--micro-batch must be comma-separated integers (got '{ns.micro_batch}')") from None
+    loras = [{"true": True, "false": False}.get(v.lower()) for v in split(ns.lora)]
+    if None in loras:
+        raise UserError(f"--lora must be a comma-separated list of true/false (got '{ns.lora}')")
+    for policy in split(ns.ac):
+        parse_ac_policy(policy)
+    try:
+        zeros = [None if v in ("none", "-") else int(v) for v in split(ns.zero)] or [None]
+    except ValueError:
+        raise UserError(f"--zero must be comma-separated stages 0-3 or none (got '{ns.zero}')") from None
+    if any(z not in (None, 0, 1, 2, 3) for z in zeros) or ns.nproc_per_node < 2:
+        raise UserError(f"--zero takes stages 0-3 (got '{ns.zero}') and --nproc-per-node >= 2 (got {ns.nproc_per_node})")
+    cells = matrix(split(ns.ac), split(ns.precision), micro, loras, zeros, ns.nproc_per_node)
+    global_batch = ns.global_batch or max(micro) * max(c.nproc for c in cells)
+    out = Path(ns.out or f"runs/bench-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out '{out}' is not empty; choose a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    mem_limit = parse_memory(ns.mem_limit, "--mem-limit") if ns.mem_limit else None
+    console = Console(stderr=True)
+    for i, cell in enumerate(cells, 1):
+        run_cell(config, cell, out, ns.warmup, ns.steps, global_batch, ns.set, mem_limit)
+        write_progress(cells, out)
+        console.print(f"[{i}/{len(cells)}] {cell.name}: {cell.status}", highlight=False)
+    flag_losses(cells)
+    context = (f"memfit bench {Path(config).name} {' '.join(ns.set)}: {ns.warmup} warm-up + {ns.steps} measured steps, "
+               f"global batch {global_batch}; {datetime.now(timezone.utc).date()} on {platform.node() or 'this machine'} "
+               f"({platform.machine()}, {'GPU' if any(c.peak_allocated_bytes for c in cells) else 'CPU'})")
+    paths = write_outputs(cells, out, context)
+    header, body = rows(cells)
+    table = Table(title=context)
+    for col in header:
+        table.add_column(col)
+    for r in body:
+        table.add_row(*r)
+    Console(width=200 if not sys.stdout.isatty() else None).print(table)
+    print(json.dumps({"benchmark": "memfit bench", "out": str(out), **cells_summary(cells),
+                      "files": {k: str(v) for k, v in paths.items()}}))
+    return 0

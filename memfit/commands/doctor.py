@@ -1,0 +1,44 @@
+"""``memfit doctor``: the platform report (``memfit.telemetry.platform``) as a table or JSON; exit 1 on a problem."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from memfit.telemetry.platform import report
+from memfit.units import GIB
+
+
+def run(ns) -> int:
+    r = report()
+    if ns.json:
+        print(json.dumps(r))
+    else:
+        render(r, Console())
+    return 1 if r["problems"] else 0
+
+
+def render(r: dict[str, Any], console) -> None:
+    t = Table(title="memfit doctor", show_header=False)
+    t.add_column("what")
+    t.add_column("value")
+    t.add_row("torch", f"{r['torch']} ({r['build']}), Python {r['python']}, CPU {r['cpu_capability']}")
+    if not r["devices"]:
+        t.add_row("devices", "no GPU visible (CPU: fp32 and bf16 autocast; fp16-mixed unavailable)")
+    for d in r["devices"]:
+        t.add_row(f"device {d['index']}", f"{d['name']} [{d['arch']}], {d['memory_bytes'] / GIB:.1f} GiB, "
+                  f"bf16 {d['bf16']}, fp16 {d['fp16']}, TF32 {d['tf32']}")
+    t.add_row("collectives", ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in r["collectives"].items()))
+    t.add_row("extras", ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in r["extras"].items()))
+    if not r["allocator"]:
+        t.add_row("allocator", "defaults (no PYTORCH_*ALLOC_CONF set)")
+    for var, a in r["allocator"].items():
+        t.add_row(var, f"{a['value']} -> {a['settings']}")
+    console.print(t)
+    for w in r["warnings"]:
+        console.print(f"warning: {w}", highlight=False)
+    for p in r["problems"]:
+        console.print(f"problem: {p}", highlight=False)

@@ -1,0 +1,21 @@
+"""``memfit exporter``: serve per-device memory as Prometheus metrics until interrupted."""
+
+from __future__ import annotations
+
+import time
+
+from memfit.errors import UserError
+from memfit.telemetry.prometheus import serve_exporter
+
+
+def run(ns) -> int:
+    try:
+        server, backend = serve_exporter(ns.port, ns.host)
+    except OSError as e:
+        raise UserError(f"--port {ns.port}: cannot listen on {ns.host} ({e.strerror}); pick a free port") from None
+    print(f"memfit exporter: device memory from {backend} at http://{ns.host}:{server.server_port}/metrics", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        server.shutdown()

@@ -1,0 +1,114 @@
+"""One optimizer step, as the trainer drives it: ``StepRunner`` (one process, DDP, ZeRO-1, FSDP2) and
+``DeepSpeedRunner`` (DeepSpeed drives its own backward and step). The planner traces ``StepRunner``
+under FakeTensorMode, so what it predicts is what this code allocates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+
+from memfit.distributed.engines import clip_grad_norm
+from memfit.distributed.runtime import DistContext
+from memfit.step.loss import global_token_count, token_loss_sum
+from memfit.strategies.precision import Precision
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), each (B, T+1)
+
+
+class StepEngine(Protocol):
+    """What the trainer drives once per optimizer step: ``StepRunner`` or ``DeepSpeedRunner``."""
+
+    def step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over the micro-batches and the optimizer step: (mean token loss, grad norm)."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+
+def _no_sync_needed(is_last: bool):
+    return contextlib.nullcontext()
+
+
+@dataclass
+class StepRunner:
+    """One optimizer step of the trainer; the planner traces this same object under FakeTensorMode.
+
+    With several ranks (``ctx``), each rank's loss is normalised by the supervised tokens of the
+    whole *global* step and multiplied by the world size, so the engines' mean over ranks gives the
+    gradient one process would get from the same global batch. ``grad_sync(is_last)`` wraps each
+    micro-batch (DDP skips its all-reduce until the last one).
+    """
+
+    model: torch.nn.Module
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    device: torch.device
+    grad_clip: float
+    scaler: torch.amp.GradScaler | None = None
+    ctx: DistContext = field(default_factory=DistContext)
+    grad_sync: Callable[[bool], Any] = _no_sync_needed
+
+    def step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over ``batches`` (gradient accumulation), clip, optimizer step, free grads.
+
+        The loss is normalised by the supervised tokens of the whole step, so accumulation over k
+        micro-batches gives the same update as one batch k times larger.
+
+        Returns:
+            (loss, grad_norm) as 0-d tensors; loss is the mean token loss of the (global) step.
+        """
+        n_tokens = global_token_count(batches, self.ctx, self.device)
+        world = self.ctx.world_size
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (tokens, labels) in enumerate(batches):
+            tokens = tokens.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            with self.grad_sync(i == len(batches) - 1):
+                loss = token_loss_sum(self.model, tokens, labels, self.precision, self.device) / n_tokens
+                scaled = loss * world if world > 1 else loss
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            loss_sum += loss.detach()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = clip_grad_norm(self.params, self.grad_clip or float("inf"))
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return self.ctx.all_reduce_sum(loss_sum), grad_norm
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class DeepSpeedRunner:
+    """One optimizer step through a DeepSpeed engine: ``backward`` and ``step`` per micro-batch
+    (DeepSpeed applies the optimizer at its accumulation boundary, clipping as configured)."""
+
+    def __init__(self, engine, ctx: DistContext, device: torch.device):
+        self.engine, self.ctx, self.device = engine, ctx, device
+
+    def step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        n_tokens = global_token_count(batches, self.ctx, self.device)
+        world = self.ctx.world_size
+        loss_sum = torch.zeros((), device=self.device)
+        no_autocast = Precision("deepspeed", torch.float32, None, False)  # DeepSpeed casts the module itself
+        for tokens, labels in batches:
+            tokens, labels = tokens.to(self.device), labels.to(self.device)
+            loss = token_loss_sum(self.engine, tokens, labels, no_autocast, self.device) / n_tokens
+            # the loss is already normalised over the whole step: no division by accumulation steps
+            self.engine.backward(loss * world, scale_wrt_gas=False)
+            self.engine.step()
+            loss_sum += loss.detach()
+        norm = self.engine.get_global_grad_norm()
+        norm = torch.as_tensor(0.0 if norm is None else float(norm))
+        return self.ctx.all_reduce_sum(loss_sum), norm
+
+    def zero_grad(self) -> None:
+        pass  # DeepSpeed zeroes gradients at its accumulation boundary
