@@ -1,1 +1,1 @@
-"""Multi-process training: torchrun launch, the process group, FSDP2 / DDP / ZeRO-1 / DeepSpeed engines, sharded checkpoints."""
+"""Multi-process training: torchrun launch, the process group, FSDP2 / DDP / ZeRO-1 / DeepSpeed engines."""

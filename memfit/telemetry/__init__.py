@@ -1,1 +1,1 @@
-"""Measuring: memory readings, metric records and their display."""
+"""Measuring and showing: memory readings, the profiler walk, metrics file and endpoints, bench cells, plots, platform report."""

@@ -1,1 +1,1 @@
-"""The fine-tuning loop, its data and its checkpoints."""
+"""The fine-tuning run: the loop, its data, checkpoints (one process and sharded), export and run directory."""
