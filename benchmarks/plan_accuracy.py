@@ -15,6 +15,7 @@ import json
 import platform
 from datetime import datetime, timezone
 
+from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.config.schema import LoraConfig, ModelConfig
 from memfit.planner.categories import Category
 from memfit.planner.measure import measured_steady_step
@@ -33,7 +34,8 @@ def main() -> None:
         for lora in (False, True):
             for precision in ("fp32", "bf16-mixed", "bf16-pure"):
                 for ac in ("none", "ffn", "full", "every_k:2"):
-                    spec = StepSpec(config, batch, seq, precision, ac, "foreach", LoraConfig(enabled=True) if lora else None)
+                    spec = StepSpec(config, seq, Strategy(CheckpointPolicy.parse(ac), precision, "foreach", batch),
+                                    LoraConfig(enabled=True) if lora else None)
                     predicted = extrapolated_step(spec).peak
                     model = build_model(source, ModelConfig(), precision_policy(precision).param_dtype, 0) if source else None
                     measured = measured_steady_step(spec, model)

@@ -13,6 +13,7 @@ import platform
 import time
 from datetime import datetime, timezone
 
+from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.planner.hardware import gpu_preset
 from memfit.planner.search import Cluster, Workload, search
 from memfit.planner.trace import StepSpec, trace_step
@@ -21,7 +22,7 @@ from memfit.models.presets import preset_config
 
 def main() -> None:
     warm = preset_config("tiny")
-    trace_step(StepSpec(warm, 2, 64))  # import/compile warm-up, not timed
+    trace_step(StepSpec(warm, 64, Strategy(micro_batch_size=2)))  # import/compile warm-up, not timed
     cases = [
         ("llama2-7b full FT, 1 x mi210, seq 4096, batch 16", "llama2-7b", 4096, 16, Cluster(gpu_preset("mi210"))),
         ("llama2-7b full FT, 8 x mi210, seq 4096, batch 64", "llama2-7b", 4096, 64, Cluster(gpu_preset("mi210"), 8)),
@@ -34,7 +35,7 @@ def main() -> None:
         dt = time.perf_counter() - t0
         rows.append({"case": label, "seconds": dt, "candidates": len(r.fitting) + len(r.pruned),
                      "fitting": len(r.fitting), "traces": r.traces})
-    spec = StepSpec(preset_config("llama2-7b"), 1, 4096, "bf16-mixed", "ffn", "fused", round_to=512)
+    spec = StepSpec(preset_config("llama2-7b"), 4096, Strategy(CheckpointPolicy("ffn"), "bf16-mixed", "fused", 1), round_to=512)
     t0 = time.perf_counter()
     trace_step(spec)
     full_trace_s = time.perf_counter() - t0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from memfit.config.strategy import Strategy
 from memfit.config.schema import LoraConfig
 from memfit.planner.trace import StepSpec, trace_allocations
 from memfit.allocator.whatif import replay_allocations
@@ -25,7 +26,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--depths", default="2,3,4,6,8,12,16,32")
     ns = ap.parse_args()
-    spec = StepSpec(preset_config("llama2-7b"), 2, 2048, "bf16-mixed", "none", "fused", LoraConfig(enabled=True, rank=8), 2, 512)
+    spec = StepSpec(preset_config("llama2-7b"), 2048, Strategy(precision="bf16-mixed", optimizer="fused", micro_batch_size=2, grad_accum_steps=2),
+                    LoraConfig(enabled=True, rank=8), 512)
     print("| layers | events | peak allocated GiB | peak reserved GiB | reserved - allocated GiB | trace s | replay s |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for depth in map(int, ns.depths.split(",")):

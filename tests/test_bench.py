@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from memfit.config.strategy import CheckpointPolicy
 from memfit.cli import main
 
 pytestmark = pytest.mark.integration
@@ -51,7 +52,7 @@ def test_bench_reports_an_oom_cell(tmp_path, capsys, embedded_dir):
 
 def test_bench_refuses_bad_matrix(tmp_path, capsys):
     assert main(["bench", "tiny-cpu", "--ac", "sometimes", "--out", str(tmp_path / "b")]) == 2
-    assert "strategy.activation_checkpointing must be" in capsys.readouterr().err
+    assert "--ac must be none | full | ffn | every_k:N" in capsys.readouterr().err
 
 
 def test_bench_zero_cells_run_on_two_ranks(tmp_path, capsys, embedded_dir):
@@ -63,7 +64,7 @@ def test_bench_zero_cells_run_on_two_ranks(tmp_path, capsys, embedded_dir):
     assert set(cells) == {"ac-none_fp32_mb2_full", "ac-none_fp32_mb2_full_zero1x2", "ac-none_fp32_mb2_full_zero3x2"}
     assert all(c["status"] == "ok" for c in cells.values())
     single, zero1, zero3 = (cells[k] for k in sorted(cells))
-    assert (single["nproc"], single["grad_accum"]) == (1, 2) and (zero3["nproc"], zero3["grad_accum"]) == (2, 1)
+    assert (single["nproc"], single["grad_accum_steps"]) == (1, 2) and (zero3["nproc"], zero3["grad_accum_steps"]) == (2, 1)
     assert zero1["loss"] == pytest.approx(single["loss"], rel=1e-4) == zero3["loss"]
     assert zero3["profiled_peak_bytes"] and zero1["profiled_peak_bytes"] is None  # DDP buckets: not profiled
     assert abs(zero3["prediction_error_pct"]) <= 10  # vs the worst rank; ranks differ by up to ~6% on gloo
@@ -148,7 +149,8 @@ def test_results_json_is_rewritten_after_each_cell(tmp_path):
     """An interrupted bench keeps the cells it finished: results.json holds them, the rest pending."""
     from memfit.telemetry.bench import matrix, write_progress
 
-    cells = matrix(["none", "full"], ["fp32"], [2], [True])
+    cells = matrix({"activation_checkpointing": [CheckpointPolicy("none"), CheckpointPolicy("full")],
+                    "precision": ["fp32"], "micro_batch_size": [2]}, [True])
     cells[0].status, cells[0].tokens_per_s = "ok", 123.0
     write_progress(cells, tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())

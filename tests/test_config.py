@@ -4,7 +4,8 @@ import pytest
 
 from memfit.config.shipped import shipped_configs
 from memfit.config.loader import dump_config, load_config, parse_override
-from memfit.config.schema import RunConfig, parse_ac_policy
+from memfit.config.schema import RunConfig
+from memfit.config.strategy import CheckpointPolicy
 from memfit.errors import UserError
 
 
@@ -75,9 +76,14 @@ def test_bad_yaml_names_file_and_line(tmp_path):
         load_config(p)
 
 
-def test_ac_policy_parsing():
-    assert parse_ac_policy("none") == ("none", 1)
-    assert parse_ac_policy("ffn") == ("ffn", 1)
-    assert parse_ac_policy("every_k:3") == ("every_k", 3)
-    with pytest.raises(UserError):
-        parse_ac_policy("some")
+def test_ac_policy_is_parsed_once_at_config_load_into_a_typed_value():
+    assert CheckpointPolicy.parse("none") == CheckpointPolicy("none", 1)
+    assert CheckpointPolicy.parse("ffn") == CheckpointPolicy("ffn", 1)
+    assert CheckpointPolicy.parse("every_k:3") == CheckpointPolicy("every_k", 3)
+    assert str(CheckpointPolicy.parse("every_k:3")) == "every_k:3"
+    for bad in ("some", "every_k:0", "every_k"):
+        with pytest.raises(UserError, match="strategy.activation_checkpointing must be"):
+            CheckpointPolicy.parse(bad)
+    cfg = load_config(None, ["strategy.activation_checkpointing=every_k:2"])
+    assert cfg.strategy.activation_checkpointing == CheckpointPolicy("every_k", 2)
+    assert "activation_checkpointing: every_k:2" in dump_config(cfg)

@@ -10,6 +10,7 @@ import yaml
 
 from memfit.cli import main
 from memfit.config.loader import load_config
+from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.config.schema import LoraConfig
 from memfit.planner.categories import Category
 from memfit.errors import UserError
@@ -30,7 +31,8 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16-pure"])
 @pytest.mark.parametrize("ac", ["none", "ffn", "full", "every_k:2"])
 def test_trace_matches_profiler_on_tiny(ac, precision, lora):
-    spec = StepSpec(preset_config("tiny"), 4, 128, precision, ac, "foreach", LoraConfig(enabled=True) if lora else None)
+    spec = StepSpec(preset_config("tiny"), 128, Strategy(CheckpointPolicy.parse(ac), precision, "foreach", 4),
+                    LoraConfig(enabled=True) if lora else None)
     assert_within_3pct_per_category(trace_step(spec).peak, measured_steady_step(spec))
 
 
@@ -53,7 +55,7 @@ def test_fake_trace_takes_the_attention_path_of_real_tensors(monkeypatch, follow
 
     if not follow_real_path:
         monkeypatch.setattr(trace, "_masks_as_on_real_tensors", contextlib.nullcontext)
-    spec = StepSpec(preset_config("tiny"), 2, 512, "fp32", "none", "foreach")
+    spec = StepSpec(preset_config("tiny"), 512, Strategy(precision="fp32", optimizer="foreach", micro_batch_size=2))
     predicted, measured = trace_step(spec).peak[Category.ACTIVATIONS], measured_steady_step(spec)[Category.ACTIVATIONS]
     if follow_real_path:
         assert predicted == measured
@@ -62,7 +64,7 @@ def test_fake_trace_takes_the_attention_path_of_real_tensors(monkeypatch, follow
 
 
 def test_trace_categories_are_the_exact_state_bytes():
-    spec = StepSpec(preset_config("tiny"), 2, 32, "fp32", "none", "foreach")
+    spec = StepSpec(preset_config("tiny"), 32, Strategy(precision="fp32", optimizer="foreach", micro_batch_size=2))
     step = trace_step(spec)
     cfg = spec.model_config
     n_params = sum(p.numel() for p in __import__("transformers").AutoModelForCausalLM.from_config(cfg).parameters())
@@ -83,7 +85,7 @@ def test_extrapolation_equals_full_trace_on_8_layers(ac, lora):
     cfg = copy.deepcopy(preset_config("tiny"))
     cfg.num_hidden_layers = 8
     for precision in ("fp32", "bf16-mixed"):
-        spec = StepSpec(cfg, 2, 64, precision, ac, "foreach", LoraConfig(enabled=True) if lora else None)
+        spec = StepSpec(cfg, 64, Strategy(CheckpointPolicy.parse(ac), precision, "foreach", 2), LoraConfig(enabled=True) if lora else None)
         full, extrapolated = trace_step(spec), extrapolated_step(spec)
         assert abs(extrapolated.peak_bytes - full.peak_bytes) / full.peak_bytes <= 0.005
 
@@ -101,7 +103,7 @@ def test_backward_visits_each_layer_region_once_in_order(ac):
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
     cfg._attn_implementation = "sdpa"
     for lora in (LoraConfig(enabled=True), None):
-        phases = trace_timeline(StepSpec(cfg, 2, 128, "bf16-pure", ac, "foreach", lora)).phases
+        phases = trace_timeline(StepSpec(cfg, 128, Strategy(CheckpointPolicy.parse(ac), "bf16-pure", "foreach", 2), lora)).phases
         runs = [p for i, p in enumerate(phases) if p.startswith("backward:") and (i == 0 or phases[i - 1] != p)]
         assert runs == ["backward:outer", "backward:last", "backward:mid", "backward:first"], runs
 
@@ -109,10 +111,11 @@ def test_backward_visits_each_layer_region_once_in_order(ac):
 def test_predictor_over_batch_sizes_and_accumulation_equals_direct_traces():
     cfg = copy.deepcopy(preset_config("tiny"))
     cfg.num_hidden_layers = 6
-    predictor = Predictor(StepSpec(cfg, 1, 64))
+    predictor = Predictor(StepSpec(cfg, 64))
     for ac, mb, accum in (("none", 1, 1), ("ffn", 4, 1), ("full", 5, 2), ("every_k:2", 3, 1)):
-        predicted = predictor.predict(ac, "bf16-mixed", "foreach", mb, accum).peak_bytes
-        direct = trace_step(StepSpec(cfg, mb, 64, "bf16-mixed", ac, "foreach", grad_accum_steps=accum)).peak_bytes
+        strategy = Strategy(CheckpointPolicy.parse(ac), "bf16-mixed", "foreach", mb, grad_accum_steps=accum)
+        predicted = predictor.predict(strategy).peak_bytes
+        direct = trace_step(StepSpec(cfg, 64, strategy)).peak_bytes
         assert abs(predicted - direct) / direct <= 0.005, (ac, mb, accum, predicted, direct)
 
 
@@ -179,8 +182,8 @@ def test_parallel_traces_give_the_same_plan_as_serial(monkeypatch):
     plans = []
     for workers in ("1", "2"):
         monkeypatch.setenv("MEMFIT_PLAN_WORKERS", workers)
-        r = search(w, Cluster(gpu_preset("a100-40g"), 2), Pins(precision="bf16-mixed", optimizer="fused"))
-        plans.append([(c.ac, c.precision, c.zero, c.micro_batch, c.optimizer, c.memory, c.reserved_bytes)
+        r = search(w, Cluster(gpu_preset("a100-40g"), 2), Pins({"precision": "bf16-mixed", "optimizer": "fused"}))
+        plans.append([(c.strategy, c.memory, c.reserved_bytes)
                       for c in r.fitting + r.pruned])
         assert r.traces == 4 * 4 + 2  # 4 AC policies x (2 depths x 2 batch sizes) + the fused optimizer at 2 depths
     assert plans[0] == plans[1]
@@ -188,8 +191,9 @@ def test_parallel_traces_give_the_same_plan_as_serial(monkeypatch):
 
 def test_pins_restrict_the_search():
     w = Workload(preset_config("tiny"), "tiny", 64, 8)
-    r = search(w, Cluster(gpu_preset("h100"), 2), Pins(ac="ffn", zero=2, micro_batch=2, optimizer="fused"))
-    assert {(c.ac, c.zero, c.micro_batch, c.optimizer, c.grad_accum) for c in r.fitting + r.pruned} == {("ffn", 2, 2, "fused", 2)}
+    r = search(w, Cluster(gpu_preset("h100"), 2), Pins({"activation_checkpointing": CheckpointPolicy("ffn"), "zero_stage": 2, "micro_batch_size": 2, "optimizer": "fused"}))
+    assert {(str(c.strategy.activation_checkpointing), c.strategy.zero_stage, c.strategy.micro_batch_size, c.strategy.optimizer,
+             c.strategy.grad_accum_steps) for c in r.fitting + r.pruned} == {("ffn", 2, 2, "fused", 2)}
 
 
 def test_parse_memory():
@@ -282,7 +286,8 @@ def test_planner_matches_profiler_on_real_smollm2(embedded_dir, ac, precision, l
     from memfit.models.load import ModelSource, build_model, model_config
 
     source = ModelSource("hf", path=embedded_dir)
-    spec = StepSpec(model_config(source, ModelConfig()), 1, 64, precision, ac, "foreach", LoraConfig(enabled=True) if lora else None)
+    spec = StepSpec(model_config(source, ModelConfig()), 64, Strategy(CheckpointPolicy.parse(ac), precision, "foreach", 1),
+                    LoraConfig(enabled=True) if lora else None)
     model = build_model(source, ModelConfig(), precision_policy(precision).param_dtype, seed=0)
     assert_within_3pct_per_category(extrapolated_step(spec).peak, measured_steady_step(spec, model))
 
@@ -292,7 +297,7 @@ def test_trainer_plan_check_refuses_what_does_not_fit():
     from memfit.errors import UserError
     from memfit.planner.search import check_fits, predict_run, reserved_estimate
 
-    step = predict_run(preset_config("tiny"), 128, 4, 1, "none", "bf16-mixed", "fused", None, on_gpu=True)
+    step = predict_run(preset_config("tiny"), 128, Strategy(precision="bf16-mixed", optimizer="fused", micro_batch_size=4), None, on_gpu=True)
     check_fits(step, reserved_estimate(step.peak_bytes), "test GPU")  # exactly enough: accepted
     with pytest.raises(UserError, match=r"predicted to need .* but test GPU offers .*train.plan_check=false"):
         check_fits(step, reserved_estimate(step.peak_bytes) - 1, "test GPU")
@@ -304,8 +309,9 @@ def test_trainer_check_refuses_a_run_the_allocator_model_sees_run_out_of_memory(
     from memfit.allocator.whatif import as_trace, replay, settings_from_conf
 
     cfg = preset_config("tiny")
-    step = predict_run(cfg, 64, 2, 1, "none", "fp32", "foreach", None, on_gpu=True)
-    events = step_allocations(cfg, 64, 2, 1, "none", "fp32", "foreach", None)
+    strategy = Strategy(precision="fp32", optimizer="foreach", micro_batch_size=2)
+    step = predict_run(cfg, 64, strategy, None, on_gpu=True)
+    events = step_allocations(cfg, 64, strategy, None)
     roomy = replay(as_trace(events), settings_from_conf("", None, None), 1 << 34)
     check_fits(step, reserved_estimate(step.peak_bytes), "test GPU", roomy)  # accepted
     tight = replay(as_trace(events), settings_from_conf("", None, None), step.peak_bytes // 2)
@@ -336,7 +342,7 @@ def test_traced_step_replays_through_the_allocator_model():
     from memfit.planner.trace import trace_allocations, trace_timeline
     from memfit.allocator.whatif import replay_allocations
 
-    spec = StepSpec(preset_config("tiny"), 2, 64, "fp32", "ffn", "foreach", round_to=512)
+    spec = StepSpec(preset_config("tiny"), 64, Strategy(CheckpointPolicy("ffn"), "fp32", "foreach", 2), round_to=512)
     model = replay_allocations(trace_allocations(spec))
     first_step_peak = trace_timeline(spec).step_memory().peak_bytes
     assert model.peak_reserved >= model.peak_allocated >= first_step_peak
@@ -352,8 +358,8 @@ def test_second_traced_step_is_the_steady_state_of_the_allocator_model(lora):
     from memfit.planner.trace import trace_allocations
     from memfit.allocator.whatif import replay_allocations
 
-    spec = StepSpec(preset_config("tiny"), 2, 64, "bf16-mixed", "ffn", "foreach", LoraConfig(enabled=True) if lora else None,
-                    round_to=512)
+    spec = StepSpec(preset_config("tiny"), 64, Strategy(CheckpointPolicy("ffn"), "bf16-mixed", "foreach", 2),
+                    LoraConfig(enabled=True) if lora else None, round_to=512)
     one, two, three = (replay_allocations(trace_allocations(spec, steps=n)) for n in (1, 2, 3))
     assert (two.peak_reserved, two.peak_allocated) == (three.peak_reserved, three.peak_allocated)
     assert two.peak_allocated >= one.peak_allocated and two.peak_reserved >= one.peak_reserved

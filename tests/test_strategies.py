@@ -6,6 +6,7 @@ import zlib
 import pytest
 import torch
 
+from memfit.config.strategy import CheckpointPolicy
 from memfit.config.schema import LoraConfig, ModelConfig, OptimizerConfig
 from memfit.errors import UserError
 from memfit.models.load import ModelSource, build_model
@@ -47,7 +48,7 @@ def test_checkpointing_matches_no_checkpointing(policy, lora):
     tokens = torch.randint(0, 49152, (2, 33), generator=torch.Generator().manual_seed(1))
     ref_loss, ref_grads = _loss_and_grads(_tiny(lora, dropout=0.1 if lora else 0.0), tokens)
     model = _tiny(lora, dropout=0.1 if lora else 0.0)
-    wrapped = apply_activation_checkpointing(model, policy)
+    wrapped = apply_activation_checkpointing(model, CheckpointPolicy.parse(policy))
     assert wrapped == (1 if policy == "every_k:2" else 2)
     loss, grads = _loss_and_grads(model, tokens)
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=0)
@@ -61,7 +62,7 @@ def test_checkpointing_matches_no_checkpointing(policy, lora):
 def test_checkpointing_keeps_state_dict_names_and_unwraps():
     model = _tiny()
     names = set(model.state_dict())
-    apply_activation_checkpointing(model, "full")
+    apply_activation_checkpointing(model, CheckpointPolicy("full"))
     assert set(model.state_dict()) == names
     assert remove_activation_checkpointing(model) == 2
     assert not any("_checkpoint_wrapped_module" in n for n, _ in model.named_parameters())
@@ -73,7 +74,7 @@ def test_checkpointing_actually_recomputes():
     calls = {"n": 0}
     for policy, expected in (("none", 2), ("full", 4), ("ffn", 4), ("every_k:2", 3)):
         model = _tiny()
-        apply_activation_checkpointing(model, policy)
+        apply_activation_checkpointing(model, CheckpointPolicy.parse(policy))
         calls["n"] = 0
         for layer in model.model.layers:
             inner = getattr(layer, "_checkpoint_wrapped_module", layer)

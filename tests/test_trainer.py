@@ -275,10 +275,10 @@ def test_trainer_replays_its_planned_steps_under_its_own_allocator_settings(tiny
     for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)  # restored after the test; the trainer writes one
     trainer = Trainer(tiny_cfg("allocator.expandable_segments=true", "allocator.max_split_size_mb=64"))
-    replayed = trainer._replay_steps(trainer.mconf, "foreach", 8 << 30)
+    replayed = trainer._replay_steps(trainer.mconf, 8 << 30)
     assert replayed.settings.expandable_segments and replayed.settings.max_split_size_mb == 64
     assert not replayed.oom and replayed.peak_reserved_bytes >= replayed.peak_allocated_bytes > 0
     cfg = trainer.cfg
-    events = step_allocations(trainer.mconf, cfg.data.seq_len, cfg.train.micro_batch_size, trainer.accum, "none", "fp32",
-                              "foreach", None)
+    events = step_allocations(trainer.mconf, cfg.data.seq_len, trainer.strategy, None)
+    assert str(trainer.strategy.activation_checkpointing) == "none" and trainer.strategy.optimizer == "foreach"
     assert replayed.peak_allocated_bytes == replay_allocations(events).peak_allocated  # same steps, same blocks

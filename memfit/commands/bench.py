@@ -13,10 +13,11 @@ from rich.console import Console
 from rich.table import Table
 
 from memfit.config.loader import load_config
-from memfit.config.schema import parse_ac_policy
+from memfit.config.strategy import ZERO_STAGES, levers
 from memfit.config.shipped import resolve_config_path
 from memfit.errors import UserError
 from memfit.telemetry.bench import (
+    BENCH_AXES,
     cells_summary,
     flag_losses,
     matrix,
@@ -32,24 +33,17 @@ def run(ns) -> int:
     """``memfit bench``: parse the matrix, run the cells, write and print the results."""
     config = str(resolve_config_path(ns.config))
     load_config(config, ns.set)  # validate the base config and overrides before spawning anything
-    def split(text: str) -> list[str]:
-        return [v.strip() for v in text.split(",") if v.strip()]
-    try:
-        micro = [int(v) for v in split(ns.micro_batch)]
-    except ValueError:
-        raise UserError(f"--micro-batch must be comma-separated integers (got '{ns.micro_batch}')") from None
-    loras = [{"true": True, "false": False}.get(v.lower()) for v in split(ns.lora)]
+    loras = [{"true": True, "false": False}.get(v.lower()) for v in _split(ns.lora)]
     if None in loras:
         raise UserError(f"--lora must be a comma-separated list of true/false (got '{ns.lora}')")
-    for policy in split(ns.ac):
-        parse_ac_policy(policy)
     try:
-        zeros = [None if v in ("none", "-") else int(v) for v in split(ns.zero)] or [None]
+        zeros = [None if v in ("none", "-") else int(v) for v in _split(ns.zero)] or [None]
     except ValueError:
         raise UserError(f"--zero must be comma-separated stages 0-3 or none (got '{ns.zero}')") from None
-    if any(z not in (None, 0, 1, 2, 3) for z in zeros) or ns.nproc_per_node < 2:
+    if any(z not in (None, *ZERO_STAGES) for z in zeros) or ns.nproc_per_node < 2:
         raise UserError(f"--zero takes stages 0-3 (got '{ns.zero}') and --nproc-per-node >= 2 (got {ns.nproc_per_node})")
-    cells = matrix(split(ns.ac), split(ns.precision), micro, loras, zeros, ns.nproc_per_node)
+    cells = matrix(axes(ns), loras, zeros, ns.nproc_per_node)
+    micro = [c.strategy.micro_batch_size for c in cells]
     global_batch = ns.global_batch or max(micro) * max(c.nproc for c in cells)
     out = Path(ns.out or f"runs/bench-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and any(out.iterdir()):
@@ -76,3 +70,24 @@ def run(ns) -> int:
     print(json.dumps({"benchmark": "memfit bench", "out": str(out), **cells_summary(cells),
                       "files": {k: str(v) for k, v in paths.items()}}))
     return 0
+
+
+def _split(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def axes(ns) -> dict[str, list]:
+    """The matrix's lever axes from their comma-separated flags, each value parsed by its lever.
+
+    Raises:
+        UserError: naming the flag and the value.
+    """
+    table = levers()
+    out = {}
+    for name in BENCH_AXES:
+        flag = table[name].flag
+        text = getattr(ns, flag[2:].replace("-", "_"))
+        out[name] = [table[name].parse(v, flag) for v in _split(text)]
+        if not out[name]:
+            raise UserError(f"{flag} needs at least one value (got '{text}')")
+    return out

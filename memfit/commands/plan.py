@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 from rich.console import Console
@@ -13,7 +14,8 @@ from rich.console import Console
 from memfit.allocator.whatif import as_trace, compare, replay_allocations
 from memfit.commands.frag import render_whatif
 from memfit.config.loader import load_config
-from memfit.config.schema import EMBEDDED_MODEL, LoraConfig, parse_ac_policy
+from memfit.config.schema import EMBEDDED_MODEL, LoraConfig
+from memfit.config.strategy import levers
 from memfit.errors import UserError
 from memfit.models.load import config_for_planning
 from memfit.models.presets import PRESETS
@@ -27,7 +29,7 @@ from memfit.planner.report import (
 )
 from memfit.planner.search import (
     CONTEXT_BYTES,
-    OPTIMIZER_CHOICES,
+    Candidate,
     Cluster,
     Pins,
     Workload,
@@ -36,38 +38,40 @@ from memfit.planner.search import (
 )
 from memfit.units import GIB, parse_memory
 
-CONCRETE_PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
-
-
 @dataclass
-class Inputs:
+class PlanRequest:
+    """What the user asked ``memfit plan`` for, from a train config, a DeepSpeed JSON and the flags (in that
+    order, later ones winning). ``pins`` maps a ``Strategy`` lever to (value, where it came from)."""
+
     model: str | None = None
     seq_len: int | None = None
     global_batch: int | None = None
     lora: LoraConfig | None = None
-    ac: str | None = None
-    precision: str | None = None
-    zero: int | None = None
-    micro_batch: int | None = None
-    grad_accum: int | None = None
-    optimizer: str | None = None
+    grad_accum: int | None = None  # only sizes the default global batch; the search derives its own
     engine: str = "fsdp2"
+    pins: dict[str, tuple[Any, str]] = field(default_factory=dict)
+
+    def typed_pins(self) -> dict[str, Any]:
+        table = levers()
+        return {name: table[name].parse(value, where) for name, (value, where) in self.pins.items()}
 
 
-def _from_train_config(path: str, inp: Inputs) -> None:
-
+def _from_train_config(path: str, req: PlanRequest) -> None:
     cfg = load_config(path)
-    inp.model = cfg.model.source
-    inp.seq_len = cfg.data.seq_len
-    inp.lora = cfg.lora if cfg.lora.enabled else None
-    inp.ac = cfg.strategy.activation_checkpointing
-    inp.precision = None if cfg.strategy.precision == "auto" else cfg.strategy.precision
-    inp.micro_batch = cfg.train.micro_batch_size
-    inp.grad_accum = cfg.train.grad_accum_steps
-    inp.optimizer = None if cfg.optimizer.implementation == "auto" else cfg.optimizer.implementation
+    req.model = cfg.model.source
+    req.seq_len = cfg.data.seq_len
+    req.lora = cfg.lora if cfg.lora.enabled else None
+    req.grad_accum = cfg.train.grad_accum_steps
+    where = f"--config {path}: "
+    req.pins["activation_checkpointing"] = (cfg.strategy.activation_checkpointing, where + "strategy.activation_checkpointing")
+    req.pins["micro_batch_size"] = (cfg.train.micro_batch_size, where + "train.micro_batch_size")
+    if cfg.strategy.precision != "auto":
+        req.pins["precision"] = (cfg.strategy.precision, where + "strategy.precision")
+    if cfg.optimizer.implementation != "auto":
+        req.pins["optimizer"] = (cfg.optimizer.implementation, where + "optimizer.implementation")
 
 
-def _from_deepspeed(path: str, inp: Inputs) -> None:
+def _from_deepspeed(path: str, req: PlanRequest) -> None:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--deepspeed: '{path}' does not exist")
@@ -75,42 +79,49 @@ def _from_deepspeed(path: str, inp: Inputs) -> None:
         ds = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"--deepspeed {path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    where = f"--deepspeed {path}: "
     stage = ds.get("zero_optimization", {}).get("stage")
     if stage is not None:
-        inp.zero = int(stage)
+        req.pins["zero_stage"] = (stage, where + "zero_optimization.stage")
     if ds.get("bf16", {}).get("enabled"):
-        inp.precision = "bf16-mixed"
+        req.pins["precision"] = ("bf16-mixed", where + "bf16.enabled")
     elif ds.get("fp16", {}).get("enabled"):
-        inp.precision = "fp16-mixed"
-    for key, attr in (("train_micro_batch_size_per_gpu", "micro_batch"), ("gradient_accumulation_steps", "grad_accum")):
-        value = ds.get(key)
-        if value is not None and value != "auto":
-            setattr(inp, attr, int(value))
-    inp.engine = "deepspeed"
+        req.pins["precision"] = ("fp16-mixed", where + "fp16.enabled")
+    micro = ds.get("train_micro_batch_size_per_gpu")
+    if micro is not None and micro != "auto":
+        req.pins["micro_batch_size"] = (micro, where + "train_micro_batch_size_per_gpu")
+    accum = ds.get("gradient_accumulation_steps")
+    if accum is not None and accum != "auto":
+        req.grad_accum = int(accum)
+    req.engine = "deepspeed"
 
 
-def _inputs(ns) -> Inputs:
-    inp = Inputs()
+def plan_request(ns) -> PlanRequest:
+    """The request the flags, ``--config`` and ``--deepspeed`` describe, with every pin parsed.
+
+    Raises:
+        UserError: naming the flag or file key of the first bad value.
+    """
+    req = PlanRequest()
     if ns.config:
-        _from_train_config(ns.config, inp)
+        _from_train_config(ns.config, req)
     if ns.deepspeed:
-        _from_deepspeed(ns.deepspeed, inp)
-    for attr in ("model", "seq_len", "global_batch", "ac", "precision", "zero", "micro_batch", "optimizer"):
+        _from_deepspeed(ns.deepspeed, req)
+    for attr in ("model", "seq_len", "global_batch"):
         if getattr(ns, attr) is not None:
-            setattr(inp, attr, getattr(ns, attr))
+            setattr(req, attr, getattr(ns, attr))
+    for name, lever in levers().items():
+        value = getattr(ns, lever.flag[2:].replace("-", "_"), None) if lever.flag else None
+        if value is not None:
+            req.pins[name] = (value, lever.flag)
     if ns.engine != "fsdp2":
-        inp.engine = ns.engine
+        req.engine = ns.engine
     if ns.lora:
-        inp.lora = LoraConfig(enabled=True, rank=ns.lora_rank, alpha=2.0 * ns.lora_rank)
-    if inp.model is None:
+        req.lora = LoraConfig(enabled=True, rank=ns.lora_rank, alpha=2.0 * ns.lora_rank)
+    if req.model is None:
         raise UserError("memfit plan needs --model (a preset such as llama2-7b, a checkpoint directory) or --config")
-    if inp.ac is not None:
-        parse_ac_policy(inp.ac)
-    if inp.precision is not None and inp.precision not in CONCRETE_PRECISIONS:
-        raise UserError(f"--precision must be one of {' | '.join(CONCRETE_PRECISIONS)} (got '{inp.precision}')")
-    if inp.optimizer is not None and inp.optimizer not in OPTIMIZER_CHOICES:
-        raise UserError(f"--optimizer must be one of {' | '.join(OPTIMIZER_CHOICES)} (got '{inp.optimizer}')")
-    return inp
+    req.typed_pins()  # every pin checked before any model is read
+    return req
 
 
 def _train_source(model: str) -> str:
@@ -124,20 +135,19 @@ def _train_source(model: str) -> str:
     return str(path.parent if path.name.endswith(".json") else path)
 
 
-def _step_events(w: Workload, c) -> list[tuple[int, int]]:
-    """The candidate's first two full-depth steps as allocations and releases (``plan.step_allocations``)."""
+def _step_events(w: Workload, c: Candidate) -> list[tuple[int, int]]:
+    """The candidate's first two full-depth steps as allocations and releases (``search.step_allocations``)."""
+    return step_allocations(w.model_config, w.seq_len, c.strategy, w.lora)
 
-    return step_allocations(w.model_config, w.seq_len, c.micro_batch, c.grad_accum, c.ac, c.precision, c.optimizer, w.lora)
 
-
-def _simulate(events: list[tuple[int, int]], c, gpu, hip: str | None, console) -> None:
+def _simulate(events: list[tuple[int, int]], c: Candidate, gpu, hip: str | None, console) -> None:
     """The step's trace under several allocator settings, in the GPU's memory less the runtime context
     where the trace is what one rank holds (ZeRO-0), without a limit otherwise."""
 
-    capacity = gpu.memory_bytes - CONTEXT_BYTES if c.zero == 0 else 1 << 62
+    capacity = gpu.memory_bytes - CONTEXT_BYTES if c.strategy.zero_stage == 0 else 1 << 62
     results, best = compare(as_trace(events), capacity, hip)
     where = (f"in {gpu.name}'s {gpu.memory_bytes / GIB:.0f} GiB less {CONTEXT_BYTES >> 20} MiB of runtime context"
-             if c.zero == 0 else "without a capacity limit (ZeRO not applied)")
+             if c.strategy.zero_stage == 0 else "without a capacity limit (ZeRO not applied)")
     render_whatif(results, best, hip, console, f"what-if: the two traced steps' {len(events)} allocator events {where}",
                   rocm=hip is not None or gpu.vendor == "amd")
     if hip is None and gpu.vendor == "amd":
@@ -145,7 +155,7 @@ def _simulate(events: list[tuple[int, int]], c, gpu, hip: str | None, console) -
 
 
 def run(ns) -> int:
-    inp = _inputs(ns)
+    req = plan_request(ns)
     if ns.gpu and ns.gpu_mem:
         raise UserError("give --gpu or --gpu-mem, not both")
     if ns.simulate and ns.explain is None:
@@ -158,14 +168,15 @@ def run(ns) -> int:
     if not 0 <= ns.headroom < 1:
         raise UserError(f"--headroom must be in [0, 1) (got {ns.headroom})")
     cluster = Cluster(gpu, ns.gpus_per_node, ns.nodes)
-    if inp.global_batch is None:
-        per_gpu = (inp.micro_batch or 4) * (inp.grad_accum or 1)
-        inp.global_batch = per_gpu * cluster.world_size
-    seq_len = inp.seq_len or 2048
-    if seq_len <= 0 or inp.global_batch <= 0:
-        raise UserError(f"--seq-len and --global-batch must be > 0 (got {seq_len}, {inp.global_batch})")
-    workload = Workload(config_for_planning(inp.model), inp.model, seq_len, inp.global_batch, inp.lora)
-    pins = Pins(inp.ac, inp.precision, inp.zero, inp.micro_batch, inp.optimizer, inp.engine)
+    pinned = req.typed_pins()
+    if req.global_batch is None:
+        per_gpu = pinned.get("micro_batch_size", 4) * (req.grad_accum or 1)
+        req.global_batch = per_gpu * cluster.world_size
+    seq_len = req.seq_len or 2048
+    if seq_len <= 0 or req.global_batch <= 0:
+        raise UserError(f"--seq-len and --global-batch must be > 0 (got {seq_len}, {req.global_batch})")
+    workload = Workload(config_for_planning(req.model), req.model, seq_len, req.global_batch, req.lora)
+    pins = Pins(pinned, req.engine)
     result = search(workload, cluster, pins, ns.headroom)
     console = Console() if sys.stdout.isatty() else Console(width=150)  # tables stay whole in logs and pipes
     if ns.json:
@@ -176,8 +187,7 @@ def run(ns) -> int:
         closest = result.pruned[0]
         over = closest.reserved_bytes - closest.usable_bytes
         raise UserError(
-            f"nothing fits on {gpu.name}: the closest candidate (AC {closest.ac}, {closest.precision}, ZeRO-{closest.zero}, "
-            f"micro-batch {closest.micro_batch}, AdamW {closest.optimizer}) is {over / GIB:.2f} GiB over; "
+            f"nothing fits on {gpu.name}: the closest candidate ({closest.strategy.label()}) is {over / GIB:.2f} GiB over; "
             "try LoRA, more GPUs with ZeRO, or a shorter --seq-len"
         )
     if ns.explain is not None:
@@ -191,7 +201,7 @@ def run(ns) -> int:
         if ns.simulate:
             _simulate(events, chosen, gpu, ns.hip_version, console)
     if ns.write_config:
-        write_train_config(result.best, result, _train_source(inp.model), Path(ns.write_config), ns.engine,
+        write_train_config(result.best, result, _train_source(req.model), Path(ns.write_config), ns.engine,
                            ns.write_deepspeed)
         console.print(f"wrote {ns.write_config}", highlight=False)
     if ns.write_deepspeed:

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from memfit.config.schema import RunConfig, check
+from memfit.config.strategy import CheckpointPolicy
 from memfit.errors import UserError, did_you_mean
 
 
@@ -29,6 +30,10 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
             return None
         (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
         return _coerce(name, value, inner)
+    if tp is CheckpointPolicy:
+        if isinstance(value, str):
+            return CheckpointPolicy.parse(value, name)
+        raise UserError(f"{name} must be none | full | ffn | every_k:N (got {value!r})")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -129,7 +134,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """Plain data (typed values such as a ``CheckpointPolicy`` as the text a user writes)."""
+    return {
+        name: {f.name: _plain(getattr(section, f.name)) for f in dataclasses.fields(section)}
+        for name, section in ((sec.name, getattr(cfg, sec.name)) for sec in dataclasses.fields(RunConfig))
+    }
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, CheckpointPolicy):
+        return str(value)
+    return list(value) if isinstance(value, list) else value
 
 
 def dump_config(cfg: RunConfig) -> str:
@@ -143,6 +158,6 @@ def config_help() -> str:
     for sec in dataclasses.fields(RunConfig):
         lines.append(f"{sec.name}:")
         for f in dataclasses.fields(sec.default_factory()):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = _plain(f.default if f.default is not dataclasses.MISSING else f.default_factory())
             lines.append(f"  {sec.name}.{f.name} = {default!r}\n      {f.metadata.get('help', '')}")
     return "\n".join(lines)

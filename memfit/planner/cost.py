@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.config.schema import parse_ac_policy
+from memfit.config.strategy import CheckpointPolicy
 
 MFU = 0.40  # assumed model-FLOPs utilisation at bf16/fp16
 FP32_SLOWDOWN = 4.0  # fp32 matmuls vs the bf16 peak (TF32 on NVIDIA is ~2x, MI200 fp32 matrix ~4x)
@@ -50,13 +50,13 @@ class Shape:
         return self.layers * (self.attn_weights + self.mlp_weights) + self.vocab * self.hidden
 
 
-def step_flops(shape: Shape, tokens: int, seq_len: int, lora: bool, ac: str) -> float:
+def step_flops(shape: Shape, tokens: int, seq_len: int, lora: bool, ac: CheckpointPolicy) -> float:
     """Training FLOPs for ``tokens`` tokens (one optimizer step on one rank)."""
     attn_core = 2 * seq_len * shape.hidden  # per token per layer
     layer_fwd = 2 * (shape.attn_weights + shape.mlp_weights) + attn_core
     mlp_fwd = 2 * shape.mlp_weights
     fwd = shape.layers * layer_fwd + 2 * shape.vocab * shape.hidden
-    kind, k = parse_ac_policy(ac)
+    kind, k = ac.kind, ac.every
     recompute = {
         "none": 0.0,
         "full": shape.layers * layer_fwd,

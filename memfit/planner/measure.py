@@ -80,20 +80,21 @@ def measured_steady_step(spec, model=None) -> Breakdown:
     """Bytes per category at the peak of the trainer's second (steady-state) step of ``spec`` on real
     CPU tensors, measured by torch.profiler (``profiled_breakdown``). ``model`` (built in the
     precision's dtype) defaults to random weights."""
-    precision = precision_policy(spec.precision)
+    strategy = spec.strategy
+    precision = precision_policy(strategy.precision)
     if model is None:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(spec.model_config, dtype=precision.param_dtype)
     model.config.use_cache = False
     if spec.lora:
         model = apply_lora(model, spec.lora)
-    apply_activation_checkpointing(model, spec.activation_checkpointing)
+    apply_activation_checkpointing(model, strategy.activation_checkpointing)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(params, OptimizerConfig(implementation=spec.optimizer_implementation), torch.device("cpu"))
+    opt = build_optimizer(params, OptimizerConfig(implementation=strategy.optimizer), torch.device("cpu"))
     runner = StepRunner(model, params, opt, precision, torch.device("cpu"), grad_clip=1.0)
     vocab = spec.model_config.vocab_size
-    tokens = torch.randint(0, vocab, (spec.micro_batch_size, spec.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    batches = [(tokens, tokens)] * spec.grad_accum_steps
+    tokens = torch.randint(0, vocab, (strategy.micro_batch_size, spec.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    batches = [(tokens, tokens)] * strategy.grad_accum_steps
     runner.step(batches)  # step 1 creates the optimizer state
     runner.zero_grad()
     state = [v for st in opt.state.values() for v in st.values()]

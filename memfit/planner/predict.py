@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import replace
 
+from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.planner.categories import Category, StepMemory
 from memfit.planner.sharding import ShardingSpec, per_rank_moments
 from memfit.planner.trace import (
@@ -29,11 +30,11 @@ from memfit.planner.tracker import Timeline, collapse_regions
 
 
 class Predictor:
-    """Predict one device's steady-state step memory for any (AC, precision, optimizer, B, accum).
+    """Predict one device's (or rank's) steady-state step memory for any ``Strategy``.
 
     Args:
         base: a StepSpec carrying the model config, sequence length, LoRA and rounding; its
-            strategy fields are replaced per query.
+            strategy is replaced per query.
     """
 
     def __init__(self, base: StepSpec):
@@ -46,7 +47,8 @@ class Predictor:
 
     @staticmethod
     def _key(spec: StepSpec, layers: int) -> tuple:
-        return (spec.precision, spec.activation_checkpointing, spec.optimizer_implementation, spec.micro_batch_size, layers)
+        st = spec.strategy
+        return (st.precision, st.activation_checkpointing, st.optimizer, st.micro_batch_size, layers)
 
     def _trace(self, spec: StepSpec, layers: int) -> Timeline:
         key = self._key(spec, layers)
@@ -55,13 +57,14 @@ class Predictor:
             self.traces += 1
         return self._cache[key]
 
-    def _step_spec(self, ac: str, precision: str) -> StepSpec:
-        """Forward and backward do not depend on the optimizer: one implementation traces them all."""
-        return replace(self.base, activation_checkpointing=ac, precision=precision, optimizer_implementation="for-loop",
-                       micro_batch_size=1, grad_accum_steps=1)
+    def _step_spec(self, strategy: Strategy) -> StepSpec:
+        """Forward and backward depend on checkpointing and precision only (not on the optimizer, the
+        accumulation or the ZeRO stage, applied afterwards): one spec traces them for all others."""
+        return replace(self.base, strategy=Strategy(activation_checkpointing=strategy.activation_checkpointing,
+                                                    precision=strategy.precision, optimizer="for-loop"))
 
     def _optimizer_spec(self, spec: StepSpec, optimizer: str) -> StepSpec:
-        return replace(spec, activation_checkpointing="none", optimizer_implementation=optimizer, micro_batch_size=2)
+        return spec.with_strategy(activation_checkpointing=CheckpointPolicy(), optimizer=optimizer, micro_batch_size=2)
 
     def _optimizer_depths(self) -> tuple[int, ...]:
         return (2, 3) if self.depth > 3 else (self.depth,)
@@ -71,15 +74,14 @@ class Predictor:
         la, lb = extrapolation_depths(spec)
         return (self.depth,) if self.depth <= lb else (la, lb)
 
-    def _requests(self, ac: str, precision: str, optimizer: str) -> list[tuple[StepSpec, int]]:
-        """The traces ``predict(ac, precision, optimizer, ...)`` reads, for any micro-batch."""
-        spec = self._step_spec(ac, precision)
-        out = [(replace(spec, micro_batch_size=b), n) for n in self._step_depths(spec) for b in (2, 3)]
-        return out + [(self._optimizer_spec(spec, optimizer), n) for n in self._optimizer_depths()]
+    def _requests(self, strategy: Strategy) -> list[tuple[StepSpec, int]]:
+        """The traces ``predict(strategy)`` reads, for any micro-batch, accumulation and ZeRO stage."""
+        spec = self._step_spec(strategy)
+        out = [(spec.with_strategy(micro_batch_size=b), n) for n in self._step_depths(spec) for b in (2, 3)]
+        return out + [(self._optimizer_spec(spec, strategy.optimizer), n) for n in self._optimizer_depths()]
 
-    def prefetch(self, combos: Iterable[tuple[str, str, str]], workers: int | None = None) -> None:
-        """Trace, in parallel worker processes, everything ``predict`` will read for these
-        (ac, precision, optimizer) combinations. Traces are pure Python-bound work on fake tensors,
+    def prefetch(self, strategies: Iterable[Strategy], workers: int | None = None) -> None:
+        """Trace, in parallel worker processes, everything ``predict`` will read for these strategies. Traces are pure Python-bound work on fake tensors,
         so N processes take about 1/N of the time; the results are identical to tracing on demand.
 
         Args:
@@ -87,8 +89,8 @@ class Predictor:
                 1, or a platform without ``fork``, traces on demand in this process.
         """
         missing: dict[tuple, tuple[StepSpec, int]] = {}
-        for combo in combos:
-            for spec, layers in self._requests(*combo):
+        for strategy in strategies:
+            for spec, layers in self._requests(strategy):
                 key = self._key(spec, layers)
                 if key not in self._cache:
                     missing[key] = (spec, min(layers, self.depth))
@@ -107,19 +109,20 @@ class Predictor:
         B = 1 lies on that line too, but for a couple of ops (size-1 dimensions turn copies into
         views): measured over presets tiny..llama2-7b the peak differs by <= 0.003%.
         """
-        key = (spec.precision, spec.activation_checkpointing, spec.optimizer_implementation, layers, micro_batch)
+        st = spec.strategy
+        key = (st.precision, st.activation_checkpointing, st.optimizer, layers, micro_batch)
         if key not in self._moments:
-            two = self._trace(replace(spec, micro_batch_size=2), layers)
-            three = self._trace(replace(spec, micro_batch_size=3), layers)
+            two = self._trace(spec.with_strategy(micro_batch_size=2), layers)
+            three = self._trace(spec.with_strategy(micro_batch_size=3), layers)
             if two.phases == three.phases:
                 self._moments[key] = two.combine(three, micro_batch - 2).region_peaks()
             else:  # not expected; trace the batch size itself
-                self._moments[key] = self._trace(replace(spec, micro_batch_size=micro_batch), layers).region_peaks()
+                self._moments[key] = self._trace(spec.with_strategy(micro_batch_size=micro_batch), layers).region_peaks()
         return self._moments[key]
 
     def _optimizer_moments(self, spec: StepSpec) -> dict[str, tuple[int, ...]]:
         """Clipping and optimizer-step peaks: independent of micro-batch and checkpointing."""
-        key = (spec.precision, spec.optimizer_implementation)
+        key = (spec.strategy.precision, spec.strategy.optimizer)
         if key not in self._opt:
             depths = self._optimizer_depths()
             if len(depths) == 2:
@@ -130,14 +133,15 @@ class Predictor:
             self._opt[key] = {k: v for k, v in regions.items() if k in ("clip", "optimizer")}
         return self._opt[key]
 
-    def predict(self, ac: str, precision: str, optimizer: str, micro_batch: int, grad_accum: int = 1,
-                sharding: ShardingSpec | None = None) -> StepMemory:
-        """The steady-state step on one device, or on one rank of ``sharding``.
+    def predict(self, strategy: Strategy, sharding: ShardingSpec | None = None) -> StepMemory:
+        """The steady-state step of ``strategy`` on one device, or on one rank of ``sharding`` (which
+        carries the ZeRO stage's rules for this model and world size).
 
         Every moment of the step is made steady (optimizer state whole; with accumulation, forward and
         backward run with all gradients alive) and, for a rank, sharded, before the peaks are taken.
         """
-        spec = self._step_spec(ac, precision)
+        micro_batch, grad_accum = strategy.micro_batch_size, strategy.grad_accum_steps
+        spec = self._step_spec(strategy)
         depths = self._step_depths(spec)
         if len(depths) == 1:  # shallow model: traced whole
             regions = dict(self._at_batch(spec, self.depth, micro_batch))
@@ -146,7 +150,7 @@ class Predictor:
             ra, rb = self._at_batch(spec, la, micro_batch), self._at_batch(spec, lb, micro_batch)
             regions = extrapolate_regions(ra, rb, la, lb, self.depth)
         regions = {k: v for k, v in regions.items() if k.startswith(("forward", "backward"))}
-        regions.update(self._optimizer_moments(self._optimizer_spec(spec, optimizer)))
+        regions.update(self._optimizer_moments(self._optimizer_spec(spec, strategy.optimizer)))
         cats = list(Category)
         gi, oi = cats.index(Category.GRADS), cats.index(Category.OPTIMIZER)
         g_total = max(row[gi] for row in regions.values())

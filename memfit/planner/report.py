@@ -21,14 +21,9 @@ def _g(n: int) -> str:
     return f"{n / GIB:.2f}"
 
 
-def _label(c: Candidate) -> str:
-    return f"AC {c.ac}, {c.precision}, ZeRO-{c.zero}, micro-batch {c.micro_batch} x accum {c.grad_accum}, AdamW {c.optimizer}"
-
-
 def candidate_dict(c: Candidate) -> dict[str, Any]:
     return {
-        "activation_checkpointing": c.ac, "precision": c.precision, "zero_stage": c.zero,
-        "micro_batch_size": c.micro_batch, "grad_accum_steps": c.grad_accum, "optimizer": c.optimizer,
+        **c.strategy.as_dict(),
         "peak_bytes": c.memory.peak_bytes, "peak_phase": c.memory.peak_phase,
         "peak_by_category_bytes": c.memory.peak.as_dict(),
         "phase_peaks_bytes": {p: b.as_dict() for p, b in c.memory.phase_peaks.items()},
@@ -59,8 +54,9 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
         t.add_column(col, justify="right" if col not in ("AC", "precision", "AdamW") else "left")
     best = r.best.step_time_s if r.best else 1.0
     for i, c in enumerate(r.fitting[:top], 1):
-        p = c.memory.peak
-        t.add_row(str(i), c.ac, c.precision, str(c.zero), f"{c.micro_batch}x{c.grad_accum}", c.optimizer,
+        p, s = c.memory.peak, c.strategy
+        t.add_row(str(i), str(s.activation_checkpointing), s.precision, str(s.zero_stage),
+                  f"{s.micro_batch_size}x{s.grad_accum_steps}", s.optimizer,
                   _g(p[Category.PARAMS]), _g(p[Category.GRADS]), _g(p[Category.OPTIMIZER]), _g(p[Category.ACTIVATIONS]),
                   _g(p[Category.TEMPORARIES]), _g(c.memory.peak_bytes), _g(c.reserved_bytes), _g(c.headroom_bytes),
                   f"{c.step_time_s / best:.2f}x")
@@ -72,11 +68,11 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
     if r.pruned:
         console.print("closest that do not fit:", highlight=False)
         for c in r.pruned[:3]:
-            console.print(f"  {_label(c)}: {c.why_not()}", highlight=False)
+            console.print(f"  {c.strategy.label()}: {c.why_not()}", highlight=False)
 
 
 def render_explain(c: Candidate, console: Console, replayed: tuple[int, int] | None = None) -> None:
-    t = Table(title=f"per phase peak, GiB per rank: {_label(c)}")
+    t = Table(title=f"per phase peak, GiB per rank: {c.strategy.label()}")
     t.add_column("phase")
     for cat in Category:
         t.add_column(cat.value, justify="right")
@@ -102,37 +98,38 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def write_train_config(c: Candidate, r: PlanResult, source: str, path: Path, engine: str = "fsdp2",
                        deepspeed_json: str | None = None) -> None:
-    w = r.workload
+    w, s = r.workload, c.strategy
     cfg: dict = {
         "model": {"source": source},
         "data": {"seq_len": w.seq_len},
-        "strategy": {"activation_checkpointing": c.ac, "precision": c.precision},
+        "strategy": {"activation_checkpointing": str(s.activation_checkpointing), "precision": s.precision},
         "lora": {"enabled": w.lora is not None, **({"rank": w.lora.rank, "alpha": w.lora.alpha} if w.lora else {})},
-        "optimizer": {"implementation": c.optimizer},
-        "train": {"device": "cuda", "micro_batch_size": c.micro_batch, "grad_accum_steps": c.grad_accum,
+        "optimizer": {"implementation": s.optimizer},
+        "train": {"device": "cuda", "micro_batch_size": s.micro_batch_size, "grad_accum_steps": s.grad_accum_steps,
                   "global_batch_size": w.global_batch},
     }
-    header = (f"# written by memfit plan: {_label(c)}\n# predicted per-rank peak {_g(c.memory.peak_bytes)} GiB, "
+    header = (f"# written by memfit plan: {c.strategy.label()}\n# predicted per-rank peak {_g(c.memory.peak_bytes)} GiB, "
               f"reserved {_g(c.reserved_bytes)} GiB of {_g(c.usable_bytes)} GiB usable on {r.cluster.gpu.name}\n")
     if r.cluster.world_size > 1:
-        cfg["distributed"] = {"engine": engine, "zero_stage": c.zero}
+        cfg["distributed"] = {"engine": engine, "zero_stage": s.zero_stage}
         if engine == "deepspeed":
             cfg["distributed"]["deepspeed_config"] = deepspeed_json or "ds.json"
         nodes = r.cluster.world_size // r.cluster.gpus_per_node
         launch = f"--nproc-per-node {r.cluster.gpus_per_node}"
         if nodes > 1:
             launch += f" --nnodes {nodes} --node-rank <this node> --rdzv-endpoint <node 0>:29400"
-        header += f"# planned for {r.cluster.world_size} GPUs with ZeRO-{c.zero}: memfit train {path.name} {launch}\n"
+        header += f"# planned for {r.cluster.world_size} GPUs with ZeRO-{s.zero_stage}: memfit train {path.name} {launch}\n"
     _atomic_write(path, header + yaml.safe_dump(cfg, sort_keys=False))
 
 
 def write_deepspeed(c: Candidate, path: Path) -> None:
+    s = c.strategy
     ds = {
-        "train_micro_batch_size_per_gpu": c.micro_batch,
-        "gradient_accumulation_steps": c.grad_accum,
+        "train_micro_batch_size_per_gpu": s.micro_batch_size,
+        "gradient_accumulation_steps": s.grad_accum_steps,
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": c.zero, "contiguous_gradients": True, "overlap_comm": False},
-        "bf16": {"enabled": c.precision.startswith("bf16")},
-        "fp16": {"enabled": c.precision == "fp16-mixed"},
+        "zero_optimization": {"stage": s.zero_stage, "contiguous_gradients": True, "overlap_comm": False},
+        "bf16": {"enabled": s.precision.startswith("bf16")},
+        "fp16": {"enabled": s.precision == "fp16-mixed"},
     }
     _atomic_write(path, json.dumps(ds, indent=2) + "\n")

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from itertools import product
+from typing import Any
 
 from transformers import PretrainedConfig
 
 from memfit.config.schema import LoraConfig
+from memfit.config.strategy import OPTIMIZER_IMPLEMENTATIONS, PRECISION_PREFERENCE, ZERO_STAGES, Strategy, candidates
 from memfit.errors import UserError
 from memfit.planner.categories import Category, StepMemory
 from memfit.planner.cost import Shape, step_flops, step_time_s
@@ -30,8 +31,6 @@ from memfit.units import GIB
 
 ALLOCATOR_MARGIN = 0.08  # cached-but-free blocks at the peak (typical reserved/allocated of a training step)
 CONTEXT_BYTES = 512 << 20  # CUDA/HIP context, cuBLAS/hipBLASLt workspaces: device memory outside the allocator
-AC_CHOICES = ("none", "every_k:2", "ffn", "full")
-OPTIMIZER_CHOICES = ("fused", "foreach", "for-loop")
 
 
 @dataclass(frozen=True)
@@ -56,24 +55,19 @@ class Cluster:
 
 @dataclass(frozen=True)
 class Pins:
-    """Values the user fixed; ``None`` searches all."""
+    """Levers the user fixed (``Strategy`` field name to value; the others are searched) and the
+    sharding semantics of the engine they will run."""
 
-    ac: str | None = None
-    precision: str | None = None
-    zero: int | None = None
-    micro_batch: int | None = None
-    optimizer: str | None = None
+    levers: dict[str, Any] = field(default_factory=dict)
     engine: str = "fsdp2"
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self.levers.items(), key=lambda kv: kv[0])), self.engine))
 
 
 @dataclass(frozen=True)
 class Candidate:
-    ac: str
-    precision: str
-    zero: int
-    micro_batch: int
-    grad_accum: int
-    optimizer: str
+    strategy: Strategy
     memory: StepMemory  # per rank, allocated bytes
     reserved_bytes: int  # predicted device memory incl. allocator margin and context
     usable_bytes: int
@@ -123,22 +117,18 @@ def micro_batches(global_batch: int, world: int) -> list[int]:
 
 
 def _check_pins(pins: Pins, w: Workload, c: Cluster) -> None:
-    if pins.precision and pins.precision.startswith("bf16") and not c.gpu.bf16:
-        raise UserError(f"--precision {pins.precision}: {c.gpu.name} has no bf16; use fp16-mixed")
-    if pins.precision == "auto":
-        raise UserError("--precision auto is for training; the planner needs a concrete precision or none")
-    if pins.zero is not None:
-        validate(pins.zero, c.world_size, pins.engine)
-    if pins.micro_batch is not None:
+    precision, zero, micro_batch = (pins.levers.get(k) for k in ("precision", "zero_stage", "micro_batch_size"))
+    if precision and precision.startswith("bf16") and not c.gpu.bf16:
+        raise UserError(f"--precision {precision}: {c.gpu.name} has no bf16; use fp16-mixed")
+    if zero is not None:
+        validate(zero, c.world_size, pins.engine)
+    if micro_batch is not None:
         per_rank_batch = w.global_batch // c.world_size
-        if pins.micro_batch <= 0 or per_rank_batch % pins.micro_batch:
+        if micro_batch <= 0 or per_rank_batch % micro_batch:
             raise UserError(
-                f"--micro-batch {pins.micro_batch} does not divide the per-GPU batch {per_rank_batch} "
+                f"--micro-batch {micro_batch} does not divide the per-GPU batch {per_rank_batch} "
                 f"(global {w.global_batch} / {c.world_size} GPUs)"
             )
-
-
-PRECISION_PREFERENCE = ("bf16-mixed", "fp16-mixed", "bf16-pure", "fp32")  # numerically safest first
 
 
 def time_bucket(step_time_s: float) -> int:
@@ -150,56 +140,65 @@ def _rank_key(c: Candidate) -> tuple:
     """Fastest first; the cost model cannot tell apart candidates with equal FLOPs and traffic, so
     ties (within 0.5%) go to fp32 master weights, then the larger micro-batch (better kernel
     efficiency, not modelled), then the fused optimizer, then the smaller footprint."""
-    return (time_bucket(c.step_time_s), PRECISION_PREFERENCE.index(c.precision),
-            -c.micro_batch, OPTIMIZER_CHOICES.index(c.optimizer), c.reserved_bytes)
+    s = c.strategy
+    return (time_bucket(c.step_time_s), PRECISION_PREFERENCE.index(s.precision),
+            -s.micro_batch_size, OPTIMIZER_IMPLEMENTATIONS.index(s.optimizer), c.reserved_bytes)
+
+
+def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
+    """Every candidate strategy: pinned levers fixed, the others over their searched values, narrowed
+    by the hardware (precisions by bf16 support, ZeRO stages by world size) and the batch (micro-batches
+    that divide it; the accumulation follows from the global batch)."""
+    per_rank_batch = w.global_batch // c.world_size
+    choices = {
+        "precision": precisions_for(c.gpu),
+        "micro_batch_size": micro_batches(w.global_batch, c.world_size),
+        "zero_stage": ZERO_STAGES if c.world_size > 1 else (0,),
+    }
+    return [Strategy(**levers, grad_accum_steps=per_rank_batch // levers["micro_batch_size"])
+            for levers in candidates(pins.levers, choices)]
 
 
 def search(w: Workload, c: Cluster, pins: Pins = Pins(), headroom: float = 0.05, predictor: Predictor | None = None) -> PlanResult:
     """Predict every candidate; fitting ones sorted fastest first, the others with their reasons."""
     if w.seq_len > w.model_config.max_position_embeddings:
         raise UserError(f"--seq-len {w.seq_len} exceeds the model's max_position_embeddings {w.model_config.max_position_embeddings}")
-    batches = micro_batches(w.global_batch, c.world_size)
+    micro_batches(w.global_batch, c.world_size)  # the batch must split over the GPUs
     _check_pins(pins, w, c)
-    predictor = predictor or Predictor(StepSpec(w.model_config, 1, w.seq_len, lora=w.lora, round_to=512))
-    acs = [pins.ac] if pins.ac else AC_CHOICES
-    precisions = [pins.precision] if pins.precision else precisions_for(c.gpu)
-    optimizers = [pins.optimizer] if pins.optimizer else OPTIMIZER_CHOICES
-    predictor.prefetch(product(acs, precisions, optimizers))
+    strategies = search_space(w, c, pins)
+    predictor = predictor or Predictor(StepSpec(w.model_config, w.seq_len, lora=w.lora, round_to=512))
+    predictor.prefetch(strategies)
     shape = Shape.of(w.model_config)
-    zeros = [pins.zero] if pins.zero is not None else ([0, 1, 2, 3] if c.world_size > 1 else [0])
     usable = int(c.gpu.memory_bytes * (1 - headroom))
     result = PlanResult(w, c, headroom)
-    per_rank_batch = w.global_batch // c.world_size
-    for ac, precision, optimizer, mb in product(acs, precisions, optimizers,
-                                                [pins.micro_batch] if pins.micro_batch else batches):
-        accum = per_rank_batch // mb
-        lowp_param_bytes = shape.matmul_weights * (4 if precision == "fp32" else 2)
-        flops = step_flops(shape, mb * accum * w.seq_len, w.seq_len, w.lora is not None, ac)
-        for zero in zeros:
-            sharding = None
-            if c.world_size > 1:
-                sharding = ShardingSpec.for_model(zero, c.world_size, pins.engine, w.model_config, w.lora is not None)
-            mem = predictor.predict(ac, precision, optimizer, mb, accum, sharding)
-            trained_bytes = lowp_param_bytes if w.lora is None else 0  # LoRA: adapters only, negligible
-            comm = comm_bytes_per_step(lowp_param_bytes, trained_bytes, zero, c.world_size, accum)
-            cand = Candidate(
-                ac, precision, zero, mb, accum, optimizer, mem,
-                reserved_estimate(mem.peak_bytes), usable,
-                step_time_s(flops, c.gpu.peak_tflops, precision, comm, c.gpu.link_GBps, c.nodes), comm,
-            )
-            (result.fitting if cand.fits else result.pruned).append(cand)
+    for strategy in strategies:
+        lowp_param_bytes = shape.matmul_weights * (4 if strategy.precision == "fp32" else 2)
+        tokens = strategy.micro_batch_size * strategy.grad_accum_steps * w.seq_len
+        flops = step_flops(shape, tokens, w.seq_len, w.lora is not None, strategy.activation_checkpointing)
+        sharding = None
+        if c.world_size > 1:
+            sharding = ShardingSpec.for_model(strategy.zero_stage, c.world_size, pins.engine, w.model_config,
+                                              w.lora is not None)
+        mem = predictor.predict(strategy, sharding)
+        trained_bytes = lowp_param_bytes if w.lora is None else 0  # LoRA: adapters only, negligible
+        comm = comm_bytes_per_step(lowp_param_bytes, trained_bytes, strategy.zero_stage, c.world_size,
+                                   strategy.grad_accum_steps)
+        cand = Candidate(
+            strategy, mem, reserved_estimate(mem.peak_bytes), usable,
+            step_time_s(flops, c.gpu.peak_tflops, strategy.precision, comm, c.gpu.link_GBps, c.nodes), comm,
+        )
+        (result.fitting if cand.fits else result.pruned).append(cand)
     result.fitting.sort(key=_rank_key)
     result.pruned.sort(key=lambda k: k.reserved_bytes)
     result.traces = predictor.traces
     return result
 
 
-def predict_run(model_config: PretrainedConfig, seq_len: int, micro_batch: int, grad_accum: int, ac: str,
-                precision: str, optimizer: str, lora: LoraConfig | None, on_gpu: bool,
-                sharding: ShardingSpec | None = None) -> StepMemory:
+def predict_run(model_config: PretrainedConfig, seq_len: int, strategy: Strategy, lora: LoraConfig | None,
+                on_gpu: bool, sharding: ShardingSpec | None = None) -> StepMemory:
     """The planner's prediction for exactly one training configuration on one device (or one rank)."""
-    predictor = Predictor(StepSpec(model_config, 1, seq_len, lora=lora, round_to=512 if on_gpu else 1))
-    return predictor.predict(ac, precision, optimizer, micro_batch, grad_accum, sharding)
+    predictor = Predictor(StepSpec(model_config, seq_len, lora=lora, round_to=512 if on_gpu else 1))
+    return predictor.predict(strategy, sharding)
 
 
 def reserved_estimate(peak_bytes: int) -> int:
@@ -207,8 +206,8 @@ def reserved_estimate(peak_bytes: int) -> int:
     return int(peak_bytes * (1 + ALLOCATOR_MARGIN)) + CONTEXT_BYTES
 
 
-def step_allocations(model_config: PretrainedConfig, seq_len: int, micro_batch: int, grad_accum: int, ac: str,
-                     precision: str, optimizer: str, lora: LoraConfig | None) -> list[tuple[int, int]]:
+def step_allocations(model_config: PretrainedConfig, seq_len: int, strategy: Strategy,
+                     lora: LoraConfig | None) -> list[tuple[int, int]]:
     """The first two full-depth steps of one configuration on one device as allocations and releases
     of 512-byte-rounded blocks, for the allocator model (ZeRO not applied; two micro-batches stand for
     any longer accumulation: later ones repeat the second's). The second step is the steady state.
@@ -216,7 +215,8 @@ def step_allocations(model_config: PretrainedConfig, seq_len: int, micro_batch: 
     steps came within -0.35% to -0.84% for four and -4.7% for the fifth (one traced step: -0.4% to
     -5.6%; benchmarks/RESULTS.md)."""
 
-    spec = StepSpec(model_config, micro_batch, seq_len, precision, ac, optimizer, lora, min(grad_accum, 2), 512)
+    two = strategy.replace(grad_accum_steps=min(strategy.grad_accum_steps, 2), zero_stage=0)
+    spec = StepSpec(model_config, seq_len, two, lora, 512)
     return trace_allocations(spec, steps=2)
 
 

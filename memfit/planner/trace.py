@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from memfit.config.schema import LoraConfig, OptimizerConfig, parse_ac_policy
+from memfit.config.schema import LoraConfig, OptimizerConfig
+from memfit.config.strategy import Strategy
 from memfit.planner.categories import Breakdown, Category, StepMemory
 from memfit.planner.tracker import StepTracker, Timeline, collapse_regions
 from memfit.step.runner import StepRunner
@@ -46,17 +47,21 @@ CPU = torch.device("cpu")
 
 @dataclass(frozen=True)
 class StepSpec:
-    """Everything that decides the memory of one training step on one device (rank)."""
+    """Everything that decides the memory of one training step on one device (rank).
+
+    The trace runs the step unsharded: ``strategy.zero_stage`` is applied afterwards, per moment, by
+    ``sharding.per_rank_moments``.
+    """
 
     model_config: PretrainedConfig
-    micro_batch_size: int
     seq_len: int
-    precision: str = "fp32"  # a concrete policy, not "auto"
-    activation_checkpointing: str = "none"
-    optimizer_implementation: str = "foreach"  # a concrete implementation, not "auto"
+    strategy: Strategy = Strategy()
     lora: LoraConfig | None = None
-    grad_accum_steps: int = 1
     round_to: int = 1  # 512 for a CUDA/HIP caching allocator's block rounding
+
+    def with_strategy(self, **changes) -> StepSpec:
+        """This spec with some levers changed."""
+        return replace(self, strategy=self.strategy.replace(**changes))
 
 
 def _build_fake_model(spec: StepSpec, num_layers: int, fake_mode: FakeTensorMode):
@@ -65,12 +70,12 @@ def _build_fake_model(spec: StepSpec, num_layers: int, fake_mode: FakeTensorMode
     if hasattr(config, "layer_types") and config.layer_types is not None:
         config.layer_types = config.layer_types[:num_layers]
     config.use_cache = False
-    precision = precision_policy(spec.precision)
+    precision = precision_policy(spec.strategy.precision)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=precision.param_dtype)
     if spec.lora is not None:
         model = apply_lora(model, spec.lora)
-    apply_activation_checkpointing(model, spec.activation_checkpointing)
+    apply_activation_checkpointing(model, spec.strategy.activation_checkpointing)
     with fake_mode:
         model.to_empty(device=CPU)
     if getattr(config, "tie_word_embeddings", False):
@@ -107,10 +112,10 @@ def _traced(spec: StepSpec, num_layers: int | None, steps: int = 1) -> StepTrack
     model.train()
     with fake_mode:
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(params, OptimizerConfig(implementation=spec.optimizer_implementation), CPU)
+        optimizer = build_optimizer(params, OptimizerConfig(implementation=spec.strategy.optimizer), CPU)
         runner = StepRunner(model, params, optimizer, precision, CPU, grad_clip=1.0)
-        shape = (spec.micro_batch_size, spec.seq_len + 1)  # (B, T+1)
-        batches = [(torch.zeros(shape, dtype=torch.long),) * 2 for _ in range(spec.grad_accum_steps)]
+        shape = (spec.strategy.micro_batch_size, spec.seq_len + 1)  # (B, T+1)
+        batches = [(torch.zeros(shape, dtype=torch.long),) * 2 for _ in range(spec.strategy.grad_accum_steps)]
         tracker = StepTracker(model, optimizer, spec.round_to)
         tracker.track([*model.parameters(), *model.buffers(), *(t for b in batches for t in b)])
         with tracker, _masks_as_on_real_tensors():
@@ -178,8 +183,8 @@ def extrapolate_regions(
 
 def extrapolation_depths(spec: StepSpec) -> tuple[int, int]:
     """The two depths traced: (2, 3) layers, or (N, 2N) for every_k:N (whole groups of wrapped layers)."""
-    kind, k = parse_ac_policy(spec.activation_checkpointing)
-    return (k, 2 * k) if kind == "every_k" and k > 1 else (2, 3)
+    ac = spec.strategy.activation_checkpointing
+    return (ac.every, 2 * ac.every) if ac.kind == "every_k" and ac.every > 1 else (2, 3)
 
 
 def extrapolated_step(spec: StepSpec) -> StepMemory:

@@ -19,7 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from memfit.config.schema import parse_ac_policy
+from memfit.config.strategy import CheckpointPolicy
 from memfit.models.load import decoder_layers
 
 
@@ -27,13 +27,13 @@ def _wrap(module: torch.nn.Module) -> torch.nn.Module:
     return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=True)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, policy: str) -> int:
+def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPolicy) -> int:
     """Wrap the modules ``policy`` selects, in place.
 
     Returns:
         how many modules were wrapped.
     """
-    kind, k = parse_ac_policy(policy)
+    kind, k = policy.kind, policy.every
     if kind == "none":
         return 0
     layers = decoder_layers(model)

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from memfit.config.strategy import Strategy, levers
 from memfit.errors import UserError
 from memfit.telemetry.metrics_file import read_metrics
 from memfit.units import GIB
@@ -36,16 +37,17 @@ DEFAULT_TOLERANCE = 3e-2
 _OOM = re.compile(r"an allocation of [\d.]+ GiB \((\d+) bytes\) failed")
 
 
+BENCH_AXES = ("activation_checkpointing", "precision", "micro_batch_size")
+"""Levers every cell sets explicitly (the others follow the base config, except a multi-rank cell's ZeRO stage)."""
+
+
 @dataclass
 class Cell:
-    ac: str
-    precision: str
-    micro_batch: int
+    strategy: Strategy  # grad_accum_steps is derived from the global batch when the cell's command is built
     lora: bool
-    zero: int | None = None  # ZeRO stage of a multi-rank cell (None: one process)
-    nproc: int = 1
+    nproc: int = 1  # ranks: 1 runs one process, more run torchrun with strategy.zero_stage
+    axes: tuple[str, ...] = BENCH_AXES  # the levers this cell passes to memfit train
     status: str = "pending"  # ok | oom | failed
-    grad_accum: int = 1
     median_step_time_s: float | None = None
     step_time_spread_s: float | None = None
     tokens_per_s: float | None = None
@@ -67,41 +69,55 @@ class Cell:
 
     @property
     def name(self) -> str:
-        ranks = "" if self.zero is None else f"_zero{self.zero}x{self.nproc}"
-        return f"ac-{self.ac.replace(':', '')}_{self.precision}_mb{self.micro_batch}_{'lora' if self.lora else 'full'}{ranks}"
+        s = self.strategy
+        ranks = "" if self.nproc == 1 else f"_zero{s.zero_stage}x{self.nproc}"
+        ac = str(s.activation_checkpointing).replace(":", "")
+        return f"ac-{ac}_{s.precision}_mb{s.micro_batch_size}_{'lora' if self.lora else 'full'}{ranks}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The cell for ``results.json``: its levers by name beside what was measured."""
+        fields = {k: v for k, v in asdict(self).items() if k not in ("strategy", "axes")}
+        return {"name": self.name, **self.strategy.as_dict(), **fields}
 
     @property
     def peak_bytes(self) -> int | None:
         return self.peak_allocated_bytes if self.peak_allocated_bytes is not None else self.peak_rss_bytes
 
 
-def matrix(acs: list[str], precisions: list[str], micro_batches: list[int], loras: list[bool],
-           zeros: list[int | None] = (None,), nproc: int = 2) -> list[Cell]:
-    """Every combination; cells with a ZeRO stage run on ``nproc`` ranks through torchrun."""
-    return [Cell(a, p, m, lo, z, 1 if z is None else nproc)
-            for a, p, m, lo, z in itertools.product(acs, precisions, micro_batches, loras, zeros)]
+def matrix(axes: dict[str, list], loras: list[bool], zeros: list[int | None] = (None,), nproc: int = 2) -> list[Cell]:
+    """Every combination of the ``axes`` (``Strategy`` lever name to values, in lever order), LoRA and ZeRO
+    stage; cells with a ZeRO stage (not None) run on ``nproc`` ranks through torchrun."""
+    names = [n for n in levers() if n in axes]
+    cells = []
+    for values in itertools.product(*(axes[n] for n in names)):
+        for lora, zero in itertools.product(loras, zeros):
+            strategy = Strategy(**dict(zip(names, values)), zero_stage=zero or 0)
+            cells.append(Cell(strategy, lora, 1 if zero is None else nproc, tuple(names)))
+    return cells
 
 
 def profiled(cell: Cell) -> bool:
     """Engines whose every buffer torch.profiler sees (not DDP's gradient buckets, made at start-up)."""
-    return cell.zero in (None, 2, 3)
+    return cell.nproc == 1 or cell.strategy.zero_stage in (2, 3)
 
 
 def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: int, extra: list[str]) -> list[str]:
-    per_pass = cell.micro_batch * cell.nproc
+    s = cell.strategy
+    per_pass = s.micro_batch_size * cell.nproc
     if global_batch % per_pass:
-        raise UserError(f"--micro-batch {cell.micro_batch} x {cell.nproc} rank(s) does not divide the global batch {global_batch}")
-    cell.grad_accum = global_batch // per_pass
-    zero = [] if cell.zero is None else [f"distributed.zero_stage={cell.zero}"]
+        raise UserError(f"--micro-batch {s.micro_batch_size} x {cell.nproc} rank(s) does not divide the global batch {global_batch}")
+    cell.strategy = s = s.replace(grad_accum_steps=global_batch // per_pass)
+    pins = [o for o, name in zip(s.overrides(), levers()) if name in cell.axes]
+    if cell.nproc > 1:
+        pins.append(f"{levers()['zero_stage'].config_key}={s.zero_stage}")
     steps += 1  # the inspected step, outside the timed ones
-    zero.append(f"train.snapshot_at_step={steps}")
+    inspect = [f"train.snapshot_at_step={steps}"]
     if profiled(cell):
-        zero.append(f"train.profile_step={steps}")
-    launch = [] if cell.zero is None else ["--nproc-per-node", str(cell.nproc)]
+        inspect.append(f"train.profile_step={steps}")
+    launch = [] if cell.nproc == 1 else ["--nproc-per-node", str(cell.nproc)]
     return [
-        sys.executable, "-m", "memfit.cli", "train", config, *extra, *zero,
-        f"strategy.activation_checkpointing={cell.ac}", f"strategy.precision={cell.precision}",
-        f"train.micro_batch_size={cell.micro_batch}", f"train.global_batch_size={global_batch}",
+        sys.executable, "-m", "memfit.cli", "train", config, *extra, *inspect, *pins,
+        f"train.global_batch_size={global_batch}",
         f"lora.enabled={'true' if cell.lora else 'false'}", f"train.max_steps={steps}", "train.eval_every=0",
         "train.eval_batches=1", "train.keep_checkpoints=0", "train.frag_every=1", "train.log_every=1", "output.export=false",
         f"output.dir={out / 'cells' / cell.name}", *launch,
@@ -158,7 +174,7 @@ def flag_losses(cells: list[Cell]) -> None:
     groups: dict[tuple, list[Cell]] = {}
     for c in cells:
         if c.status == "ok":
-            groups.setdefault((c.precision, c.lora), []).append(c)
+            groups.setdefault((c.strategy.precision, c.lora), []).append(c)
     for (precision, _), group in groups.items():
         ref = statistics.median(c.loss for c in group)
         tol = LOSS_TOLERANCE.get(precision, DEFAULT_TOLERANCE)
@@ -180,7 +196,7 @@ def rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
     for c in cells:
         note = c.loss_flag or (f"OOM asking for {c.oom_request_bytes / GIB:.2f} GiB" if c.status == "oom" and c.oom_request_bytes else c.message)
         body.append([
-            c.name, c.status, f"{c.nproc}x{c.micro_batch}x{c.grad_accum}", _fmt_gib(c.peak_bytes), _fmt_gib(c.peak_reserved_bytes),
+            c.name, c.status, f"{c.nproc}x{c.strategy.micro_batch_size}x{c.strategy.grad_accum_steps}", _fmt_gib(c.peak_bytes), _fmt_gib(c.peak_reserved_bytes),
             _fmt_gib(c.modelled_reserved_bytes),
             "" if c.fragmentation_ratio is None else f"{c.fragmentation_ratio:.3f}",
             _fmt_gib(c.profiled_peak_bytes),
@@ -214,7 +230,7 @@ def write_progress(cells: list[Cell], out: Path) -> None:
     """``results.json`` after each cell (cells not run yet say "pending"), replaced atomically, so an
     interrupted bench keeps what it measured."""
     tmp = out / ".results.json.tmp"
-    tmp.write_text(json.dumps([asdict(c) | {"name": c.name} for c in cells], indent=1) + "\n")
+    tmp.write_text(json.dumps([c.as_dict() for c in cells], indent=1) + "\n")
     tmp.replace(out / "results.json")
 
 

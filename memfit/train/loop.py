@@ -18,7 +18,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from memfit.allocator.whatif import as_trace, replay, settings_from_conf
-from memfit.config.schema import RunConfig, grad_accum_steps
+from memfit.config.schema import RunConfig, grad_accum_steps, run_strategy
 from memfit.device import device_name, resolve_device
 from memfit.distributed.deepspeed_engine import (
     ds_reader,
@@ -117,6 +117,8 @@ class Trainer:
         self.kind = engine_name(ctx, d.engine, d.zero_stage)
         self.accum = grad_accum_steps(cfg, ctx.world_size)
         self.precision = resolve_precision(cfg.strategy.precision, self.device)
+        self.strategy = run_strategy(cfg, self.precision.name, resolve_implementation(cfg.optimizer.implementation,
+                                                                                      self.device), ctx.world_size)
         self.run, self.resume_from = on_main(ctx, lambda: prepare_run_dir(cfg))
 
         # may convert the embedded GGUF (with its progress bar): rank 0 first, the others then hit the cache
@@ -217,33 +219,29 @@ class Trainer:
             UserError: on a GPU, when the prediction does not fit its memory (or memory_fraction).
         """
         cfg, gpu = self.cfg, self.device.type == "cuda"
-        impl = resolve_implementation(cfg.optimizer.implementation, self.device)
+        lora = cfg.lora if cfg.lora.enabled else None
         sharding = None
         if self.ctx.distributed:
             engine = "deepspeed" if self.kind == "deepspeed" else "fsdp2"
             sharding = ShardingSpec.for_model(cfg.distributed.zero_stage, self.ctx.world_size, engine, mconf,
                                               cfg.lora.enabled)
-        step = predict_run(mconf, cfg.data.seq_len, cfg.train.micro_batch_size, self.accum,
-                           cfg.strategy.activation_checkpointing, self.precision.name, impl,
-                           cfg.lora if cfg.lora.enabled else None, on_gpu=gpu, sharding=sharding)
+        step = predict_run(mconf, cfg.data.seq_len, self.strategy, lora, on_gpu=gpu, sharding=sharding)
         if gpu:
             total = torch.cuda.get_device_properties(self.device).total_memory
             capacity = int(total * (cfg.allocator.memory_fraction or 1.0))
             if cfg.train.allocator_model and not self.ctx.distributed:
-                self.replayed = self._replay_steps(mconf, impl, total)
+                self.replayed = self._replay_steps(mconf, total)
             check_fits(step, capacity, device_name(self.device), self.replayed)
         return step
 
-    def _replay_steps(self, mconf, impl: str, total_bytes: int):
+    def _replay_steps(self, mconf, total_bytes: int):
         """The planned first two steps replayed through the caching-allocator model under the settings
         this process runs with, in the device's memory less the runtime context (and the memory
         fraction, which the model applies): its peak reserved memory, and whether it runs out."""
 
         cfg = self.cfg
         settings = settings_from_conf(conf_in_effect(), cfg.allocator.memory_fraction, torch.version.hip)
-        events = step_allocations(mconf, cfg.data.seq_len, cfg.train.micro_batch_size, self.accum,
-                                  cfg.strategy.activation_checkpointing, self.precision.name, impl,
-                                  cfg.lora if cfg.lora.enabled else None)
+        events = step_allocations(mconf, cfg.data.seq_len, self.strategy, cfg.lora if cfg.lora.enabled else None)
         return replay(as_trace(events), settings, total_bytes - CONTEXT_BYTES)
 
     # -- pieces -----------------------------------------------------------------------------------
@@ -386,7 +384,7 @@ class Trainer:
         display.log(
             f"memfit train: {cfg.model.source} on {label}{ranks}, "
             f"{'LoRA r=' + str(cfg.lora.rank) if cfg.lora.enabled else 'full fine-tune'}, "
-            f"AdamW {resolve_implementation(cfg.optimizer.implementation, self.device)}, "
+            f"AdamW {self.strategy.optimizer}, "
             f"{len(self.train_ds)} train / {sum(len(b[0]) for b in self.eval)} eval sequences of {cfg.data.seq_len} tokens, "
             f"global batch {ctx.world_size * t.micro_batch_size * self.accum}"
         )

@@ -1,0 +1,183 @@
+"""The strategy vocabulary: every memory lever's choices, how it is parsed, and the ``Strategy`` value.
+
+A lever is one field of ``Strategy``. Its ``Lever`` metadata names the run-config key that sets it, the
+``memfit plan`` / ``memfit bench`` flag that pins it, and the values the planner searches when it is not
+pinned. The same ``Strategy`` value is the planner's pins and candidates, a bench cell's configuration,
+the traced step's configuration and what the trainer resolves its config to, so a new lever is one
+field here plus its implementation (the strategy module that applies it and the planner that traces it).
+
+Choices are listed once, here: the config schema, the planner and the commands import them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.errors import UserError, did_you_mean
+
+AC_KINDS = ("none", "full", "ffn", "every_k")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
+"""Concrete precision policies; ``auto`` (config only) resolves to one of them on the device."""
+PRECISION_CHOICES = ("auto", *PRECISIONS)
+PRECISION_PREFERENCE = ("bf16-mixed", "fp16-mixed", "bf16-pure", "fp32")
+"""Numerically safest first: the planner's tie-break between equally fast candidates."""
+OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
+"""AdamW implementations, in the planner's order of preference; ``auto`` (config only) picks by device."""
+OPTIMIZER_CHOICES = ("auto", *OPTIMIZER_IMPLEMENTATIONS)
+ZERO_STAGES = (0, 1, 2, 3)
+
+_EVERY_K = re.compile(r"^every_k:(\d+)$")
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """An activation-checkpointing policy: ``none | full | ffn | every_k:N`` (always non-reentrant).
+
+    ``every`` is N for ``every_k:N`` and 1 otherwise; ``str()`` gives the text a user writes.
+    """
+
+    kind: str = "none"
+    every: int = 1
+
+    @classmethod
+    def parse(cls, text: Any, name: str = "strategy.activation_checkpointing") -> CheckpointPolicy:
+        """The policy ``text`` spells.
+
+        Raises:
+            UserError: naming ``name``, for anything but none | full | ffn | every_k:N with N >= 1.
+        """
+        if isinstance(text, CheckpointPolicy):
+            return text
+        text = str(text)
+        if text in AC_KINDS and text != "every_k":
+            return cls(text)
+        m = _EVERY_K.match(text)
+        if m and int(m.group(1)) >= 1:
+            return cls("every_k", int(m.group(1)))
+        raise UserError(f"{name} must be none | full | ffn | every_k:N with N >= 1 (got '{text}')"
+                        f"{did_you_mean(text, AC_KINDS[:3])}")
+
+    def __str__(self) -> str:
+        return f"every_k:{self.every}" if self.kind == "every_k" else self.kind
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
+    def parse(text: Any, name: str) -> str:
+        if text not in choices:
+            raise UserError(f"{name} must be one of {' | '.join(choices)} (got '{text}'){did_you_mean(str(text), choices)}")
+        return text
+    return parse
+
+
+def _int_in(allowed: tuple[int, ...] | None) -> Callable[[Any, str], int]:
+    def parse(text: Any, name: str) -> int:
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise UserError(f"{name} must be an integer (got '{text}')") from None
+        if (allowed is not None and value not in allowed) or value <= 0 and allowed is None:
+            need = " | ".join(map(str, allowed)) if allowed else "> 0"
+            raise UserError(f"{name} must be {need} (got {value})")
+        return value
+    return parse
+
+
+@dataclass(frozen=True)
+class Lever:
+    """What memfit knows about one field of ``Strategy``.
+
+    Attributes:
+        config_key: ``section.key`` of the run config that sets it.
+        flag: the ``memfit plan`` / ``memfit bench`` flag that pins it (None: derived, not pinned).
+        searched: the values ``memfit plan`` tries when it is not pinned (the planner narrows some by
+            hardware: precisions by bf16 support, ZeRO stages by world size, micro-batches by batch).
+        parse: ``(text, name) -> value``, raising a UserError that names ``name``.
+    """
+
+    config_key: str
+    flag: str | None
+    searched: tuple
+    parse: Callable[[Any, str], Any]
+
+
+def _lever(default: Any, config_key: str, flag: str | None, searched: tuple, parse: Callable[[Any, str], Any]):
+    return field(default=default, metadata={"lever": Lever(config_key, flag, searched, parse)})
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One choice of every memory lever, concrete (no ``auto``): per rank, per optimizer step.
+
+    Field order is the planner's enumeration order (the last varies fastest).
+    """
+
+    activation_checkpointing: CheckpointPolicy = _lever(
+        CheckpointPolicy(), "strategy.activation_checkpointing", "--ac",
+        (CheckpointPolicy("none"), CheckpointPolicy("every_k", 2), CheckpointPolicy("ffn"), CheckpointPolicy("full")),
+        CheckpointPolicy.parse)
+    precision: str = _lever("fp32", "strategy.precision", "--precision", PRECISIONS, _choice(PRECISIONS))
+    optimizer: str = _lever("foreach", "optimizer.implementation", "--optimizer", OPTIMIZER_IMPLEMENTATIONS,
+                            _choice(OPTIMIZER_IMPLEMENTATIONS))
+    micro_batch_size: int = _lever(1, "train.micro_batch_size", "--micro-batch", (), _int_in(None))
+    zero_stage: int = _lever(0, "distributed.zero_stage", "--zero", ZERO_STAGES, _int_in(ZERO_STAGES))
+    grad_accum_steps: int = _lever(1, "train.grad_accum_steps", None, (), _int_in(None))
+
+    def replace(self, **changes: Any) -> Strategy:
+        return dataclasses.replace(self, **changes)
+
+    def overrides(self) -> list[str]:
+        """``section.key=value`` for every lever: this strategy as ``memfit train`` overrides."""
+        return [f"{lever.config_key}={getattr(self, name)}" for name, lever in levers().items()]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Lever name to plain value (policies as their text): for JSON and tables."""
+        return {name: _plain(getattr(self, name)) for name in levers()}
+
+    def label(self) -> str:
+        """The strategy in one line, as tables and messages print it."""
+        return (f"AC {self.activation_checkpointing}, {self.precision}, ZeRO-{self.zero_stage}, micro-batch "
+                f"{self.micro_batch_size} x accum {self.grad_accum_steps}, AdamW {self.optimizer}")
+
+
+def levers() -> dict[str, Lever]:
+    """Every lever of ``Strategy`` by field name, in enumeration order."""
+    return {f.name: f.metadata["lever"] for f in dataclasses.fields(Strategy)}
+
+
+def _plain(value: Any) -> Any:
+    return str(value) if isinstance(value, CheckpointPolicy) else value
+
+
+def parse_pins(values: dict[str, Any], where: Callable[[Lever], str]) -> dict[str, Any]:
+    """Typed pins from user text, lever by lever (``None`` values are left out).
+
+    Args:
+        where: names the source of a value for messages, e.g. ``lambda lever: lever.flag``.
+    """
+    table = levers()
+    return {name: table[name].parse(v, where(table[name])) for name, v in values.items() if v is not None}
+
+
+def candidates(pins: dict[str, Any], choices: dict[str, tuple]) -> Iterator[dict[str, Any]]:
+    """Every combination of the searched levers: a pinned value, else ``choices[name]`` (the planner's
+    narrowing), else the lever's own ``searched``; levers with none of these are left to the caller."""
+    names, pools = [], []
+    for name, lever in levers().items():
+        pool = (pins[name],) if name in pins else choices.get(name, lever.searched)
+        if pool:
+            names.append(name)
+            pools.append(tuple(pool))
+
+    def walk(i: int, acc: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        if i == len(names):
+            yield dict(acc)
+            return
+        for v in pools[i]:
+            acc[names[i]] = v
+            yield from walk(i + 1, acc)
+
+    yield from walk(0, {})

@@ -1,0 +1,60 @@
+"""One strategy vocabulary: every lever is one field of ``Strategy`` and flows through config, planner and bench."""
+
+import dataclasses
+
+import pytest
+
+from memfit.config.loader import load_config
+from memfit.config.schema import RunConfig, run_strategy
+from memfit.config.strategy import CheckpointPolicy, Strategy, candidates, levers
+from memfit.errors import UserError
+from memfit.models.presets import preset_config
+from memfit.planner.hardware import gpu_preset
+from memfit.planner.search import Cluster, Pins, Workload, search_space
+from memfit.telemetry.bench import matrix
+
+
+def test_every_strategy_field_is_a_lever_whose_config_key_exists():
+    cfg = RunConfig()
+    assert list(levers()) == [f.name for f in dataclasses.fields(Strategy)]
+    for name, lever in levers().items():
+        section, key = lever.config_key.split(".")
+        assert hasattr(getattr(cfg, section), key), (name, lever.config_key)
+
+
+def test_a_strategy_round_trips_through_train_overrides():
+    strategy = Strategy(CheckpointPolicy("every_k", 3), "bf16-pure", "for-loop", 4, 2, 3)
+    cfg = load_config(None, strategy.overrides())
+    assert run_strategy(cfg, cfg.strategy.precision, cfg.optimizer.implementation, world_size=2) == strategy
+
+
+def test_one_process_runs_zero_stage_0_whatever_the_config_says():
+    cfg = load_config(None, ["distributed.zero_stage=3"])
+    assert run_strategy(cfg, "fp32", "foreach", world_size=1).zero_stage == 0
+
+
+@pytest.mark.parametrize("name, bad", [("activation_checkpointing", "some"), ("precision", "auto"),
+                                       ("optimizer", "adam"), ("micro_batch_size", "0"), ("zero_stage", "4")])
+def test_each_lever_parses_user_text_and_names_the_flag_on_error(name, bad):
+    lever = levers()[name]
+    with pytest.raises(UserError, match=lever.flag or lever.config_key):
+        lever.parse(bad, lever.flag or lever.config_key)
+
+
+def test_candidates_walk_searched_levers_in_field_order_last_fastest():
+    combos = list(candidates({"precision": "fp32"}, {"micro_batch_size": (1, 2), "zero_stage": (0,)}))
+    searched_ac = levers()["activation_checkpointing"].searched
+    assert len(combos) == len(searched_ac) * 1 * 3 * 2 * 1
+    assert [c["micro_batch_size"] for c in combos[:2]] == [1, 2]
+    assert {c["precision"] for c in combos} == {"fp32"}
+
+
+def test_planner_candidates_and_bench_cells_are_strategies():
+    w = Workload(preset_config("tiny"), "tiny", 64, 8)
+    space = search_space(w, Cluster(gpu_preset("h100"), 2), Pins({"optimizer": "fused"}))
+    assert all(isinstance(s, Strategy) and s.micro_batch_size * s.grad_accum_steps * 2 == 8 for s in space)
+    assert {s.zero_stage for s in space} == {0, 1, 2, 3}
+    cells = matrix({"activation_checkpointing": [CheckpointPolicy("ffn")], "precision": ["fp32"],
+                    "micro_batch_size": [2]}, [False], [None, 3])
+    assert [c.name for c in cells] == ["ac-ffn_fp32_mb2_full", "ac-ffn_fp32_mb2_full_zero3x2"]
+    assert cells[1].strategy.zero_stage == 3 and cells[1].nproc == 2
