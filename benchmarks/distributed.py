@@ -55,16 +55,27 @@ def main() -> None:
     out.mkdir(parents=True)
     ds_json = out / "ds.json"
     ds_json.write_text(json.dumps(DS_FP32))
-    base = ["model.source=random:tiny", "data.seq_len=64", "data.max_documents=2", "strategy.precision=fp32",
-            f"train.max_steps={ns.steps}", "train.eval_every=0", "train.eval_batches=1", "output.export=false",
-            "train.micro_batch_size=2", "train.global_batch_size=4", f"distributed.deepspeed_config={ds_json}"]
+    base = [
+        "model.source=random:tiny",
+        "data.seq_len=64",
+        "data.max_documents=2",
+        "strategy.precision=fp32",
+        f"train.max_steps={ns.steps}",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "output.export=false",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        f"distributed.deepspeed_config={ds_json}",
+    ]
     rows, curves = [], {}
     for name, extra in ENGINES.items():
         recs, wall = run(out, name.split(" ")[0].lower() + "-" + str(len(rows)), base + extra, 1 if not extra else 2)
         steps = [r for r in recs if r["kind"] == "step"]
         curves[name] = [r["loss"] for r in steps]
-        rows.append({"engine": name, "median_step_s": statistics.median(r["step_time_s"] for r in steps[1:]),
-                     "wall_s": wall})
+        rows.append(
+            {"engine": name, "median_step_s": statistics.median(r["step_time_s"] for r in steps[1:]), "wall_s": wall}
+        )
     ref = curves["one process"]
     for row in rows:
         got = curves[row["engine"]]
@@ -73,16 +84,40 @@ def main() -> None:
     # per-rank tensor peak (torch.profiler) vs the planner, on a SmolLM2-135M-shaped model
     profiled = []
     for stage in (2, 3):
-        recs, _ = run(out, f"profile-zero{stage}", [
-            "model.source=random:smollm2-135m", "data.seq_len=64", "data.max_documents=2", "strategy.precision=fp32",
-            "train.max_steps=3", "train.profile_step=2", "train.micro_batch_size=1", "train.eval_every=0",
-            "train.eval_batches=1", "output.export=false", f"distributed.zero_stage={stage}"], 2)
+        recs, _ = run(
+            out,
+            f"profile-zero{stage}",
+            [
+                "model.source=random:smollm2-135m",
+                "data.seq_len=64",
+                "data.max_documents=2",
+                "strategy.precision=fp32",
+                "train.max_steps=3",
+                "train.profile_step=2",
+                "train.micro_batch_size=1",
+                "train.eval_every=0",
+                "train.eval_batches=1",
+                "output.export=false",
+                f"distributed.zero_stage={stage}",
+            ],
+            2,
+        )
         rec = next(r for r in recs if "rank_profiled_peak_bytes" in r)
-        profiled.append({"stage": stage, "ranks": rec["rank_profiled_peak_bytes"], "predicted": rec["predicted_peak_bytes"],
-                         "error_pct": 100 * (rec["predicted_peak_bytes"] - rec["profiled_peak_bytes"]) / rec["profiled_peak_bytes"]})
+        profiled.append(
+            {
+                "stage": stage,
+                "ranks": rec["rank_profiled_peak_bytes"],
+                "predicted": rec["predicted_peak_bytes"],
+                "error_pct": 100
+                * (rec["predicted_peak_bytes"] - rec["profiled_peak_bytes"])
+                / rec["profiled_peak_bytes"],
+            }
+        )
 
-    print(f"2 ranks, gloo, CPU; tiny preset, global batch 4 (2 ranks x 2), T=64, fp32, {ns.steps} steps; "
-          f"{datetime.now(timezone.utc).date()} on {platform.node()} ({platform.machine()})\n")
+    print(
+        f"2 ranks, gloo, CPU; tiny preset, global batch 4 (2 ranks x 2), T=64, fp32, {ns.steps} steps; "
+        f"{datetime.now(timezone.utc).date()} on {platform.node()} ({platform.machine()})\n"
+    )
     print("| engine | max relative loss difference vs one process | median step time (s) |")
     print("|---|---:|---:|")
     for r in rows:
@@ -91,8 +126,10 @@ def main() -> None:
     print("| FSDP2 stage | rank 0 (GiB) | rank 1 (GiB) | planner per rank (GiB) | error vs worst rank |")
     print("|---|---:|---:|---:|---:|")
     for p in profiled:
-        print(f"| ZeRO-{p['stage']} | {p['ranks'][0] / 2**30:.3f} | {p['ranks'][1] / 2**30:.3f} | "
-              f"{p['predicted'] / 2**30:.3f} | {p['error_pct']:+.1f}% |")
+        print(
+            f"| ZeRO-{p['stage']} | {p['ranks'][0] / 2**30:.3f} | {p['ranks'][1] / 2**30:.3f} | "
+            f"{p['predicted'] / 2**30:.3f} | {p['error_pct']:+.1f}% |"
+        )
     print(json.dumps({"benchmark": "distributed", "engines": rows, "profiled": profiled}))
 
 

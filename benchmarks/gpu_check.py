@@ -74,8 +74,9 @@ def _run(cmd: list[str], timeout_s: int, log) -> subprocess.CompletedProcess | N
     timeout_s = _left(timeout_s)
     log.write(f"$ {' '.join(cmd)}  (limit {timeout_s} s)\n")
     log.flush()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -89,9 +90,21 @@ def _run(cmd: list[str], timeout_s: int, log) -> subprocess.CompletedProcess | N
 
 
 def _train_args(s: argparse.Namespace, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "memfit.cli", "train", "tiny-cpu", *s.base, *extra, f"output.dir={out}",
-            "train.eval_every=0", "train.eval_batches=1", "output.export=false", "train.keep_checkpoints=0",
-            "train.log_every=1"]
+    return [
+        sys.executable,
+        "-m",
+        "memfit.cli",
+        "train",
+        "tiny-cpu",
+        *s.base,
+        *extra,
+        f"output.dir={out}",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "output.export=false",
+        "train.keep_checkpoints=0",
+        "train.log_every=1",
+    ]
 
 
 def part_doctor(s, out: Path, log) -> dict:
@@ -117,8 +130,20 @@ def part_replay(s, out: Path, log) -> dict:
         ("expandable_segments", AllocatorSettings(expandable_segments=True), ["allocator.expandable_segments=true"]),
     ):
         run = s.work / f"replay-{label}"
-        proc = _run(_train_args(s, run, *s.replay_cell, "train.max_steps=3", "train.record_memory_history=true",
-                                "train.snapshot_at_step=3", "train.frag_every=1", *extra), 120, log)
+        proc = _run(
+            _train_args(
+                s,
+                run,
+                *s.replay_cell,
+                "train.max_steps=3",
+                "train.record_memory_history=true",
+                "train.snapshot_at_step=3",
+                "train.frag_every=1",
+                *extra,
+            ),
+            120,
+            log,
+        )
         if proc is None or proc.returncode != 0:
             rows.append({"settings": label, "status": "failed"})
             continue
@@ -142,17 +167,25 @@ def replay_row(label: str, settings, snap: dict, steps: list[dict]) -> dict:
     peak = rebuilt.peak()
     measured_peak = max(r["peak_reserved_bytes"] for r in steps)
     return {
-        "settings": label, "status": "ok", "events": check.events, "unmatched_frees": check.unmatched_frees,
-        "measured_peak_reserved_bytes": measured_peak, "model_peak_reserved_bytes": check.model_peak_reserved_bytes,
+        "settings": label,
+        "status": "ok",
+        "events": check.events,
+        "unmatched_frees": check.unmatched_frees,
+        "measured_peak_reserved_bytes": measured_peak,
+        "model_peak_reserved_bytes": check.model_peak_reserved_bytes,
         "peak_reserved_error_pct": 100 * (check.model_peak_reserved_bytes - measured_peak) / measured_peak,
         "trace_peak_reserved_bytes": check.trace_peak_reserved_bytes,
         "peak_reserved_error_vs_trace_pct": 100 * check.peak_reserved_error,
-        "snapshot_reserved_bytes": check.snapshot_reserved_bytes, "model_reserved_bytes": check.model_reserved_bytes,
-        "snapshot_segments": check.snapshot_segments, "model_segments": check.model_segments,
+        "snapshot_reserved_bytes": check.snapshot_reserved_bytes,
+        "model_reserved_bytes": check.model_reserved_bytes,
+        "snapshot_segments": check.snapshot_segments,
+        "model_segments": check.model_segments,
         "measured_peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in steps),
         "model_peak_allocated_bytes": check.model_peak_allocated_bytes,
-        "frag_time_s": [r.get("frag_time_s") for r in steps], "step_time_s": [r["step_time_s"] for r in steps],
-        "layout_blocks_checked": rebuilt.size_rule_checked, "layout_size_misses": rebuilt.size_rule_misses,
+        "frag_time_s": [r.get("frag_time_s") for r in steps],
+        "step_time_s": [r["step_time_s"] for r in steps],
+        "layout_blocks_checked": rebuilt.size_rule_checked,
+        "layout_size_misses": rebuilt.size_rule_misses,
         "layout_settings": rebuilt.settings.label(),
         "fragmentation_at_peak": peak.report.fragmentation_ratio if peak else None,
         "allocated_at_peak_bytes": peak.report.allocated_bytes if peak else None,
@@ -160,8 +193,14 @@ def replay_row(label: str, settings, snap: dict, steps: list[dict]) -> dict:
     }
 
 
-LAYOUT_FIELDS = ("reserved_bytes", "allocated_bytes", "requested_bytes", "external_free_bytes", "largest_free_bytes",
-                 "segments")
+LAYOUT_FIELDS = (
+    "reserved_bytes",
+    "allocated_bytes",
+    "requested_bytes",
+    "external_free_bytes",
+    "largest_free_bytes",
+    "segments",
+)
 
 
 def compare_moments(snap: dict, truths: list[dict]) -> dict:
@@ -176,9 +215,13 @@ def compare_moments(snap: dict, truths: list[dict]) -> dict:
         got = rebuilt.at(index).report.as_dict()
         fields = {k: (got[k], truth[k]) for k in LAYOUT_FIELDS if k in truth}
         moments.append({"trace_entry": index, "fields": fields, "exact": all(a == b for a, b in fields.values())})
-    return {"status": "ok" if len(moments) == len(truths) else f"found {len(marks)} of {len(truths)} snapshot entries",
-            "moments": moments, "blocks_checked": rebuilt.size_rule_checked, "size_misses": rebuilt.size_rule_misses,
-            "events": len(rebuilt.entries)}
+    return {
+        "status": "ok" if len(moments) == len(truths) else f"found {len(marks)} of {len(truths)} snapshot entries",
+        "moments": moments,
+        "blocks_checked": rebuilt.size_rule_checked,
+        "size_misses": rebuilt.size_rule_misses,
+        "events": len(rebuilt.entries),
+    }
 
 
 def layout_worker(path: str) -> None:
@@ -199,7 +242,9 @@ def layout_worker(path: str) -> None:
         elif roll < 0.47:
             torch.cuda.empty_cache()
         else:
-            size = rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 40 << 20), rng.randrange(40 << 20, 300 << 20)])
+            size = rng.choice(
+                [rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 40 << 20), rng.randrange(40 << 20, 300 << 20)]
+            )
             live.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
         if i in (400, 800, 1200):
             truths.append(analyze({"segments": torch.cuda.memory_snapshot()}, 0).as_dict())
@@ -219,13 +264,22 @@ def part_layout(s, out: Path, log) -> dict:
         env = {**os.environ, var: conf} if conf else dict(os.environ)
         log.write(f"$ {var}={conf} layout worker\n")
         try:
-            proc = subprocess.run([sys.executable, __file__, "--layout-worker", str(path)], capture_output=True,
-                                  text=True, timeout=_left(120), cwd=REPO, env=env)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--layout-worker", str(path)],
+                capture_output=True,
+                text=True,
+                timeout=_left(120),
+                cwd=REPO,
+                env=env,
+            )
             log.write(proc.stdout[-3000:] + proc.stderr[-3000:] + f"\n(exit {proc.returncode})\n")
         except subprocess.TimeoutExpired:
             log.write("timed out\n")
-        rows.append({"settings": label, **json.loads(path.read_text())} if path.is_file() else
-                    {"settings": label, "status": "failed or timed out"})
+        rows.append(
+            {"settings": label, **json.loads(path.read_text())}
+            if path.is_file()
+            else {"settings": label, "status": "failed or timed out"}
+        )
     return {"status": "ok" if all(r["status"] == "ok" for r in rows) else "partial", "layout_rows": rows}
 
 
@@ -254,8 +308,12 @@ def diag_worker(args: str) -> None:
     result = trainer.fit()
     trainer.close()
     record = next(r for r in result.steps if "profiled_peak_bytes" in r)
-    payload = {"events": seen, "record": record, "predicted_peak_bytes": trainer.predicted.peak_bytes
-               if trainer.predicted else None, "predicted_phase": trainer.predicted.peak_phase if trainer.predicted else None}
+    payload = {
+        "events": seen,
+        "record": record,
+        "predicted_peak_bytes": trainer.predicted.peak_bytes if trainer.predicted else None,
+        "predicted_phase": trainer.predicted.peak_phase if trainer.predicted else None,
+    }
     with gzip.open(events_path, "wt") as f:
         json.dump(payload, f, default=str)
 
@@ -268,26 +326,57 @@ def part_diag(s, out: Path, log) -> dict:
 
     run = s.work / "diag"
     step = 3
-    overrides = [*s.base, *s.diag_cell, f"output.dir={run}", "train.eval_every=0", "train.eval_batches=1",
-                 "output.export=false", "train.keep_checkpoints=0", "train.log_every=1", f"train.max_steps={step}",
-                 f"train.profile_step={step}", f"train.snapshot_at_step={step}"]
+    overrides = [
+        *s.base,
+        *s.diag_cell,
+        f"output.dir={run}",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "output.export=false",
+        "train.keep_checkpoints=0",
+        "train.log_every=1",
+        f"train.max_steps={step}",
+        f"train.profile_step={step}",
+        f"train.snapshot_at_step={step}",
+    ]
     events = out / "diag_events.json.gz"
     proc = _run([sys.executable, __file__, "--diag-worker", json.dumps([str(events), overrides])], 150, log)
     if proc is None or proc.returncode != 0 or not events.is_file():
         return {"status": "failed"}
     payload = json.loads(gzip.open(events).read())
-    result = {"status": "ok", "record": payload["record"], "predicted_peak_bytes": payload["predicted_peak_bytes"],
-              "predicted_phase": payload["predicted_phase"], "profiler_events": len(payload["events"])}
+    result = {
+        "status": "ok",
+        "record": payload["record"],
+        "predicted_peak_bytes": payload["predicted_peak_bytes"],
+        "predicted_phase": payload["predicted_phase"],
+        "profiler_events": len(payload["events"]),
+    }
     snap = run / f"snapshot_step{step}.pickle"
     if snap.is_file():
         with open(snap, "rb") as src, gzip.open(out / "diag_snapshot.pickle.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
-        frag = _run([sys.executable, "-m", "memfit.cli", "frag", str(snap), "--simulate", "--json", "--out",
-                     str(s.work / "frag")], 120, log)
+        frag = _run(
+            [
+                sys.executable,
+                "-m",
+                "memfit.cli",
+                "frag",
+                str(snap),
+                "--simulate",
+                "--json",
+                "--out",
+                str(s.work / "frag"),
+            ],
+            120,
+            log,
+        )
         if frag is not None and frag.returncode == 0:
             result["frag"] = json.loads(frag.stdout.strip().splitlines()[-1])
-            text = _run([sys.executable, "-m", "memfit.cli", "frag", str(snap), "--simulate", "--out",
-                         str(s.work / "frag")], 120, log)
+            text = _run(
+                [sys.executable, "-m", "memfit.cli", "frag", str(snap), "--simulate", "--out", str(s.work / "frag")],
+                120,
+                log,
+            )
             result["frag_text"] = text.stdout if text is not None else None
             for png in ("segments_at_peak_device0.png", "timeline_device0.png", "whatif_device0.png"):
                 if (s.work / "frag" / png).is_file():
@@ -303,14 +392,23 @@ def part_oom(s, out: Path, log) -> dict:
     if not torch.cuda.is_available():
         return {"status": "skipped", "why": "needs a CUDA/ROCm device"}
     run = s.work / "oom"
-    proc = _run(_train_args(s, run, *s.oom_cell, "train.max_steps=2", "train.plan_check=false",
-                            "train.record_memory_history=true"), 150, log)
+    proc = _run(
+        _train_args(
+            s, run, *s.oom_cell, "train.max_steps=2", "train.plan_check=false", "train.record_memory_history=true"
+        ),
+        150,
+        log,
+    )
     if proc is None:
         return {"status": "timed out"}
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "out of memory" in line]
     files = sorted(p.name for p in run.iterdir()) if run.is_dir() else []
-    return {"status": "ok" if proc.returncode == 3 else f"exit {proc.returncode}", "exit_code": proc.returncode,
-            "message": lines[-1] if lines else None, "run_dir_files": files}
+    return {
+        "status": "ok" if proc.returncode == 3 else f"exit {proc.returncode}",
+        "exit_code": proc.returncode,
+        "message": lines[-1] if lines else None,
+        "run_dir_files": files,
+    }
 
 
 def part_exporter(s, out: Path, log) -> dict:
@@ -319,15 +417,24 @@ def part_exporter(s, out: Path, log) -> dict:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    proc = subprocess.Popen([sys.executable, "-m", "memfit.cli", "exporter", "--port", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memfit.cli", "exporter", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
     try:
         first = proc.stdout.readline()  # "memfit exporter: device memory from BACKEND at http://HOST:PORT/metrics"
         log.write(first)
         url = first.rsplit(" at ", 1)[-1].strip()
         text = urllib.request.urlopen(url, timeout=30).read().decode()
-        samples = {f"{x.name}{x.labels}": x.value for fam in text_string_to_metric_families(text) for x in fam.samples
-                   if x.name.startswith("memfit_")}
+        samples = {
+            f"{x.name}{x.labels}": x.value
+            for fam in text_string_to_metric_families(text)
+            for x in fam.samples
+            if x.name.startswith("memfit_")
+        }
         return {"status": "ok", "banner": first.strip(), "samples": samples}
     finally:
         proc.terminate()
@@ -336,8 +443,23 @@ def part_exporter(s, out: Path, log) -> dict:
 
 def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
     bench_out = s.work / name
-    cmd = [sys.executable, "-m", "memfit.cli", "bench", "tiny-cpu", *matrix, "--steps", str(s.steps),
-           "--warmup", "1", "--out", str(bench_out), "--set", *s.base, "output.export=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "memfit.cli",
+        "bench",
+        "tiny-cpu",
+        *matrix,
+        "--steps",
+        str(s.steps),
+        "--warmup",
+        "1",
+        "--out",
+        str(bench_out),
+        "--set",
+        *s.base,
+        "output.export=false",
+    ]
     proc = _run(cmd, s.bench_timeout, log)
     results = bench_out / "results.json"  # rewritten after every cell: a timeout keeps the finished ones
     if not results.is_file():
@@ -355,8 +477,11 @@ def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
         if metrics.is_file():
             from memfit.telemetry.metrics_file import read_metrics
 
-            frag += [(r["frag_time_s"], r["step_time_s"]) for r in read_metrics(metrics)
-                     if r.get("kind") == "step" and r.get("frag_time_s") is not None]
+            frag += [
+                (r["frag_time_s"], r["step_time_s"])
+                for r in read_metrics(metrics)
+                if r.get("kind") == "step" and r.get("frag_time_s") is not None
+            ]
     done = proc is not None and all(c["status"] != "pending" for c in cells)
     return {"status": "ok" if done else "partial (timed out)", "cells": cells, "frag_time_vs_step": frag}
 
@@ -372,25 +497,31 @@ def summary_md(summary: dict) -> str:
             lines.append(
                 f"- {r['settings']}: peak reserved measured {r['measured_peak_reserved_bytes'] / GIB:.3f} GiB, "
                 f"model {r['model_peak_reserved_bytes'] / GIB:.3f} GiB ({r['peak_reserved_error_pct']:+.2f}%; "
-                f"{r['peak_reserved_error_vs_trace_pct']:+.2f}% vs the whole trace's {r['trace_peak_reserved_bytes'] / GIB:.3f} GiB); "
+                f"{r['peak_reserved_error_vs_trace_pct']:+.2f}% vs the whole trace's "
+                f"{r['trace_peak_reserved_bytes'] / GIB:.3f} GiB); "
                 f"at the dump {r['snapshot_reserved_bytes'] / GIB:.3f} vs {r['model_reserved_bytes'] / GIB:.3f} GiB, "
                 f"segments {r['snapshot_segments']} vs {r['model_segments']}; {r['events']} events, "
                 f"{r['unmatched_frees']} unmatched frees; layout rebuilt from the trace: block sizes "
                 f"{r['layout_blocks_checked'] - r['layout_size_misses']}/{r['layout_blocks_checked']} right, "
-                f"fragmentation at the peak {r['fragmentation_at_peak']}")
+                f"fragmentation at the peak {r['fragmentation_at_peak']}"
+            )
         for r in part.get("layout_rows", []):
             if r["status"] != "ok":
                 lines.append(f"- layout, {r['settings']}: {r['status']}")
                 continue
             exact = sum(m["exact"] for m in r["moments"])
             worst = max((abs(a - b) for m in r["moments"] for a, b in m["fields"].values()), default=0)
-            lines.append(f"- layout, {r['settings']}: rebuilt = memory_snapshot() at {exact} of {len(r['moments'])} moments "
-                         f"(largest difference {worst} bytes); block sizes {r['blocks_checked'] - r['size_misses']}/"
-                         f"{r['blocks_checked']} right; {r['events']} events")
+            lines.append(
+                f"- layout, {r['settings']}: rebuilt = memory_snapshot() at {exact} of {len(r['moments'])} moments "
+                f"(largest difference {worst} bytes); block sizes {r['blocks_checked'] - r['size_misses']}/"
+                f"{r['blocks_checked']} right; {r['events']} events"
+            )
         if part.get("frag_time_vs_step"):
             worst = max(f / t for f, t in part["frag_time_vs_step"])
-            lines.append(f"- one fragmentation reading costs up to {100 * worst:.2f}% of a step "
-                         f"({len(part['frag_time_vs_step'])} readings)")
+            lines.append(
+                f"- one fragmentation reading costs up to {100 * worst:.2f}% of a step "
+                f"({len(part['frag_time_vs_step'])} readings)"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -417,32 +548,75 @@ def main() -> int:
     data = REPO / ".gpu_carry" / "data"
     source = str(data) if data.is_dir() else "shakespeare"
     if ns.smoke:
-        ns.base = ["model.source=random:tiny", f"data.source={source}", "data.seq_len=64", "data.max_documents=2",
-                   "train.device=cpu", "train.threads=2"]
+        ns.base = [
+            "model.source=random:tiny",
+            f"data.source={source}",
+            "data.seq_len=64",
+            "data.max_documents=2",
+            "train.device=cpu",
+            "train.threads=2",
+        ]
         ns.replay_cell = ["strategy.precision=fp32", "train.micro_batch_size=2"]
         ns.lora = ["--ac", "none,full", "--precision", "fp32", "--micro-batch", "2", "--lora", "true"]
         ns.full = ["--ac", "full", "--precision", "fp32", "--micro-batch", "2", "--lora", "false"]
-        ns.diag_cell = ["strategy.precision=fp32", "strategy.activation_checkpointing=ffn", "lora.enabled=true",
-                        "train.micro_batch_size=2"]
+        ns.diag_cell = [
+            "strategy.precision=fp32",
+            "strategy.activation_checkpointing=ffn",
+            "lora.enabled=true",
+            "train.micro_batch_size=2",
+        ]
         ns.oom_cell = ns.replay_cell
         ns.steps, ns.bench_timeout = 2, 300
     else:
-        ns.base = ["model.source=random:llama2-7b", f"data.source={source}", "data.seq_len=1024",
-                   "data.max_documents=2", "train.device=cuda", "data.num_workers=0"]
-        ns.replay_cell = ["strategy.precision=bf16-mixed", "strategy.activation_checkpointing=ffn", "lora.enabled=true",
-                          "train.micro_batch_size=4"]
-        ns.lora = ["--ac", "none,ffn,full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "true"]
+        ns.base = [
+            "model.source=random:llama2-7b",
+            f"data.source={source}",
+            "data.seq_len=1024",
+            "data.max_documents=2",
+            "train.device=cuda",
+            "data.num_workers=0",
+        ]
+        ns.replay_cell = [
+            "strategy.precision=bf16-mixed",
+            "strategy.activation_checkpointing=ffn",
+            "lora.enabled=true",
+            "train.micro_batch_size=4",
+        ]
+        ns.lora = [
+            "--ac",
+            "none,ffn,full",
+            "--precision",
+            "bf16-mixed,bf16-pure",
+            "--micro-batch",
+            "4",
+            "--lora",
+            "true",
+        ]
         ns.full = ["--ac", "full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "false"]
-        ns.diag_cell = ["strategy.precision=bf16-pure", "strategy.activation_checkpointing=ffn", "lora.enabled=true",
-                        "train.micro_batch_size=4"]
-        ns.oom_cell = ["strategy.precision=bf16-mixed", "strategy.activation_checkpointing=none", "lora.enabled=true",
-                       "train.micro_batch_size=4", "allocator.memory_fraction=0.25"]
+        ns.diag_cell = [
+            "strategy.precision=bf16-pure",
+            "strategy.activation_checkpointing=ffn",
+            "lora.enabled=true",
+            "train.micro_batch_size=4",
+        ]
+        ns.oom_cell = [
+            "strategy.precision=bf16-mixed",
+            "strategy.activation_checkpointing=none",
+            "lora.enabled=true",
+            "train.micro_batch_size=4",
+            "allocator.memory_fraction=0.25",
+        ]
         ns.steps, ns.bench_timeout = 3, 190
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    summary = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
-               "torch": torch.__version__, "args": sys.argv[1:], "parts": {}}
+    summary = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": device,
+        "torch": torch.__version__,
+        "args": sys.argv[1:],
+        "parts": {},
+    }
     parts = {
         "doctor": lambda log: part_doctor(ns, out, log),
         "replay": lambda log: part_replay(ns, out, log),

@@ -14,10 +14,10 @@ import time
 from datetime import datetime, timezone
 
 from memfit.config.strategy import CheckpointPolicy, Strategy
+from memfit.models.presets import preset_config
 from memfit.planner.hardware import gpu_preset
 from memfit.planner.search import Cluster, Workload, search
 from memfit.planner.trace import StepSpec, trace_step
-from memfit.models.presets import preset_config
 
 
 def main() -> None:
@@ -26,16 +26,31 @@ def main() -> None:
     cases = [
         ("llama2-7b full FT, 1 x mi210, seq 4096, batch 16", "llama2-7b", 4096, 16, Cluster(gpu_preset("mi210"))),
         ("llama2-7b full FT, 8 x mi210, seq 4096, batch 64", "llama2-7b", 4096, 64, Cluster(gpu_preset("mi210"), 8)),
-        ("llama2-70b full FT, 8 x mi300x, seq 4096, batch 64", "llama2-70b", 4096, 64, Cluster(gpu_preset("mi300x"), 8)),
+        (
+            "llama2-70b full FT, 8 x mi300x, seq 4096, batch 64",
+            "llama2-70b",
+            4096,
+            64,
+            Cluster(gpu_preset("mi300x"), 8),
+        ),
     ]
     rows = []
     for label, model, seq, batch, cluster in cases:
         t0 = time.perf_counter()
         r = search(Workload(preset_config(model), model, seq, batch), cluster)
         dt = time.perf_counter() - t0
-        rows.append({"case": label, "seconds": dt, "candidates": len(r.fitting) + len(r.pruned),
-                     "fitting": len(r.fitting), "traces": r.traces})
-    spec = StepSpec(preset_config("llama2-7b"), 4096, Strategy(CheckpointPolicy("ffn"), "bf16-mixed", "fused", 1), round_to=512)
+        rows.append(
+            {
+                "case": label,
+                "seconds": dt,
+                "candidates": len(r.fitting) + len(r.pruned),
+                "fitting": len(r.fitting),
+                "traces": r.traces,
+            }
+        )
+    spec = StepSpec(
+        preset_config("llama2-7b"), 4096, Strategy(CheckpointPolicy("ffn"), "bf16-mixed", "fused", 1), round_to=512
+    )
     t0 = time.perf_counter()
     trace_step(spec)
     full_trace_s = time.perf_counter() - t0
@@ -43,8 +58,17 @@ def main() -> None:
     for r in rows:
         print(f"{r['case']:55s} {r['seconds']:8.2f} {r['candidates']:10d} {r['fitting']:5d} {r['traces']:7d}")
     print(f"{'one full-depth 32-layer llama2-7b trace (B=1, T=4096)':55s} {full_trace_s:8.2f}")
-    print(json.dumps({"benchmark": "plan_speed", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                      "machine": platform.platform(), "searches": rows, "full_trace_7b_s": full_trace_s}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "plan_speed",
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "machine": platform.platform(),
+                "searches": rows,
+                "full_trace_7b_s": full_trace_s,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

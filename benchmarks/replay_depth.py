@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from memfit.config.strategy import Strategy
-from memfit.config.schema import LoraConfig
-from memfit.planner.trace import StepSpec, trace_allocations
 from memfit.allocator.whatif import replay_allocations
+from memfit.config.schema import LoraConfig
+from memfit.config.strategy import Strategy
 from memfit.models.presets import preset_config
+from memfit.planner.trace import StepSpec, trace_allocations
 
 GIB = 1 << 30
 
@@ -26,9 +26,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--depths", default="2,3,4,6,8,12,16,32")
     ns = ap.parse_args()
-    spec = StepSpec(preset_config("llama2-7b"), 2048, Strategy(precision="bf16-mixed", optimizer="fused", micro_batch_size=2, grad_accum_steps=2),
-                    LoraConfig(enabled=True, rank=8), 512)
-    print("| layers | events | peak allocated GiB | peak reserved GiB | reserved - allocated GiB | trace s | replay s |")
+    spec = StepSpec(
+        preset_config("llama2-7b"),
+        2048,
+        Strategy(precision="bf16-mixed", optimizer="fused", micro_batch_size=2, grad_accum_steps=2),
+        LoraConfig(enabled=True, rank=8),
+        512,
+    )
+    print(
+        "| layers | events | peak allocated GiB | peak reserved GiB | reserved - allocated GiB | trace s | replay s |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for depth in map(int, ns.depths.split(",")):
         t0 = time.perf_counter()
@@ -36,8 +43,10 @@ def main() -> None:
         t1 = time.perf_counter()
         model = replay_allocations(events)
         t2 = time.perf_counter()
-        print(f"| {depth} | {len(events)} | {model.peak_allocated / GIB:.3f} | {model.peak_reserved / GIB:.3f} | "
-              f"{(model.peak_reserved - model.peak_allocated) / GIB:.3f} | {t1 - t0:.2f} | {t2 - t1:.2f} |")
+        print(
+            f"| {depth} | {len(events)} | {model.peak_allocated / GIB:.3f} | {model.peak_reserved / GIB:.3f} | "
+            f"{(model.peak_reserved - model.peak_allocated) / GIB:.3f} | {t1 - t0:.2f} | {t2 - t1:.2f} |"
+        )
 
 
 if __name__ == "__main__":

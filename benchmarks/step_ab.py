@@ -22,6 +22,7 @@ import time
 from datetime import datetime, timezone
 
 import torch
+from train_throughput import plain_step  # the plain loop's step (benchmarks/ is on the path when run as a script)
 
 from memfit.config.schema import LoraConfig, ModelConfig, OptimizerConfig
 from memfit.models.load import ModelSource, build_model, embedded_checkpoint_dir
@@ -29,7 +30,6 @@ from memfit.strategies.lora import apply_lora
 from memfit.strategies.optimizer import build_optimizer
 from memfit.strategies.precision import precision_policy
 from memfit.train.loop import StepRunner
-from train_throughput import plain_step  # the plain loop's step (benchmarks/ is on the path when run as a script)
 
 
 def main() -> None:
@@ -46,7 +46,9 @@ def main() -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, OptimizerConfig(implementation="foreach", lr=1e-6), torch.device("cpu"))
     runner = StepRunner(model, params, opt, precision_policy("fp32"), torch.device("cpu"), grad_clip=1.0)
-    tokens = torch.randint(0, model.config.vocab_size, (a.batch, a.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, model.config.vocab_size, (a.batch, a.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
 
     def memfit_step() -> None:
         runner.step([(tokens, tokens)])
@@ -67,9 +69,19 @@ def main() -> None:
         print(f"{name:7s} median {med[name]:.3f} s/step   " + " ".join(f"{x:.2f}" for x in v))
     ratio = med["plain"] / med["memfit"]
     print(f"memfit throughput ÷ plain: {ratio:.3f}")
-    print(json.dumps({"benchmark": "step_ab", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                      "machine": platform.platform(), "settings": vars(a), "median_s": med,
-                      "step_times_s": times, "ratio_memfit_vs_plain": ratio}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "step_ab",
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "machine": platform.platform(),
+                "settings": vars(a),
+                "median_s": med,
+                "step_times_s": times,
+                "ratio_memfit_vs_plain": ratio,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -31,15 +31,22 @@ def _peak_rss_bytes() -> int:
 
 
 def _memfit_config(a, out_dir: str, ac: str = "none"):
-    from memfit.config.shipped import shipped_configs
     from memfit.config.loader import load_config
+    from memfit.config.shipped import shipped_configs
 
     return load_config(
         shipped_configs()["smollm2-shakespeare-lora-cpu"],
         [
-            f"data.seq_len={a.seq_len}", f"data.max_documents={a.documents}", f"train.micro_batch_size={a.batch}",
-            f"train.max_steps={a.steps}", "train.eval_every=0", "train.eval_batches=1", "train.checkpoint_every=0",
-            "output.export=false", "optimizer.warmup_steps=2", f"strategy.activation_checkpointing={ac}",
+            f"data.seq_len={a.seq_len}",
+            f"data.max_documents={a.documents}",
+            f"train.micro_batch_size={a.batch}",
+            f"train.max_steps={a.steps}",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "train.checkpoint_every=0",
+            "output.export=false",
+            "optimizer.warmup_steps=2",
+            f"strategy.activation_checkpointing={ac}",
             f"output.dir={out_dir}",
         ],
     )
@@ -47,7 +54,7 @@ def _memfit_config(a, out_dir: str, ac: str = "none"):
 
 def _rows(a):
     """The same training rows for every runner, from memfit's own loader."""
-    from memfit.models.load import embedded_checkpoint_dir, ModelSource, load_tokenizer
+    from memfit.models.load import ModelSource, embedded_checkpoint_dir, load_tokenizer
     from memfit.train.data import load_dataset, split
 
     cfg = _memfit_config(a, "/nonexistent")
@@ -64,9 +71,13 @@ def _lora_model():
     from memfit.models.load import embedded_checkpoint_dir
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(embedded_checkpoint_dir(), dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        embedded_checkpoint_dir(), dtype=torch.float32, attn_implementation="sdpa"
+    )
     model.config.use_cache = False
-    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"))
+    return get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    )
 
 
 def run_memfit(a, ac: str = "none") -> dict:
@@ -135,10 +146,22 @@ def run_hf(a) -> dict:
 
     with tempfile.TemporaryDirectory() as d:
         args = TrainingArguments(
-            output_dir=d, per_device_train_batch_size=a.batch, max_steps=a.steps, learning_rate=2e-3,
-            adam_beta2=0.95, warmup_steps=2, lr_scheduler_type="cosine", max_grad_norm=1.0, optim="adamw_torch",
-            logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, dataloader_num_workers=0,
-            disable_tqdm=True, seed=0,
+            output_dir=d,
+            per_device_train_batch_size=a.batch,
+            max_steps=a.steps,
+            learning_rate=2e-3,
+            adam_beta2=0.95,
+            warmup_steps=2,
+            lr_scheduler_type="cosine",
+            max_grad_norm=1.0,
+            optim="adamw_torch",
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+            seed=0,
         )
         Trainer(model=_lora_model(), args=args, train_dataset=data, callbacks=[Clock()]).train()
     return {"step_times_s": times, "loss": losses[-1] if losses else None}
@@ -153,16 +176,33 @@ def child(a) -> None:
     else:
         out = RUNNERS[a.runner](a)
     times = out["step_times_s"][a.warmup :]
-    out.update(median_step_time_s=statistics.median(times), peak_rss_bytes=_peak_rss_bytes(),
-               tokens_per_s=a.batch * a.seq_len / statistics.median(times))
+    out.update(
+        median_step_time_s=statistics.median(times),
+        peak_rss_bytes=_peak_rss_bytes(),
+        tokens_per_s=a.batch * a.seq_len / statistics.median(times),
+    )
     print("RESULT " + json.dumps(out))
 
 
 def spawn(a, runner: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", runner, "--steps", str(a.steps), "--warmup", str(a.warmup),
-           "--batch", str(a.batch), "--seq-len", str(a.seq_len), "--documents", str(a.documents)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        runner,
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+        "--batch",
+        str(a.batch),
+        "--seq-len",
+        str(a.seq_len),
+        "--documents",
+        str(a.documents),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((t for t in proc.stdout.splitlines() if t.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise SystemExit(f"{runner} failed:\n{proc.stderr[-3000:]}")
     return json.loads(line[len("RESULT ") :])
@@ -187,30 +227,49 @@ def main() -> None:
         for name in RUNNERS:  # interleaved so drift hits all trainers alike
             results[name].append(spawn(a, name))
             print(f"rep {rep + 1}/{a.reps} {name:7s} {results[name][-1]['tokens_per_s']:8.1f} tok/s", file=sys.stderr)
-    med = {k: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in v),
-               "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in v),
-               "runs_tokens_per_s": [round(r["tokens_per_s"], 1) for r in v]} for k, v in results.items()}
+    med = {
+        k: {
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in v),
+            "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in v),
+            "runs_tokens_per_s": [round(r["tokens_per_s"], 1) for r in v],
+        }
+        for k, v in results.items()
+    }
     ac_rows = {}
     for policy in a.ac.split(","):
         r = spawn(a, f"ac:{policy}")
-        ac_rows[policy] = {"median_step_time_s": r["median_step_time_s"], "peak_rss_bytes": r["peak_rss_bytes"], "loss": r["loss"]}
+        ac_rows[policy] = {
+            "median_step_time_s": r["median_step_time_s"],
+            "peak_rss_bytes": r["peak_rss_bytes"],
+            "loss": r["loss"],
+        }
         print(f"ac {policy:10s} {r['median_step_time_s']:.3f} s/step", file=sys.stderr)
 
     gib = 1 << 30
-    print(f"\nSmolLM2-135M LoRA r=8, B={a.batch}, T={a.seq_len}, fp32, CPU ({platform.processor() or platform.machine()}), "
-          f"{a.reps} runs x {a.steps} steps (median of steps {a.warmup + 1}..{a.steps})")
+    print(
+        f"\nSmolLM2-135M LoRA r=8, B={a.batch}, T={a.seq_len}, fp32, CPU "
+        f"({platform.processor() or platform.machine()}), "
+        f"{a.reps} runs x {a.steps} steps (median of steps {a.warmup + 1}..{a.steps})"
+    )
     print(f"{'trainer':8s} {'tokens/s (median)':>18s} {'runs':>24s} {'peak RSS GiB':>13s} {'memfit ÷ this':>14s}")
     for k, v in med.items():
         ratio = med["memfit"]["tokens_per_s"] / v["tokens_per_s"]
-        print(f"{k:8s} {v['tokens_per_s']:18.1f} {str(v['runs_tokens_per_s']):>24s} {v['peak_rss_bytes'] / gib:13.3f} {ratio:14.3f}")
+        print(
+            f"{k:8s} {v['tokens_per_s']:18.1f} {str(v['runs_tokens_per_s']):>24s} "
+            f"{v['peak_rss_bytes'] / gib:13.3f} {ratio:14.3f}"
+        )
     print(f"\n{'AC policy':10s} {'step time s':>12s} {'peak RSS GiB':>13s} {'loss after N':>13s}")
     for policy, r in ac_rows.items():
         print(f"{policy:10s} {r['median_step_time_s']:12.3f} {r['peak_rss_bytes'] / gib:13.3f} {r['loss']:13.5f}")
     summary = {
-        "benchmark": "train_throughput", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.platform(), "settings": vars(a), "trainers": med,
+        "benchmark": "train_throughput",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.platform(),
+        "settings": vars(a),
+        "trainers": med,
         "ratio_vs_plain": med["memfit"]["tokens_per_s"] / med["plain"]["tokens_per_s"],
-        "ratio_vs_hf": med["memfit"]["tokens_per_s"] / med["hf"]["tokens_per_s"], "ac": ac_rows,
+        "ratio_vs_hf": med["memfit"]["tokens_per_s"] / med["hf"]["tokens_per_s"],
+        "ac": ac_rows,
     }
     print(json.dumps(summary))
 

@@ -24,13 +24,19 @@ def add_plan_parser(sub) -> None:
     what = plan.add_argument_group("workload")
     what.add_argument("--model", help="preset (llama2-7b, llama3-8b, ...), checkpoint directory or config.json")
     what.add_argument("--seq-len", type=int, help="tokens per sequence (default 2048, or from --config)")
-    what.add_argument("--global-batch", type=int, help="sequences per optimizer step across all GPUs (default: GPUs x 4)")
+    what.add_argument(
+        "--global-batch", type=int, help="sequences per optimizer step across all GPUs (default: GPUs x 4)"
+    )
     what.add_argument("--lora", action="store_true", help="LoRA fine-tune (all attention and MLP projections)")
     what.add_argument("--lora-rank", type=int, default=16)
     what.add_argument("--config", help="a memfit train YAML: model, seq_len, LoRA and its strategies become pins")
-    what.add_argument("--deepspeed", help="a DeepSpeed JSON: ZeRO stage, bf16/fp16, micro batch, accumulation become pins")
+    what.add_argument(
+        "--deepspeed", help="a DeepSpeed JSON: ZeRO stage, bf16/fp16, micro batch, accumulation become pins"
+    )
     hw = plan.add_argument_group("hardware")
-    hw.add_argument("--gpu", help="GPU preset (mi210, mi250x, mi300x, a100-40g, a100-80g, h100, h200, l40s, rtx4090, ...)")
+    hw.add_argument(
+        "--gpu", help="GPU preset (mi210, mi250x, mi300x, a100-40g, a100-80g, h100, h200, l40s, rtx4090, ...)"
+    )
     hw.add_argument("--gpu-mem", help="GPU memory instead of a preset, e.g. 64GiB")
     hw.add_argument("--gpus-per-node", type=int, default=1)
     hw.add_argument("--nodes", type=int, default=1)
@@ -46,8 +52,11 @@ def add_plan_parser(sub) -> None:
     out.add_argument("--top", type=int, default=10, help="rows of the table")
     out.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
     out.add_argument("--explain", type=int, metavar="N", help="per-phase breakdown of the N-th fitting candidate")
-    out.add_argument("--simulate", action="store_true",
-                     help="with --explain: replay that candidate's traced step under several allocator settings")
+    out.add_argument(
+        "--simulate",
+        action="store_true",
+        help="with --explain: replay that candidate's traced step under several allocator settings",
+    )
     out.add_argument("--hip-version", help="with --simulate: judge settings for this ROCm version, e.g. 6.2")
     out.add_argument("--write-config", metavar="PATH", help="write the winner as a memfit train YAML")
     out.add_argument("--write-deepspeed", metavar="PATH", help="write the winner as a DeepSpeed JSON")
@@ -55,7 +64,9 @@ def add_plan_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memfit", description="Fit LLM fine-tuning into GPU memory, and show where the memory went.")
+    parser = argparse.ArgumentParser(
+        prog="memfit", description="Fit LLM fine-tuning into GPU memory, and show where the memory went."
+    )
     sub = parser.add_subparsers(dest="verb", required=True)
     train = sub.add_parser(
         "train",
@@ -77,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous, the same on every node")
     train.set_defaults(command="train")
     add_plan_parser(sub)
-    frag = sub.add_parser("frag", help="explain fragmentation in a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot)")
+    frag = sub.add_parser(
+        "frag", help="explain fragmentation in a PyTorch memory snapshot (torch.cuda.memory._dump_snapshot)"
+    )
     frag.add_argument("snapshot", help="snapshot pickle (read with a restricted unpickler: plain containers only)")
     frag.add_argument("--device", type=int, help="device index in the snapshot (default: the first)")
     frag.add_argument("--out", help="directory for the PNG plots (default: SNAPSHOT.frag/)")
@@ -87,22 +100,30 @@ def build_parser() -> argparse.ArgumentParser:
     frag.add_argument("--capacity", help="device memory for --simulate, e.g. 64GiB (default: unlimited)")
     frag.add_argument("--hip-version", help="judge settings for this ROCm version, e.g. 5.7 (default: this build)")
     frag.set_defaults(command="frag")
-    bench = sub.add_parser("bench", help="run a matrix of strategies, each in its own process, and tabulate memory and speed")
+    bench = sub.add_parser(
+        "bench", help="run a matrix of strategies, each in its own process, and tabulate memory and speed"
+    )
     bench.add_argument("config", nargs="?", help=f"base train config or shipped name (default {DEFAULT_CONFIG})")
     bench.add_argument("--ac", default="none,full", help="comma-separated checkpointing policies")
     bench.add_argument("--precision", default="fp32", help="comma-separated precisions")
     bench.add_argument("--micro-batch", default="2", help="comma-separated micro-batch sizes")
     bench.add_argument("--lora", default="true", help="comma-separated true/false")
-    bench.add_argument("--zero", default="none", help="comma-separated ZeRO stages for multi-rank cells, or none (one process)")
+    bench.add_argument(
+        "--zero", default="none", help="comma-separated ZeRO stages for multi-rank cells, or none (one process)"
+    )
     bench.add_argument("--nproc-per-node", type=int, default=2, help="ranks of the cells with a ZeRO stage (default 2)")
-    bench.add_argument("--global-batch", type=int, help="sequences per step in every cell (default: the largest micro-batch)")
+    bench.add_argument(
+        "--global-batch", type=int, help="sequences per step in every cell (default: the largest micro-batch)"
+    )
     bench.add_argument("--steps", type=int, default=4, help="measured steps per cell")
     bench.add_argument("--warmup", type=int, default=1, help="warm-up steps per cell (not measured)")
     bench.add_argument("--mem-limit", help="cap each cell's address space (CPU OOM injection), e.g. 3GiB")
     bench.add_argument("--out", help="output directory (default runs/bench-<time>)")
     bench.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides applied to every cell")
     bench.set_defaults(command="bench")
-    exporter = sub.add_parser("exporter", help="serve per-device memory as Prometheus metrics (amdsmi / NVML / CPU fallback)")
+    exporter = sub.add_parser(
+        "exporter", help="serve per-device memory as Prometheus metrics (amdsmi / NVML / CPU fallback)"
+    )
     exporter.add_argument("--port", type=int, default=9400)
     exporter.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     exporter.set_defaults(command="exporter")

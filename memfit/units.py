@@ -10,7 +10,17 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|GB|G|MiB|MB|M|TiB|TB|T)?\s*$", re.IGNORECASE)
-_UNITS = {"gib": GIB, "g": GIB, "gb": 10**9, "mib": 1 << 20, "m": 1 << 20, "mb": 10**6, "tib": 1 << 40, "t": 1 << 40, "tb": 10**12}
+_UNITS = {
+    "gib": GIB,
+    "g": GIB,
+    "gb": 10**9,
+    "mib": 1 << 20,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "tib": 1 << 40,
+    "t": 1 << 40,
+    "tb": 10**12,
+}
 
 
 def parse_memory(text: str, flag: str = "--gpu-mem") -> int:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memfit.config.shipped import shipped_configs
 from memfit.config.loader import load_config
+from memfit.config.shipped import shipped_configs
 from memfit.models.load import embedded_checkpoint_dir
 
 

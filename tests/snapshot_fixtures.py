@@ -21,13 +21,29 @@ def segment(address, blocks, device=0, stream=0, segment_type="large"):
     """blocks: (size, state, requested_size or None) in address order; addresses are laid out contiguously."""
     out, offset = [], 0
     for size, state, requested in blocks:
-        out.append({"address": address + offset, "size": size, "state": state,
-                    "requested_size": size if requested is None else requested, "frames": []})
+        out.append(
+            {
+                "address": address + offset,
+                "size": size,
+                "state": state,
+                "requested_size": size if requested is None else requested,
+                "frames": [],
+            }
+        )
         offset += size
     active = sum(b["size"] for b in out if b["state"] != "inactive")
-    return {"device": device, "address": address, "total_size": offset, "stream": stream,
-            "segment_type": segment_type, "segment_pool_id": (0, 0), "allocated_size": active, "active_size": active,
-            "requested_size": sum(b["requested_size"] for b in out if b["state"] != "inactive"), "blocks": out}
+    return {
+        "device": device,
+        "address": address,
+        "total_size": offset,
+        "stream": stream,
+        "segment_type": segment_type,
+        "segment_pool_id": (0, 0),
+        "allocated_size": active,
+        "active_size": active,
+        "requested_size": sum(b["requested_size"] for b in out if b["state"] != "inactive"),
+        "blocks": out,
+    }
 
 
 def snapshot(segments, traces=None):
@@ -36,17 +52,47 @@ def snapshot(segments, traces=None):
 
 def fragmented():
     """Two large segments with holes, one small segment; an awaiting-free block; a short trace."""
-    a = segment(0x7F0000000000, [(40 * MIB, "active_allocated", 40 * MIB - 300), (12 * MIB, "inactive", 0),
-                                 (20 * MIB, "active_allocated", 20 * MIB), (8 * MIB, "inactive", 0)])
-    b = segment(0x7F0010000000, [(6 * MIB, "inactive", 0), (10 * MIB, "active_awaiting_free", 10 * MIB - 512),
-                                 (4 * MIB, "inactive", 0)])
+    a = segment(
+        0x7F0000000000,
+        [
+            (40 * MIB, "active_allocated", 40 * MIB - 300),
+            (12 * MIB, "inactive", 0),
+            (20 * MIB, "active_allocated", 20 * MIB),
+            (8 * MIB, "inactive", 0),
+        ],
+    )
+    b = segment(
+        0x7F0010000000,
+        [(6 * MIB, "inactive", 0), (10 * MIB, "active_awaiting_free", 10 * MIB - 512), (4 * MIB, "inactive", 0)],
+    )
     c = segment(0x7F0020000000, [(512, "active_allocated", 100), (2 * MIB - 512, "inactive", 0)], segment_type="small")
     trace = [
-        {"action": "segment_alloc", "addr": 0x7F0000000000, "size": 80 * MIB, "stream": 0, "time_us": 1_000, "frames": []},
+        {
+            "action": "segment_alloc",
+            "addr": 0x7F0000000000,
+            "size": 80 * MIB,
+            "stream": 0,
+            "time_us": 1_000,
+            "frames": [],
+        },
         {"action": "alloc", "addr": 0x7F0000000000, "size": 40 * MIB, "stream": 0, "time_us": 1_010, "frames": []},
         {"action": "alloc", "addr": 0x7F0002800000, "size": 12 * MIB, "stream": 0, "time_us": 1_020, "frames": []},
-        {"action": "free_requested", "addr": 0x7F0002800000, "size": 12 * MIB, "stream": 0, "time_us": 1_030, "frames": []},
-        {"action": "free_completed", "addr": 0x7F0002800000, "size": 12 * MIB, "stream": 0, "time_us": 1_031, "frames": []},
+        {
+            "action": "free_requested",
+            "addr": 0x7F0002800000,
+            "size": 12 * MIB,
+            "stream": 0,
+            "time_us": 1_030,
+            "frames": [],
+        },
+        {
+            "action": "free_completed",
+            "addr": 0x7F0002800000,
+            "size": 12 * MIB,
+            "stream": 0,
+            "time_us": 1_031,
+            "frames": [],
+        },
         {"action": "oom", "size": 64 * MIB, "device_free": 3 * MIB, "stream": 0, "time_us": 1_040, "frames": []},
     ]
     return snapshot([a, b, c], [trace])
@@ -59,7 +105,14 @@ def sawtooth(steps=30):
     for i in range(1, steps + 1):
         tmp = {"action": "alloc", "addr": addr, "size": i * 3 * MIB + 512, "stream": 0, "time_us": t, "frames": []}
         keep = {"action": "alloc", "addr": addr + 1, "size": 5 * MIB, "stream": 0, "time_us": t + 1, "frames": []}
-        free = {"action": "free_completed", "addr": addr, "size": i * 3 * MIB + 512, "stream": 0, "time_us": t + 2, "frames": []}
+        free = {
+            "action": "free_completed",
+            "addr": addr,
+            "size": i * 3 * MIB + 512,
+            "stream": 0,
+            "time_us": t + 2,
+            "frames": [],
+        }
         trace += [tmp, keep, free]
         addr += 16
         t += 10
@@ -143,7 +196,9 @@ def model_workload(settings, seed, events=700):
             m.empty_cache()
             sync_segments()
         else:
-            req = rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 40 << 20), rng.randrange(40 << 20, 300 << 20)])
+            req = rng.choice(
+                [rng.randrange(1, 1 << 20), rng.randrange(1 << 20, 40 << 20), rng.randrange(40 << 20, 300 << 20)]
+            )
             b = m.malloc(req)
             sync_segments()
             record(entry("alloc", addr(b), req, len(trace)))
@@ -159,8 +214,25 @@ def model_workload(settings, seed, events=700):
             else:
                 runs.append([b])
         for run in runs:
-            blocks = [{"address": base[sid] + b.offset, "size": b.size, "state": "active_allocated" if b.allocated else "inactive",
-                       "requested_size": getattr(b, "requested", b.size) if b.allocated else 0, "frames": []} for b in run]
-            segments.append({"device": 0, "address": base[sid] + run[0].offset, "total_size": sum(b.size for b in run),
-                             "stream": 0, "segment_type": seg.pool, "is_expandable": seg.expandable, "blocks": blocks})
+            blocks = [
+                {
+                    "address": base[sid] + b.offset,
+                    "size": b.size,
+                    "state": "active_allocated" if b.allocated else "inactive",
+                    "requested_size": getattr(b, "requested", b.size) if b.allocated else 0,
+                    "frames": [],
+                }
+                for b in run
+            ]
+            segments.append(
+                {
+                    "device": 0,
+                    "address": base[sid] + run[0].offset,
+                    "total_size": sum(b.size for b in run),
+                    "stream": 0,
+                    "segment_type": seg.pool,
+                    "is_expandable": seg.expandable,
+                    "blocks": blocks,
+                }
+            )
     return {"segments": segments, "device_traces": [trace]}, truth

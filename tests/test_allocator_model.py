@@ -208,6 +208,7 @@ def test_expandable_segments_split_off_any_rest_of_512_bytes_or_more():
 
 def test_fragmentation_what_if_on_a_sawtooth_trace():
     """Growing tensors freed in between: the default allocator strands holes, expandable segments do not."""
+
     def replay(settings):
         m = CachingAllocatorModel(64 * GiB, settings)
         keep = []

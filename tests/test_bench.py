@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from memfit.config.strategy import CheckpointPolicy
 from memfit.cli import main
+from memfit.config.strategy import CheckpointPolicy
 
 pytestmark = pytest.mark.integration
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -18,14 +18,38 @@ def _last_json(out: str) -> dict:
 
 def test_bench_2x2_matrix_on_cpu(tmp_path, capsys, embedded_dir):
     out = tmp_path / "bench"
-    code = main(["bench", "tiny-cpu", "--ac", "none,full", "--lora", "false,true", "--micro-batch", "2",
-                 "--steps", "2", "--warmup", "1", "--out", str(out), "--set", "data.seq_len=32", "data.max_documents=1"])
+    code = main(
+        [
+            "bench",
+            "tiny-cpu",
+            "--ac",
+            "none,full",
+            "--lora",
+            "false,true",
+            "--micro-batch",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+            "--set",
+            "data.seq_len=32",
+            "data.max_documents=1",
+        ]
+    )
     assert code == 0
     summary = _last_json(capsys.readouterr().out)
     assert summary["cells"] == 4 and summary["ok"] == 4 and summary["loss_flags"] == 0
     with open(out / "results.csv") as fh:
         rows = list(csv.DictReader(fh))
-    assert {r["cell"] for r in rows} == {"ac-none_fp32_mb2_full", "ac-full_fp32_mb2_full", "ac-none_fp32_mb2_lora", "ac-full_fp32_mb2_lora"}
+    assert {r["cell"] for r in rows} == {
+        "ac-none_fp32_mb2_full",
+        "ac-full_fp32_mb2_full",
+        "ac-none_fp32_mb2_lora",
+        "ac-full_fp32_mb2_lora",
+    }
     cells = json.loads((out / "results.json").read_text())
     assert all(c["status"] == "ok" and c["tokens_per_s"] > 0 and c["predicted_peak_bytes"] > 0 for c in cells)
     # on CPU the planner is compared with the profiler's tensor peak of an extra (untimed) step
@@ -40,9 +64,29 @@ def test_bench_2x2_matrix_on_cpu(tmp_path, capsys, embedded_dir):
 
 def test_bench_reports_an_oom_cell(tmp_path, capsys, embedded_dir):
     out = tmp_path / "bench"
-    code = main(["bench", "tiny-cpu", "--ac", "none", "--lora", "false", "--micro-batch", "64", "--steps", "1",
-                 "--warmup", "0", "--mem-limit", "3GiB", "--out", str(out),
-                 "--set", "data.seq_len=512", "data.max_documents=20"])
+    code = main(
+        [
+            "bench",
+            "tiny-cpu",
+            "--ac",
+            "none",
+            "--lora",
+            "false",
+            "--micro-batch",
+            "64",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--mem-limit",
+            "3GiB",
+            "--out",
+            str(out),
+            "--set",
+            "data.seq_len=512",
+            "data.max_documents=20",
+        ]
+    )
     assert code == 0
     summary = _last_json(capsys.readouterr().out)
     assert summary["oom"] == 1
@@ -57,14 +101,38 @@ def test_bench_refuses_bad_matrix(tmp_path, capsys):
 
 def test_bench_zero_cells_run_on_two_ranks(tmp_path, capsys, embedded_dir):
     out = tmp_path / "bench"
-    code = main(["bench", "tiny-cpu", "--ac", "none", "--lora", "false", "--micro-batch", "2", "--zero", "none,1,3",
-                 "--steps", "2", "--warmup", "1", "--out", str(out), "--set", "data.seq_len=32", "data.max_documents=1"])
+    code = main(
+        [
+            "bench",
+            "tiny-cpu",
+            "--ac",
+            "none",
+            "--lora",
+            "false",
+            "--micro-batch",
+            "2",
+            "--zero",
+            "none,1,3",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+            "--set",
+            "data.seq_len=32",
+            "data.max_documents=1",
+        ]
+    )
     assert code == 0
     cells = {c["name"]: c for c in json.loads((out / "results.json").read_text())}
     assert set(cells) == {"ac-none_fp32_mb2_full", "ac-none_fp32_mb2_full_zero1x2", "ac-none_fp32_mb2_full_zero3x2"}
     assert all(c["status"] == "ok" for c in cells.values())
     single, zero1, zero3 = (cells[k] for k in sorted(cells))
-    assert (single["nproc"], single["grad_accum_steps"]) == (1, 2) and (zero3["nproc"], zero3["grad_accum_steps"]) == (2, 1)
+    assert (single["nproc"], single["grad_accum_steps"]) == (1, 2) and (zero3["nproc"], zero3["grad_accum_steps"]) == (
+        2,
+        1,
+    )
     assert zero1["loss"] == pytest.approx(single["loss"], rel=1e-4) == zero3["loss"]
     assert zero3["profiled_peak_bytes"] and zero1["profiled_peak_bytes"] is None  # DDP buckets: not profiled
     assert abs(zero3["prediction_error_pct"]) <= 10  # vs the worst rank; ranks differ by up to ~6% on gloo
@@ -79,15 +147,29 @@ def test_gpu_check_script_runs_its_parts_on_cpu(tmp_path, embedded_dir):
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
     out = tmp_path / "gc"
-    proc = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out), "--parts", "doctor,replay,layout,bench-full"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out), "--parts", "doctor,replay,layout,bench-full"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert {k: v["status"] for k, v in summary["parts"].items()} == {"doctor": "ok", "replay": "skipped", "layout": "skipped",
-                                                                     "bench-full": "ok"}
+    assert {k: v["status"] for k, v in summary["parts"].items()} == {
+        "doctor": "ok",
+        "replay": "skipped",
+        "layout": "skipped",
+        "bench-full": "ok",
+    }
     cell = summary["parts"]["bench-full"]["cells"][0]
     assert cell["status"] == "ok" and cell["predicted_peak_bytes"] > 0
-    assert sorted(p.name for p in out.iterdir()) == ["bench_full.md", "bench_full_memory.png", "log.txt", "summary.json", "summary.md"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "bench_full.md",
+        "bench_full_memory.png",
+        "log.txt",
+        "summary.json",
+        "summary.md",
+    ]
 
 
 def _gpu_check_module():
@@ -104,15 +186,18 @@ def _gpu_check_module():
 def test_gpu_check_layout_comparison_and_summary_from_a_snapshot():
     """The GPU layout part's comparison, fed the allocator model's workload with 'snapshot' entries
     where memory_snapshot() would have been called and the model's own numbers as the ground truth."""
-    from memfit.allocator.model import AllocatorSettings
     from snapshot_fixtures import model_workload
+
+    from memfit.allocator.model import AllocatorSettings
 
     gpu_check = _gpu_check_module()
     snap, truth = model_workload(AllocatorSettings(expandable_segments=True), seed=2)
     trace = snap["device_traces"][0]
     picks = [i for i, t in enumerate(truth) if t[2] is not None][100::150][:3]
-    truths = [dict(zip(("allocated_bytes", "reserved_bytes", "external_free_bytes", "largest_free_bytes"), truth[i]))
-              for i in picks]
+    truths = [
+        dict(zip(("allocated_bytes", "reserved_bytes", "external_free_bytes", "largest_free_bytes"), truth[i]))
+        for i in picks
+    ]
     for n, i in enumerate(picks):  # after entry i (shifted by the marks already inserted)
         trace.insert(i + 1 + n, {"action": "snapshot", "addr": 0, "size": 0, "stream": 0})
     result = gpu_check.compare_moments(snap, truths)
@@ -121,36 +206,58 @@ def test_gpu_check_layout_comparison_and_summary_from_a_snapshot():
     truths[1]["largest_free_bytes"] += 512
     off = gpu_check.compare_moments(snap, truths)
     assert [m["exact"] for m in off["moments"]] == [True, False, True]
-    md = gpu_check.summary_md({"date": "d", "device": "x", "parts": {"layout": {"status": "ok", "layout_rows": [
-        {"settings": "expandable_segments", **off}]}}})
+    md = gpu_check.summary_md(
+        {
+            "date": "d",
+            "device": "x",
+            "parts": {"layout": {"status": "ok", "layout_rows": [{"settings": "expandable_segments", **off}]}},
+        }
+    )
     assert "rebuilt = memory_snapshot() at 2 of 3 moments (largest difference 512 bytes)" in md
 
 
 def test_gpu_check_replay_row_and_summary_from_a_snapshot():
     """The GPU replay part's arithmetic and its summary line, fed a snapshot in PyTorch's format (the
     allocator model's own workload) and step records as the trainer writes them."""
-    from memfit.allocator.model import AllocatorSettings
     from snapshot_fixtures import model_workload
+
+    from memfit.allocator.model import AllocatorSettings
 
     gpu_check = _gpu_check_module()
     snap, truth = model_workload(AllocatorSettings(), seed=5)
     peak_reserved, peak_allocated = max(t[1] for t in truth), max(t[0] for t in truth)
-    steps = [{"peak_reserved_bytes": peak_reserved, "peak_allocated_bytes": peak_allocated, "step_time_s": 1.0,
-              "frag_time_s": 0.004, "fragmentation_at_peak": 0.5}]
+    steps = [
+        {
+            "peak_reserved_bytes": peak_reserved,
+            "peak_allocated_bytes": peak_allocated,
+            "step_time_s": 1.0,
+            "frag_time_s": 0.004,
+            "fragmentation_at_peak": 0.5,
+        }
+    ]
     row = gpu_check.replay_row("default", AllocatorSettings(), snap, steps)
     assert row["peak_reserved_error_pct"] == 0 and row["model_segments"] == row["snapshot_segments"]
     assert row["layout_blocks_checked"] > 0 and row["layout_size_misses"] == 0
     assert row["allocated_at_peak_bytes"] == peak_allocated and 0 <= row["fragmentation_at_peak"] <= 1
     md = gpu_check.summary_md({"date": "d", "device": "x", "parts": {"replay": {"status": "ok", "rows": [row]}}})
-    assert "(+0.00%; +0.00% vs the whole trace" in md and f"block sizes {row['layout_blocks_checked']}/{row['layout_blocks_checked']} right" in md
+    assert (
+        "(+0.00%; +0.00% vs the whole trace" in md
+        and f"block sizes {row['layout_blocks_checked']}/{row['layout_blocks_checked']} right" in md
+    )
 
 
 def test_results_json_is_rewritten_after_each_cell(tmp_path):
     """An interrupted bench keeps the cells it finished: results.json holds them, the rest pending."""
     from memfit.telemetry.bench import matrix, write_progress
 
-    cells = matrix({"activation_checkpointing": [CheckpointPolicy("none"), CheckpointPolicy("full")],
-                    "precision": ["fp32"], "micro_batch_size": [2]}, [True])
+    cells = matrix(
+        {
+            "activation_checkpointing": [CheckpointPolicy("none"), CheckpointPolicy("full")],
+            "precision": ["fp32"],
+            "micro_batch_size": [2],
+        },
+        [True],
+    )
     cells[0].status, cells[0].tokens_per_s = "ok", 123.0
     write_progress(cells, tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())

@@ -2,9 +2,9 @@ import dataclasses
 
 import pytest
 
-from memfit.config.shipped import shipped_configs
 from memfit.config.loader import dump_config, load_config, parse_override
 from memfit.config.schema import RunConfig
+from memfit.config.shipped import shipped_configs
 from memfit.config.strategy import CheckpointPolicy
 from memfit.errors import UserError
 
@@ -17,7 +17,12 @@ def test_every_shipped_config_loads_and_validates(name):
 
 
 def test_required_configs_are_shipped():
-    for name in ("smollm2-shakespeare-lora-cpu", "smollm2-shakespeare-full-cpu", "llama2-7b-lora-mi210", "llama2-7b-full-zero2"):
+    for name in (
+        "smollm2-shakespeare-lora-cpu",
+        "smollm2-shakespeare-full-cpu",
+        "llama2-7b-lora-mi210",
+        "llama2-7b-full-zero2",
+    ):
         assert name in shipped_configs()
 
 
@@ -29,7 +34,9 @@ def test_yaml_round_trip(tmp_path):
 
 
 def test_override_types_and_lists():
-    cfg = load_config(None, ["train.max_steps=7", "optimizer.lr=1e-4", "lora.enabled=true", "lora.target_modules=q_proj,v_proj"])
+    cfg = load_config(
+        None, ["train.max_steps=7", "optimizer.lr=1e-4", "lora.enabled=true", "lora.target_modules=q_proj,v_proj"]
+    )
     assert cfg.train.max_steps == 7 and cfg.optimizer.lr == 1e-4 and cfg.lora.enabled is True
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
 

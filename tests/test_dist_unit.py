@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from memfit.cli import main
-from memfit.config.shipped import shipped_configs
 from memfit.config.loader import load_config
 from memfit.config.schema import grad_accum_steps
-from memfit.train.sharded_checkpoint import check_compatible
+from memfit.config.shipped import shipped_configs
 from memfit.distributed.deepspeed_engine import reconcile, require_deepspeed, resolve_ds_path
 from memfit.distributed.launch import LaunchSpec, check_launch, describe_failure, torchrun_args
 from memfit.errors import UserError
-from memfit.planner.sharding import root_fraction
 from memfit.models.presets import preset_config
+from memfit.planner.sharding import root_fraction
 from memfit.strategies.precision import precision_policy
 from memfit.train.checkpoint import TrainerState
+from memfit.train.sharded_checkpoint import check_compatible
 
 
 def _cfg(*overrides):
@@ -31,8 +31,11 @@ def _cfg(*overrides):
 def test_global_batch_sets_accumulation_per_world_size():
     cfg = _cfg("train.micro_batch_size=2", "train.global_batch_size=16")
     assert [grad_accum_steps(cfg, n) for n in (1, 2, 4, 8)] == [8, 4, 2, 1]
-    with pytest.raises(UserError, match=r"train.global_batch_size 16 is not divisible by world size 3 x "
-                                        r"train.micro_batch_size 2 = 6"):
+    with pytest.raises(
+        UserError,
+        match=r"train.global_batch_size 16 is not divisible by world size 3 x "
+        r"train.micro_batch_size 2 = 6",
+    ):
         grad_accum_steps(cfg, 3)
     conflicting = _cfg("train.micro_batch_size=2", "train.global_batch_size=16", "train.grad_accum_steps=3")
     with pytest.raises(UserError, match="train.grad_accum_steps 3 disagrees with train.global_batch_size 16"):
@@ -48,7 +51,9 @@ def test_launch_checks_fail_before_any_rank_starts(capsys):
         check_launch(LaunchSpec(1, nnodes=2), _cfg())
     with pytest.raises(UserError, match="--node-rank must be in 0..1"):
         check_launch(LaunchSpec(1, nnodes=2, node_rank=2, rdzv_endpoint="127.0.0.1:29400"), _cfg())
-    code = main(["train", "tiny-cpu", "train.micro_batch_size=4", "train.global_batch_size=12", "--nproc-per-node", "2"])
+    code = main(
+        ["train", "tiny-cpu", "train.micro_batch_size=4", "train.global_batch_size=12", "--nproc-per-node", "2"]
+    )
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("memfit: error: train.global_batch_size 12 is not divisible")
@@ -65,8 +70,10 @@ def test_torchrun_arguments_for_one_and_several_nodes(tmp_path):
     assert two[two.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400"
     assert two[two.index("--node-rank") + 1] == "1"
     # every node derives the same rendezvous id from the run directory
-    assert two[two.index("--rdzv-id") + 1] == torchrun_args(LaunchSpec(1, 2, 0, "10.0.0.1:29400"), cfg, tmp_path, [])[
-        two.index("--rdzv-id") + 1]
+    assert (
+        two[two.index("--rdzv-id") + 1]
+        == torchrun_args(LaunchSpec(1, 2, 0, "10.0.0.1:29400"), cfg, tmp_path, [])[two.index("--rdzv-id") + 1]
+    )
 
 
 def test_failure_descriptions_name_rank_pid_and_signal():
@@ -87,16 +94,22 @@ def test_the_articles_deepspeed_json_reconciles_with_its_config():
     assert json.loads(path.read_text())["gradient_accumulation_steps"] == 4  # the user's file is not touched
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"train_micro_batch_size_per_gpu": 2}, "train_micro_batch_size_per_gpu is 2 but train.micro_batch_size is 1"),
-    ({"gradient_accumulation_steps": 8}, "gradient_accumulation_steps is 8 but train.grad_accum_steps"),
-    ({"bf16": {"enabled": False}}, "bf16.enabled is False but strategy.precision (bf16-mixed) is True"),
-    ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage is 1 but distributed.zero_stage is 2"),
-    ({"gradient_clipping": 0.5}, "gradient_clipping is 0.5 but optimizer.grad_clip is 1.0"),
-    ({"scheduler": {"type": "WarmupLR"}}, "'scheduler' section (WarmupLR)"),
-    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}, "optimizer.params.lr is 0.0001 but optimizer.lr is 2e-05"),
-    ({"optimizer": {"type": "SGD"}}, "optimizer.type is 'sgd'"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"train_micro_batch_size_per_gpu": 2}, "train_micro_batch_size_per_gpu is 2 but train.micro_batch_size is 1"),
+        ({"gradient_accumulation_steps": 8}, "gradient_accumulation_steps is 8 but train.grad_accum_steps"),
+        ({"bf16": {"enabled": False}}, "bf16.enabled is False but strategy.precision (bf16-mixed) is True"),
+        ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage is 1 but distributed.zero_stage is 2"),
+        ({"gradient_clipping": 0.5}, "gradient_clipping is 0.5 but optimizer.grad_clip is 1.0"),
+        ({"scheduler": {"type": "WarmupLR"}}, "'scheduler' section (WarmupLR)"),
+        (
+            {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}},
+            "optimizer.params.lr is 0.0001 but optimizer.lr is 2e-05",
+        ),
+        ({"optimizer": {"type": "SGD"}}, "optimizer.type is 'sgd'"),
+    ],
+)
 def test_deepspeed_json_conflicts_name_both_values(tmp_path, change, message):
     ds = json.loads(resolve_ds_path("ds-zero2-article").read_text())
     ds.update(change)
@@ -109,14 +122,25 @@ def test_deepspeed_json_conflicts_name_both_values(tmp_path, change, message):
 
 def test_deepspeed_auto_values_are_filled_and_stage_0_is_sent_to_ddp(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "auto"},
-                                "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.95]}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "zero_optimization": {"stage": "auto"},
+                "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.95]}},
+            }
+        )
+    )
     ds = reconcile(path, _ds_cfg(), precision_policy("bf16-mixed"), world_size=2, accum=4)
     assert ds["train_micro_batch_size_per_gpu"] == 1 and ds["zero_optimization"]["stage"] == 2
     assert "optimizer" not in ds  # checked, then memfit's own AdamW is the client optimizer
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    assert reconcile(path, _ds_cfg("distributed.zero_stage=3"), precision_policy("bf16-mixed"), world_size=2,
-                     accum=4)["zero_optimization"]["stage"] == 3
+    assert (
+        reconcile(path, _ds_cfg("distributed.zero_stage=3"), precision_policy("bf16-mixed"), world_size=2, accum=4)[
+            "zero_optimization"
+        ]["stage"]
+        == 3
+    )
     path.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
     with pytest.raises(UserError, match="distributed.engine=fsdp2 distributed.zero_stage=0"):
         reconcile(path, _ds_cfg("distributed.zero_stage=0"), precision_policy("bf16-mixed"), world_size=2, accum=4)

@@ -13,18 +13,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_overrides
 from safetensors.torch import load_file
+from test_prometheus import scrape
 
 from memfit.telemetry.metrics_file import read_metrics
-
-from conftest import tiny_overrides
-from test_prometheus import scrape
 
 pytestmark = pytest.mark.integration
 
 STEPS = 10
-COMMON = ("train.max_steps=10", "train.eval_every=0", "train.eval_batches=1", "output.export=false",
-          "train.micro_batch_size=2", "train.global_batch_size=4", "train.keep_checkpoints=10")
+COMMON = (
+    "train.max_steps=10",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "output.export=false",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.keep_checkpoints=10",
+)
 DS_FP32 = '{"zero_optimization": {"contiguous_gradients": true, "overlap_comm": false}}'  # stage from memfit's config
 ENGINES = {
     "fsdp2-zero2": ("distributed.zero_stage=2",),
@@ -94,24 +100,24 @@ def test_each_rank_holds_its_share_of_the_model_states(runs, engine):
     single = _summary(runs["single"])
     summary = _summary(runs[engine])
     assert summary["world_size"] == 2 and len(summary["rank_states"]) == 2
-    P, G, O = single["params_bytes"], single["grads_bytes"], single["optimizer_bytes"]
+    P, G, OPT = single["params_bytes"], single["grads_bytes"], single["optimizer_bytes"]
     largest_param = 49152 * 64 * 4 * 2  # embedding of the tiny preset (fp32): AdamW holds 2 such states
-    steps = O - 2 * P  # AdamW's 0-d fp32 step counters, one per parameter tensor, kept whole on every rank
+    steps = OPT - 2 * P  # AdamW's 0-d fp32 step counters, one per parameter tensor, kept whole on every rank
     assert 0 < steps < 1000
     for held in summary["rank_states"]:
         p, g, o = held["params_bytes"], held["grads_bytes"], held["optimizer_bytes"]
         if engine.startswith("fsdp2"):  # every tensor is split on dim 0: exactly half each
-            assert (p, g, o) == (P // 2, G // 2, (O - steps) // 2 + steps), held
+            assert (p, g, o) == (P // 2, G // 2, (OPT - steps) // 2 + steps), held
         elif engine == "ddp-zero1":  # whole parameters go to one rank or the other
-            assert (p, g) == (P, G) and 0 < o <= O // 2 + largest_param, held
+            assert (p, g) == (P, G) and 0 < o <= OPT // 2 + largest_param, held
         elif engine == "ddp-zero0":
-            assert (p, g, o) == (P, G, O), held
+            assert (p, g, o) == (P, G, OPT), held
         elif engine == "deepspeed-zero2":  # optimizer state of a flat, padded partition
-            assert p == P and abs(o - O / 2) <= 0.01 * O, held
+            assert p == P and abs(o - OPT / 2) <= 0.01 * OPT, held
         else:  # DeepSpeed ZeRO-3: each parameter's own padded partition (ds_tensor), and its state
-            assert abs(p - P / 2) <= 0.01 * P and abs(o - O / 2) <= 0.01 * O, held
+            assert abs(p - P / 2) <= 0.01 * P and abs(o - OPT / 2) <= 0.01 * OPT, held
     if engine == "ddp-zero1":
-        assert sum(h["optimizer_bytes"] for h in summary["rank_states"]) == O
+        assert sum(h["optimizer_bytes"] for h in summary["rank_states"]) == OPT
 
 
 def test_per_rank_memory_is_recorded_with_max_and_min(runs):
@@ -185,11 +191,18 @@ def test_sharded_checkpoint_kill_and_resume_continue_the_same_losses(runs, tmp_p
 
 def test_a_dying_rank_ends_the_job_within_bounded_time(tmp_path, embedded_dir):
     port = _free_port()
-    args = tiny_overrides(tmp_path / "run", *COMMON, "train.max_steps=100000", "train.checkpoint_every=3",
-                          f"train.metrics_port={port}")
+    args = tiny_overrides(
+        tmp_path / "run", *COMMON, "train.max_steps=100000", "train.checkpoint_every=3", f"train.metrics_port={port}"
+    )
     job = _memfit(args, nproc=2, popen=True)
-    _wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").is_file()
-              and sum(r["kind"] == "step" for r in read_metrics(tmp_path / "run" / "metrics.jsonl")) >= 2, job, 180)
+    _wait_for(
+        lambda: (
+            (tmp_path / "run" / "metrics.jsonl").is_file()
+            and sum(r["kind"] == "step" for r in read_metrics(tmp_path / "run" / "metrics.jsonl")) >= 2
+        ),
+        job,
+        180,
+    )
     workers = _victim_pids(job.pid)
     assert set(workers) == {0, 1}, workers
     # each local rank serves its own endpoint on port + local rank, bound to loopback
@@ -220,9 +233,12 @@ def _free_port() -> int:
 def test_two_nodes_on_localhost_match_one_node_with_two_processes(runs, tmp_path):
     args = tiny_overrides(tmp_path / "run", *COMMON, "distributed.zero_stage=2")
     endpoint = f"127.0.0.1:{_free_port()}"
-    nodes = [_memfit(args, nproc=1, popen=True,
-                     extra_flags=("--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint", endpoint))
-             for r in (0, 1)]
+    nodes = [
+        _memfit(
+            args, nproc=1, popen=True, extra_flags=("--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint", endpoint)
+        )
+        for r in (0, 1)
+    ]
     for node in nodes:
         out, err = node.communicate(timeout=300)
         assert node.returncode == 0, err[-3000:]
@@ -259,9 +275,17 @@ def test_deepspeed_zero3_export_is_the_consolidated_model(runs):
 def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, stage):
     """torch.profiler's tensor peak on each real rank vs the planner's per-rank FSDP2 prediction,
     on a SmolLM2-135M-shaped model (root group ~21% of the weights, so the stages differ)."""
-    args = tiny_overrides(tmp_path / "run", "model.source=random:smollm2-135m", "train.max_steps=3",
-                          "train.profile_step=2", "train.micro_batch_size=1", "train.eval_batches=1",
-                          "train.eval_every=0", "output.export=false", f"distributed.zero_stage={stage}")
+    args = tiny_overrides(
+        tmp_path / "run",
+        "model.source=random:smollm2-135m",
+        "train.max_steps=3",
+        "train.profile_step=2",
+        "train.micro_batch_size=1",
+        "train.eval_batches=1",
+        "train.eval_every=0",
+        "output.export=false",
+        f"distributed.zero_stage={stage}",
+    )
     code, _, err = _memfit(args, nproc=2)
     assert code == 0, err[-3000:]
     rec = [r for r in _steps(tmp_path / "run") if "rank_profiled_peak_bytes" in r][0]
@@ -276,10 +300,20 @@ def test_a_rank_dying_on_another_node_stops_this_node_too(tmp_path, embedded_dir
     # a survivor waiting on a peer that can no longer answer gives up after distributed.timeout_s
     args = tiny_overrides(tmp_path / "run", *COMMON, "train.max_steps=100000", "distributed.timeout_s=30")
     endpoint = f"127.0.0.1:{_free_port()}"
-    nodes = [_memfit(args, nproc=1, popen=True,
-                     extra_flags=("--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint", endpoint)) for r in (0, 1)]
-    _wait_for(lambda: (tmp_path / "run" / "metrics.jsonl").is_file()
-              and sum(r["kind"] == "step" for r in read_metrics(tmp_path / "run" / "metrics.jsonl")) >= 2, nodes[0], 180)
+    nodes = [
+        _memfit(
+            args, nproc=1, popen=True, extra_flags=("--nnodes", "2", "--node-rank", str(r), "--rdzv-endpoint", endpoint)
+        )
+        for r in (0, 1)
+    ]
+    _wait_for(
+        lambda: (
+            (tmp_path / "run" / "metrics.jsonl").is_file()
+            and sum(r["kind"] == "step" for r in read_metrics(tmp_path / "run" / "metrics.jsonl")) >= 2
+        ),
+        nodes[0],
+        180,
+    )
     workers = {rank: (node, pid) for node in nodes for rank, pid in _victim_pids(node.pid).items()}
     assert set(workers) == {0, 1}, workers
     victim_node, victim_pid = workers[1]
@@ -299,8 +333,12 @@ def test_a_rank_dying_on_another_node_stops_this_node_too(tmp_path, embedded_dir
 def test_plain_torchrun_runs_the_same_worker(runs, tmp_path):
     args = tiny_overrides(tmp_path / "run", *COMMON, "distributed.zero_stage=2")
     torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "memfit.train", "tiny-cpu", *args],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "memfit.train", "tiny-cpu", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = [r["loss"] for r in _steps(tmp_path / "run")]
     assert _close(got, [r["loss"] for r in _steps(runs["fsdp2-zero2"])], 1e-6)

@@ -4,20 +4,27 @@ import json
 
 import pytest
 
+from memfit.allocator.conf import check, parse, rocm_version
 from memfit.cli import main
 from memfit.telemetry.platform import report
-from memfit.allocator.conf import check, parse, rocm_version
 
 ROCM_57 = "5.7.31921-d1770ee1b"  # torch.version.hip of a ROCm 5.7 wheel
 ROCM_70 = "7.0.51831-a3e329ad8"
 
 
 def test_good_strings_parse():
-    c = parse("backend:native,expandable_segments:True,max_split_size_mb:512,garbage_collection_threshold:0.6,"
-              "roundup_power2_divisions:[256:1,512:2,>:4]")
+    c = parse(
+        "backend:native,expandable_segments:True,max_split_size_mb:512,garbage_collection_threshold:0.6,"
+        "roundup_power2_divisions:[256:1,512:2,>:4]"
+    )
     assert c.errors == []
-    assert c.settings == {"backend": "native", "expandable_segments": "True", "max_split_size_mb": "512",
-                          "garbage_collection_threshold": "0.6", "roundup_power2_divisions": "[256:1,512:2,>:4]"}
+    assert c.settings == {
+        "backend": "native",
+        "expandable_segments": "True",
+        "max_split_size_mb": "512",
+        "garbage_collection_threshold": "0.6",
+        "roundup_power2_divisions": "[256:1,512:2,>:4]",
+    }
 
 
 @pytest.mark.parametrize(
@@ -49,8 +56,11 @@ def test_platform_no_ops_are_warned():
 
 
 def test_report_on_a_recorded_rocm_build_environment():
-    env = {"PYTORCH_HIP_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:10",
-           "PYTORCH_ROCM_ALLOCATOR": "ARENA", "HSA_AMD_SDMA_MAX_WG_SIZE": "16"}
+    env = {
+        "PYTORCH_HIP_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:10",
+        "PYTORCH_ROCM_ALLOCATOR": "ARENA",
+        "HSA_AMD_SDMA_MAX_WG_SIZE": "16",
+    }
     r = report(env=env, hip=ROCM_57, cuda=None)
     assert r["build"] == f"ROCm/HIP {ROCM_57}"
     assert any("ignored on ROCm 5.7" in w for w in r["warnings"])
@@ -68,8 +78,10 @@ def test_a_variable_hidden_by_pytorch_alloc_conf_is_flagged():
     env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     r = report(env=env, hip=None, cuda="12.8")
     assert any(w.startswith("PYTORCH_CUDA_ALLOC_CONF not read: PYTORCH_ALLOC_CONF is set") for w in r["warnings"])
-    assert not any("not read: PYTORCH_ALLOC_CONF" in w for w in report(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
-                                                                      hip=None, cuda="12.8")["warnings"])
+    assert not any(
+        "not read: PYTORCH_ALLOC_CONF" in w
+        for w in report(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, hip=None, cuda="12.8")["warnings"]
+    )
 
 
 def test_doctor_json_on_this_machine(capsys, monkeypatch):
@@ -85,4 +97,7 @@ def test_doctor_json_on_this_machine(capsys, monkeypatch):
 def test_doctor_exit_code_flags_problems(capsys, monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:abc")
     assert main(["doctor"]) == 1
-    assert "problem: PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be an integer > 20" in capsys.readouterr().out.replace("\n", " ")
+    assert (
+        "problem: PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be an integer > 20"
+        in capsys.readouterr().out.replace("\n", " ")
+    )

@@ -4,12 +4,11 @@ import json
 import pickle
 
 import pytest
+from snapshot_fixtures import MIB, fragmented, segment, snapshot
 
+from memfit.allocator.snapshot import analyze, load_snapshot
 from memfit.cli import main
 from memfit.errors import UserError
-from memfit.allocator.snapshot import analyze, load_snapshot
-
-from snapshot_fixtures import MIB, fragmented, segment, snapshot
 
 FIXTURE_H200 = "h200-llama2-7b-lora-ffn-bf16pure-step3.pickle.gz"
 
@@ -96,7 +95,10 @@ def test_frag_command_writes_report_and_pngs(tmp_path, capsys):
         assert open(png, "rb").read(8) == PNG_MAGIC
     assert main(["frag", str(p), "--out", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "fragmentation ratio" in text and "OOM at trace entry 5: asked for 64.0 MiB with 3.0 MiB free on the device" in text
+    assert (
+        "fragmentation ratio" in text
+        and "OOM at trace entry 5: asked for 64.0 MiB with 3.0 MiB free on the device" in text
+    )
     assert "at peak (entry 2)" in text and "freed before the dump: 1 block(s)" in text
 
 
@@ -111,7 +113,9 @@ def test_simulate_compares_settings_and_recommends(tmp_path, capsys):
     assert "recommendation:" in text
     assert "model check (default settings, as the snapshot was taken): peak reserved" in text
     assert open(tmp_path / "o" / "whatif_device0.png", "rb").read(8) == PNG_MAGIC
-    assert main(["frag", str(p), "--out", str(tmp_path / "j"), "--simulate", "--json", "--hip-version", "5.7.31921"]) == 0
+    assert (
+        main(["frag", str(p), "--out", str(tmp_path / "j"), "--simulate", "--json", "--hip-version", "5.7.31921"]) == 0
+    )
     sim = json.loads(capsys.readouterr().out)["simulate"]
     assert sim["settings"][0]["label"] == "default" and sim["recommended"] == "roundup_power2_divisions:4"
     assert sim["settings"][1]["no_op"] == "expandable_segments is ignored on ROCm 5.7 (needs >= 7.0)"
@@ -124,9 +128,10 @@ def test_simulate_compares_settings_and_recommends(tmp_path, capsys):
 
 
 def test_whatif_replay_numbers_follow_the_model():
+    from snapshot_fixtures import sawtooth
+
     from memfit.allocator.model import AllocatorSettings
     from memfit.allocator.whatif import compare, replay
-    from snapshot_fixtures import sawtooth
 
     entries = sawtooth()["device_traces"][0]
     default = replay(entries, AllocatorSettings(), 1 << 40)
@@ -141,7 +146,11 @@ def test_whatif_replay_numbers_follow_the_model():
     assert tight.oom or tight.alloc_retries > 0
     # over time: one point per alloc / free entry, ending where the replay ended
     assert [p.index for p in default.series] == list(range(len(entries)))
-    assert default.series[-1].reserved_bytes <= default.peak_reserved_bytes == max(p.reserved_bytes for p in default.series)
+    assert (
+        default.series[-1].reserved_bytes
+        <= default.peak_reserved_bytes
+        == max(p.reserved_bytes for p in default.series)
+    )
     assert max(p.allocated_bytes for p in default.series) == default.peak_allocated_bytes
     assert all(0 <= p.fragmentation_ratio <= 1 for p in default.series)
     assert default.series[-1].fragmentation_ratio == default.fragmentation_at_end
@@ -155,23 +164,32 @@ def test_replay_check_sets_the_model_beside_the_snapshot():
     """5 MiB then 3 MiB, then the 5 MiB freed: both fit one 20 MiB large-pool segment (requests between
     1 and 10 MiB get kLargeBuffer segments; each split leaves > 1 MiB), so the allocator's own state
     at the dump is that segment: 5 MiB free, 3 MiB allocated, 12 MiB free."""
-    from memfit.allocator.model import AllocatorSettings
-    from memfit.allocator.whatif import replay_check
     from snapshot_fixtures import segment, snapshot
 
+    from memfit.allocator.model import AllocatorSettings
+    from memfit.allocator.whatif import replay_check
+
     base = 0x7F0000000000
-    trace = [{"action": "alloc", "addr": base, "size": 5 * MIB, "stream": 0},
-             {"action": "alloc", "addr": base + 5 * MIB, "size": 3 * MIB, "stream": 0},
-             {"action": "free_completed", "addr": base, "size": 5 * MIB, "stream": 0}]
-    snap = snapshot([segment(base, [(5 * MIB, "inactive", 0), (3 * MIB, "active_allocated", 3 * MIB),
-                                    (12 * MIB, "inactive", 0)])], [trace])
+    trace = [
+        {"action": "alloc", "addr": base, "size": 5 * MIB, "stream": 0},
+        {"action": "alloc", "addr": base + 5 * MIB, "size": 3 * MIB, "stream": 0},
+        {"action": "free_completed", "addr": base, "size": 5 * MIB, "stream": 0},
+    ]
+    snap = snapshot(
+        [segment(base, [(5 * MIB, "inactive", 0), (3 * MIB, "active_allocated", 3 * MIB), (12 * MIB, "inactive", 0)])],
+        [trace],
+    )
     check = replay_check(snap, 0, AllocatorSettings())
     assert (check.model_reserved_bytes, check.snapshot_reserved_bytes) == (20 * MIB, 20 * MIB)
     assert (check.model_segments, check.snapshot_segments, check.unmatched_frees) == (1, 1, 0)
     assert check.model_peak_allocated_bytes == 8 * MIB and check.reserved_error == 0
     late = snapshot(snap["segments"], [[{"action": "free_completed", "addr": 1, "size": 512, "stream": 0}, *trace]])
     check = replay_check(late, 0, AllocatorSettings())  # the block freed first was alive when recording began
-    assert (check.unmatched_frees, check.model_peak_allocated_bytes, check.model_reserved_bytes) == (0, 8 * MIB, 22 * MIB)
+    assert (check.unmatched_frees, check.model_peak_allocated_bytes, check.model_reserved_bytes) == (
+        0,
+        8 * MIB,
+        22 * MIB,
+    )
 
 
 def test_a_step_trace_from_an_h200_replays_with_the_blocks_alive_at_its_start(tmp_path):
@@ -183,8 +201,8 @@ def test_a_step_trace_from_an_h200_replays_with_the_blocks_alive_at_its_start(tm
     import gzip
     from pathlib import Path
 
-    from memfit.allocator.model import AllocatorSettings
     from memfit.allocator.layout import Rebuilt
+    from memfit.allocator.model import AllocatorSettings
     from memfit.allocator.whatif import live_at_start, replay_check
 
     path = tmp_path / "step3.pickle"
@@ -203,9 +221,10 @@ def test_a_step_trace_from_an_h200_replays_with_the_blocks_alive_at_its_start(tm
 def test_replaying_the_models_own_trace_ends_where_the_model_ended(expandable):
     """A random workload with empty_cache() calls, written out as PyTorch writes it: the replay (which
     empties its cache where the trace released segments without mapping new ones) reproduces it."""
+    from snapshot_fixtures import model_workload
+
     from memfit.allocator.model import AllocatorSettings
     from memfit.allocator.whatif import replay_check
-    from snapshot_fixtures import model_workload
 
     settings = AllocatorSettings(expandable_segments=expandable)
     snap, truth = model_workload(settings, seed=3)
@@ -221,8 +240,8 @@ def test_defaults_stay_recommended_unless_a_setting_retries_less_or_saves_two_pe
     from rich.console import Console
 
     from memfit.allocator.model import AllocatorSettings
-    from memfit.commands.frag import render_whatif
     from memfit.allocator.whatif import Replay, recommend
+    from memfit.commands.frag import render_whatif
 
     def run(settings, reserved, oom=False, retries=0):
         return Replay(settings, reserved, 90 * MIB, 3, retries, oom, 0.1, 100)
@@ -233,13 +252,17 @@ def test_defaults_stay_recommended_unless_a_setting_retries_less_or_saves_two_pe
     assert recommend([run(default, 100 * MIB), run(gc, 97 * MIB)], None).settings == gc
     assert recommend([run(default, 100 * MIB, retries=2), run(gc, 101 * MIB)], None).settings == gc  # no retry
     assert recommend([run(default, 100 * MIB, retries=1), run(gc, 90 * MIB, retries=1)], None).settings == gc
-    assert recommend([run(default, 100 * MIB), run(expandable, 50 * MIB)], "6.2.41133").settings == default  # no-op there
+    assert (
+        recommend([run(default, 100 * MIB), run(expandable, 50 * MIB)], "6.2.41133").settings == default
+    )  # no-op there
     assert recommend([run(default, 100 * MIB, oom=True), run(gc, 99 * MIB, oom=True)], None) is None
     results = [run(default, 100 * MIB), run(gc, 97 * MIB)]
     render_whatif(results, results[1], None, Console(width=200), "t", rocm=True)
     out = capsys.readouterr().out
-    assert ("recommendation: PYTORCH_HIP_ALLOC_CONF=garbage_collection_threshold:0.8 and "
-            "allocator.memory_fraction=0.95 (torch.cuda.set_per_process_memory_fraction)") in out
+    assert (
+        "recommendation: PYTORCH_HIP_ALLOC_CONF=garbage_collection_threshold:0.8 and "
+        "allocator.memory_fraction=0.95 (torch.cuda.set_per_process_memory_fraction)"
+    ) in out
 
 
 def test_long_replays_keep_a_bounded_series_with_every_change_of_reserved():
@@ -255,7 +278,9 @@ def test_long_replays_keep_a_bounded_series_with_every_change_of_reserved():
     assert len(r.series) <= SERIES_POINTS + 60 and r.series[-1].index == len(entries) - 1
     reserved = [p.reserved_bytes for p in r.series]
     assert reserved == sorted(reserved) and reserved[-1] == r.peak_reserved_bytes  # each growth is a point
-    assert len(set(reserved)) == 31  # the 1 MiB block's 2 MiB small-pool segment, then one 30 MiB segment per kept block
+    assert (
+        len(set(reserved)) == 31
+    )  # the 1 MiB block's 2 MiB small-pool segment, then one 30 MiB segment per kept block
 
 
 def test_an_oom_with_enough_free_memory_in_pieces_is_blamed_on_fragmentation(tmp_path, capsys):
@@ -272,6 +297,10 @@ def test_an_oom_with_enough_free_memory_in_pieces_is_blamed_on_fragmentation(tmp
     assert main(["frag", str(p), "--out", str(tmp_path / "o"), "--json"]) == 0
     oom = json.loads(capsys.readouterr().out)["oom_details"][0]
     assert (oom["cause"], oom["trace_entry"], oom["external_free_bytes"], oom["largest_free_bytes"]) == (
-        "fragmentation", 8, 40 * MIB, 20 * MIB)
+        "fragmentation",
+        8,
+        40 * MIB,
+        20 * MIB,
+    )
     assert main(["frag", str(p), "--out", str(tmp_path / "o")]) == 0
     assert "enough free memory, but in pieces" in " ".join(capsys.readouterr().out.split())

@@ -28,8 +28,11 @@ GIB = 1 << 30
 
 def _env(conf: str) -> dict[str, str]:
     var = "PYTORCH_HIP_ALLOC_CONF" if torch.version.hip else "PYTORCH_CUDA_ALLOC_CONF"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF",
-                                                              "PYTORCH_ALLOC_CONF")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    }
     return {**env, var: conf} if conf else env
 
 
@@ -42,21 +45,39 @@ def _text_file(path: Path, words: int = 60_000) -> Path:
 
 def _train(tmp_path: Path, conf: str, *extra: str) -> subprocess.CompletedProcess:
     data = _text_file(tmp_path / "words.txt")
-    cmd = [sys.executable, "-m", "memfit.cli", "train", "tiny-cpu", "model.source=random:tiny", f"data.source={data}",
-           "data.seq_len=256", "train.device=cuda", "data.num_workers=0", "train.eval_every=0", "train.eval_batches=1",
-           "output.export=false", "train.keep_checkpoints=0", f"output.dir={tmp_path / 'run'}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "memfit.cli",
+        "train",
+        "tiny-cpu",
+        "model.source=random:tiny",
+        f"data.source={data}",
+        "data.seq_len=256",
+        "train.device=cuda",
+        "data.num_workers=0",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "output.export=false",
+        "train.keep_checkpoints=0",
+        f"output.dir={tmp_path / 'run'}",
+        *extra,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=_env(conf))
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory < 32 * GIB,
-                    reason="the workload holds up to 24 GiB")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory < 32 * GIB,
+    reason="the workload holds up to 24 GiB",
+)
 @pytest.mark.parametrize("conf", SETTINGS)
 def test_layout_rebuilt_from_the_trace_equals_memory_snapshot(tmp_path, conf):
     """A random alloc/free/empty_cache workload; three memory_snapshot() readings taken mid-run are
     reproduced exactly, field by field, by the layout rebuilt from the final snapshot's trace."""
     out = tmp_path / "layout.json"
-    subprocess.run([sys.executable, str(GPU_CHECK), "--layout-worker", str(out)], check=True, timeout=600, cwd=REPO,
-                   env=_env(conf))
+    subprocess.run(
+        [sys.executable, str(GPU_CHECK), "--layout-worker", str(out)], check=True, timeout=600, cwd=REPO, env=_env(conf)
+    )
     result = json.loads(out.read_text())
     assert result["status"] == "ok" and result["size_misses"] == 0
     assert [m["exact"] for m in result["moments"]] == [True, True, True], result["moments"]
@@ -71,15 +92,23 @@ def test_training_trace_replays_within_two_percent(tmp_path, conf):
     from memfit.allocator.snapshot import load_snapshot
     from memfit.telemetry.metrics_file import read_metrics
 
-    proc = _train(tmp_path, conf, "train.max_steps=3", "train.micro_batch_size=8", "train.record_memory_history=true",
-                  "train.snapshot_at_step=3")
+    proc = _train(
+        tmp_path,
+        conf,
+        "train.max_steps=3",
+        "train.micro_batch_size=8",
+        "train.record_memory_history=true",
+        "train.snapshot_at_step=3",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
     steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "step"]
     settings = AllocatorSettings(expandable_segments=bool(conf))
-    row = gpu_check.replay_row(conf or "default", settings, load_snapshot(tmp_path / "run" / "snapshot_step3.pickle"), steps)
+    row = gpu_check.replay_row(
+        conf or "default", settings, load_snapshot(tmp_path / "run" / "snapshot_step3.pickle"), steps
+    )
     assert row["unmatched_frees"] == 0
     assert abs(row["peak_reserved_error_pct"]) <= 2, row
     assert row["model_peak_allocated_bytes"] == row["measured_peak_allocated_bytes"], row
@@ -106,8 +135,14 @@ def test_out_of_memory_exits_3_with_a_snapshot_and_the_request(tmp_path):
     """Under a ~300 MiB memory-fraction cap, a step whose logits alone need more fails: exit code 3,
     one line with the bytes requested and the snapshot's path, the snapshot written, no checkpoint."""
     fraction = 300 * (1 << 20) / torch.cuda.get_device_properties(0).total_memory
-    proc = _train(tmp_path, "", "train.max_steps=2", "train.micro_batch_size=16", "train.plan_check=false",
-                  f"allocator.memory_fraction={fraction:.6f}")
+    proc = _train(
+        tmp_path,
+        "",
+        "train.max_steps=2",
+        "train.micro_batch_size=16",
+        "train.plan_check=false",
+        f"allocator.memory_fraction={fraction:.6f}",
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     line = next(x for x in proc.stderr.splitlines() + proc.stdout.splitlines() if "out of memory at step 1" in x)
     assert "bytes) failed" in line and "snapshot" in line
@@ -127,7 +162,9 @@ def test_fragmentation_reading_without_the_trace_sees_the_same_segments():
         kept = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (1, 3, 30, 5, 70)]
         del kept[1], kept[2]
         device = torch.cuda.current_device()
-        assert (analyze({"segments": current_segments()}, device).as_dict()
-                == analyze({"segments": torch.cuda.memory._snapshot()["segments"]}, device).as_dict())
+        assert (
+            analyze({"segments": current_segments()}, device).as_dict()
+            == analyze({"segments": torch.cuda.memory._snapshot()["segments"]}, device).as_dict()
+        )
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)

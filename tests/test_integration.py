@@ -6,17 +6,21 @@ import sys
 import time
 
 import pytest
+from conftest import tiny_overrides
 
 from memfit.telemetry.metrics_file import read_metrics
-
-from conftest import tiny_overrides
 
 pytestmark = pytest.mark.integration
 
 
 def _memfit(*args, **kw):
-    return subprocess.Popen([sys.executable, "-m", "memfit.cli", "train", "tiny-cpu", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "memfit.cli", "train", "tiny-cpu", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def _losses(run_dir):
@@ -24,8 +28,14 @@ def _losses(run_dir):
 
 
 def test_kill_9_then_resume_continues_the_same_losses(tmp_path, embedded_dir):
-    args = ["train.max_steps=40", "train.checkpoint_every=5", "train.eval_every=0", "train.threads=1",
-            "data.seq_len=128", "train.micro_batch_size=8"]
+    args = [
+        "train.max_steps=40",
+        "train.checkpoint_every=5",
+        "train.eval_every=0",
+        "train.threads=1",
+        "data.seq_len=128",
+        "train.micro_batch_size=8",
+    ]
     ref = _memfit(*tiny_overrides(tmp_path / "ref", *args))
     victim = _memfit(*tiny_overrides(tmp_path / "run", *args))
     first_ckpt = tmp_path / "run" / "checkpoints" / "step_0000005"
@@ -66,14 +76,22 @@ def test_cli_reports_user_errors_with_exit_code_2(tmp_path, embedded_dir):
 
 def test_real_smollm2_lora_lowers_heldout_loss(tmp_path):
     """The default model and data: a short LoRA fine-tune of the pretrained SmolLM2-135M on Shakespeare."""
-    from memfit.config.shipped import shipped_configs
     from memfit.config.loader import load_config
+    from memfit.config.shipped import shipped_configs
     from memfit.train.loop import Trainer
 
     cfg = load_config(
         shipped_configs()["smollm2-shakespeare-lora-cpu"],
-        ["train.max_steps=12", "data.seq_len=64", "data.max_documents=6", "train.eval_every=0",
-         "train.eval_batches=4", "optimizer.warmup_steps=2", "train.checkpoint_every=0", f"output.dir={tmp_path / 'run'}"],
+        [
+            "train.max_steps=12",
+            "data.seq_len=64",
+            "data.max_documents=6",
+            "train.eval_every=0",
+            "train.eval_batches=4",
+            "optimizer.warmup_steps=2",
+            "train.checkpoint_every=0",
+            f"output.dir={tmp_path / 'run'}",
+        ],
     )
     result = Trainer(cfg).fit()
     first, last = result.evals[0]["eval_loss"], result.evals[-1]["eval_loss"]
@@ -91,9 +109,20 @@ def test_out_of_memory_exits_3_with_one_line_and_keeps_the_run_dir(tmp_path, emb
 
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "memfit.cli", "train", "tiny-cpu",
-         *tiny_overrides(out, "train.micro_batch_size=64", "data.seq_len=512", "data.max_documents=20", "output.export=false")],
-        capture_output=True, text=True, preexec_fn=cap, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "memfit.cli",
+            "train",
+            "tiny-cpu",
+            *tiny_overrides(
+                out, "train.micro_batch_size=64", "data.seq_len=512", "data.max_documents=20", "output.export=false"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        preexec_fn=cap,
+        timeout=300,
     )
     assert proc.returncode == 3, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()

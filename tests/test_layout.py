@@ -5,12 +5,12 @@ snapshots: requested sizes in the trace, block sizes only in the final segments)
 import random
 
 import pytest
+from snapshot_fixtures import BASE, MIB, entry, fragmented, model_workload, segment, snapshot
 
-from memfit.allocator.model import AllocatorSettings
 from memfit.allocator.layout import Rebuilt, settings_in
+from memfit.allocator.model import AllocatorSettings
 from memfit.allocator.snapshot import analyze
 
-from snapshot_fixtures import BASE, MIB, entry, fragmented, model_workload, segment, snapshot
 
 def test_an_unsplit_rest_stays_in_the_block_and_the_peak_is_where_allocated_was_highest():
     # a 20 MiB segment; 19.5 MiB asked: the 0.5 MiB rest is <= 1 MiB (kSmallSize), not split, so the
@@ -56,17 +56,28 @@ def test_a_trace_that_starts_late_keeps_what_was_there_before():
 def test_settings_come_from_the_snapshot():
     snap = snapshot([])
     assert settings_in(snap) == AllocatorSettings()
-    snap["allocator_settings"] = {"max_split_size": 256 * MIB, "expandable_segments": True,
-                                  "roundup_power2_divisions": {"1": 4, "2": 4, "4": 0}}
-    assert settings_in(snap) == AllocatorSettings(max_split_size_mb=256, roundup_power2_divisions=4,
-                                                  expandable_segments=True)
+    snap["allocator_settings"] = {
+        "max_split_size": 256 * MIB,
+        "expandable_segments": True,
+        "roundup_power2_divisions": {"1": 4, "2": 4, "4": 0},
+    }
+    assert settings_in(snap) == AllocatorSettings(
+        max_split_size_mb=256, roundup_power2_divisions=4, expandable_segments=True
+    )
     snap["allocator_settings"] = {"max_split_size": (1 << 64) - 1, "roundup_power2_divisions": {"1": 2, "2": 8}}
     assert settings_in(snap) == AllocatorSettings()
 
 
-@pytest.mark.parametrize("settings", [AllocatorSettings(), AllocatorSettings(expandable_segments=True),
-                                      AllocatorSettings(max_split_size_mb=64), AllocatorSettings(roundup_power2_divisions=4)],
-                         ids=lambda s: s.label())
+@pytest.mark.parametrize(
+    "settings",
+    [
+        AllocatorSettings(),
+        AllocatorSettings(expandable_segments=True),
+        AllocatorSettings(max_split_size_mb=64),
+        AllocatorSettings(roundup_power2_divisions=4),
+    ],
+    ids=lambda s: s.label(),
+)
 def test_rebuilt_layout_matches_the_allocator_model_after_every_event(settings):
     snap, truth = model_workload(settings, seed=7)
     r = Rebuilt(snap, settings=settings)
@@ -76,16 +87,24 @@ def test_rebuilt_layout_matches_the_allocator_model_after_every_event(settings):
     events = [i for i, t in enumerate(truth) if t[2] is not None]
     for i in sorted(rng.sample(events, 12)) + [r.peak().index]:
         report = r.at(i).report
-        assert (report.allocated_bytes, report.reserved_bytes, report.external_free_bytes,
-                report.largest_free_bytes) == truth[i], f"entry {i}"
+        assert (
+            report.allocated_bytes,
+            report.reserved_bytes,
+            report.external_free_bytes,
+            report.largest_free_bytes,
+        ) == truth[i], f"entry {i}"
     assert r.at(len(truth) - 1).report.as_dict() == analyze(snap).as_dict()
 
 
 def test_the_peak_of_a_window_of_the_trace():
     # a whole-run trace: the step to inspect starts at time_us 3, after a higher peak at entry 1
-    trace = [entry("segment_alloc", BASE, 20 * MIB, 0), entry("alloc", BASE, 12 * MIB, 1),
-             entry("free_completed", BASE, 12 * MIB, 2), entry("alloc", BASE, 4 * MIB, 3),
-             entry("free_completed", BASE, 4 * MIB, 4)]
+    trace = [
+        entry("segment_alloc", BASE, 20 * MIB, 0),
+        entry("alloc", BASE, 12 * MIB, 1),
+        entry("free_completed", BASE, 12 * MIB, 2),
+        entry("alloc", BASE, 4 * MIB, 3),
+        entry("free_completed", BASE, 4 * MIB, 4),
+    ]
     r = Rebuilt(snapshot([segment(BASE, [(20 * MIB, "inactive", 0)])], [trace]))
     assert r.peak().index == 1 and r.peak(since_us=3).index == 3
     assert r.peak(since_us=99).index == 1  # no entry that late: the whole trace

@@ -10,19 +10,19 @@ import yaml
 
 from memfit.cli import main
 from memfit.config.loader import load_config
-from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.config.schema import LoraConfig
-from memfit.planner.categories import Category
+from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.errors import UserError
+from memfit.models.presets import preset_config
+from memfit.planner.categories import Category
 from memfit.planner.hardware import gpu_preset
-from memfit.units import GIB, parse_memory
 from memfit.planner.measure import measured_steady_step
-from memfit.planner.search import Cluster, Pins, Workload, search, time_bucket
 from memfit.planner.predict import Predictor
+from memfit.planner.search import Cluster, Pins, Workload, search, time_bucket
 from memfit.planner.sharding import ShardingSpec, per_rank
 from memfit.planner.trace import StepSpec, extrapolated_step, trace_step
-from memfit.models.presets import preset_config
 from memfit.strategies.precision import precision_policy
+from memfit.units import GIB, parse_memory
 
 CPU = torch.device("cpu")
 
@@ -31,8 +31,12 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16-pure"])
 @pytest.mark.parametrize("ac", ["none", "ffn", "full", "every_k:2"])
 def test_trace_matches_profiler_on_tiny(ac, precision, lora):
-    spec = StepSpec(preset_config("tiny"), 128, Strategy(CheckpointPolicy.parse(ac), precision, "foreach", 4),
-                    LoraConfig(enabled=True) if lora else None)
+    spec = StepSpec(
+        preset_config("tiny"),
+        128,
+        Strategy(CheckpointPolicy.parse(ac), precision, "foreach", 4),
+        LoraConfig(enabled=True) if lora else None,
+    )
     assert_within_3pct_per_category(trace_step(spec).peak, measured_steady_step(spec))
 
 
@@ -85,7 +89,12 @@ def test_extrapolation_equals_full_trace_on_8_layers(ac, lora):
     cfg = copy.deepcopy(preset_config("tiny"))
     cfg.num_hidden_layers = 8
     for precision in ("fp32", "bf16-mixed"):
-        spec = StepSpec(cfg, 64, Strategy(CheckpointPolicy.parse(ac), precision, "foreach", 2), LoraConfig(enabled=True) if lora else None)
+        spec = StepSpec(
+            cfg,
+            64,
+            Strategy(CheckpointPolicy.parse(ac), precision, "foreach", 2),
+            LoraConfig(enabled=True) if lora else None,
+        )
         full, extrapolated = trace_step(spec), extrapolated_step(spec)
         assert abs(extrapolated.peak_bytes - full.peak_bytes) / full.peak_bytes <= 0.005
 
@@ -99,11 +108,20 @@ def test_backward_visits_each_layer_region_once_in_order(ac):
 
     from memfit.planner.trace import trace_timeline
 
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+    )
     cfg._attn_implementation = "sdpa"
     for lora in (LoraConfig(enabled=True), None):
-        phases = trace_timeline(StepSpec(cfg, 128, Strategy(CheckpointPolicy.parse(ac), "bf16-pure", "foreach", 2), lora)).phases
+        phases = trace_timeline(
+            StepSpec(cfg, 128, Strategy(CheckpointPolicy.parse(ac), "bf16-pure", "foreach", 2), lora)
+        ).phases
         runs = [p for i, p in enumerate(phases) if p.startswith("backward:") and (i == 0 or phases[i - 1] != p)]
         assert runs == ["backward:outer", "backward:last", "backward:mid", "backward:first"], runs
 
@@ -145,7 +163,9 @@ def test_deepspeed_cold_estimator_formulas():
     states = Breakdown({Category.PARAMS: 2 * psi, Category.GRADS: 2 * psi, Category.OPTIMIZER: 12 * psi})
     step = StepMemory(states, {"optimizer": states}, "optimizer")
     z2 = per_rank(step, ShardingSpec(2, n, "deepspeed", layers, bucket_bytes=0)).peak
-    assert z2[Category.PARAMS] + z2[Category.GRADS] + z2[Category.OPTIMIZER] == pytest.approx(2 * psi + 14 * psi / n, rel=1e-6)
+    assert z2[Category.PARAMS] + z2[Category.GRADS] + z2[Category.OPTIMIZER] == pytest.approx(
+        2 * psi + 14 * psi / n, rel=1e-6
+    )
     # DeepSpeed counts 16/N for grads+state with fp32 grads; ours keeps bf16 grads (2 bytes): 2 bytes/N less
     assert 2 * psi + 16 * psi / n - (2 * psi + 14 * psi / n) == 2 * psi / n
     z3 = per_rank(step, ShardingSpec(3, n, "deepspeed", layers, bucket_bytes=0)).peak
@@ -183,17 +203,35 @@ def test_parallel_traces_give_the_same_plan_as_serial(monkeypatch):
     for workers in ("1", "2"):
         monkeypatch.setenv("MEMFIT_PLAN_WORKERS", workers)
         r = search(w, Cluster(gpu_preset("a100-40g"), 2), Pins({"precision": "bf16-mixed", "optimizer": "fused"}))
-        plans.append([(c.strategy, c.memory, c.reserved_bytes)
-                      for c in r.fitting + r.pruned])
+        plans.append([(c.strategy, c.memory, c.reserved_bytes) for c in r.fitting + r.pruned])
         assert r.traces == 4 * 4 + 2  # 4 AC policies x (2 depths x 2 batch sizes) + the fused optimizer at 2 depths
     assert plans[0] == plans[1]
 
 
 def test_pins_restrict_the_search():
     w = Workload(preset_config("tiny"), "tiny", 64, 8)
-    r = search(w, Cluster(gpu_preset("h100"), 2), Pins({"activation_checkpointing": CheckpointPolicy("ffn"), "zero_stage": 2, "micro_batch_size": 2, "optimizer": "fused"}))
-    assert {(str(c.strategy.activation_checkpointing), c.strategy.zero_stage, c.strategy.micro_batch_size, c.strategy.optimizer,
-             c.strategy.grad_accum_steps) for c in r.fitting + r.pruned} == {("ffn", 2, 2, "fused", 2)}
+    r = search(
+        w,
+        Cluster(gpu_preset("h100"), 2),
+        Pins(
+            {
+                "activation_checkpointing": CheckpointPolicy("ffn"),
+                "zero_stage": 2,
+                "micro_batch_size": 2,
+                "optimizer": "fused",
+            }
+        ),
+    )
+    assert {
+        (
+            str(c.strategy.activation_checkpointing),
+            c.strategy.zero_stage,
+            c.strategy.micro_batch_size,
+            c.strategy.optimizer,
+            c.strategy.grad_accum_steps,
+        )
+        for c in r.fitting + r.pruned
+    } == {("ffn", 2, 2, "fused", 2)}
 
 
 def test_parse_memory():
@@ -217,13 +255,31 @@ def _plan(capsys, *args):
     [
         (["--model", "llama2-7bb", "--gpu", "mi210"], "did you mean 'llama2-7b'"),
         (["--model", "llama2-7b", "--gpu", "mi211"], "unknown GPU 'mi211' (did you mean 'mi210'?)"),
-        (["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--zero", "2"], "ZeRO stage 2 needs more than one GPU"),
-        (["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--gpus-per-node", "2", "--global-batch", "3"], "not divisible by the 2 GPUs"),
-        (["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--global-batch", "8", "--micro-batch", "3"], "does not divide the per-GPU batch 8"),
+        (
+            ["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--zero", "2"],
+            "ZeRO stage 2 needs more than one GPU",
+        ),
+        (
+            ["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--gpus-per-node", "2", "--global-batch", "3"],
+            "not divisible by the 2 GPUs",
+        ),
+        (
+            ["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--global-batch", "8", "--micro-batch", "3"],
+            "does not divide the per-GPU batch 8",
+        ),
         (["--model", "tiny", "--gpu", "t4", "--seq-len", "64", "--precision", "bf16-mixed"], "t4 has no bf16"),
-        (["--model", "tiny", "--gpu", "mi210", "--seq-len", "5000"], "exceeds the model's max_position_embeddings 1024"),
-        (["--model", "llama2-70b", "--gpu", "rtx4090", "--seq-len", "512", "--global-batch", "1"], "nothing fits on rtx4090: the closest candidate"),
-        (["--model", "tiny", "--gpu", "mi210", "--simulate"], "--simulate replays one candidate's step: give --explain N too"),
+        (
+            ["--model", "tiny", "--gpu", "mi210", "--seq-len", "5000"],
+            "exceeds the model's max_position_embeddings 1024",
+        ),
+        (
+            ["--model", "llama2-70b", "--gpu", "rtx4090", "--seq-len", "512", "--global-batch", "1"],
+            "nothing fits on rtx4090: the closest candidate",
+        ),
+        (
+            ["--model", "tiny", "--gpu", "mi210", "--simulate"],
+            "--simulate replays one candidate's step: give --explain N too",
+        ),
     ],
 )
 def test_plan_errors_are_one_line(capsys, args, message):
@@ -233,12 +289,31 @@ def test_plan_errors_are_one_line(capsys, args, message):
 
 def test_plan_json_explain_and_written_configs(capsys, tmp_path):
     run_yaml, ds_json = tmp_path / "run.yaml", tmp_path / "ds.json"
-    code, out, _ = _plan(capsys, "--model", "tiny", "--gpu-mem", "1GiB", "--seq-len", "128", "--global-batch", "4", "--json")
+    code, out, _ = _plan(
+        capsys, "--model", "tiny", "--gpu-mem", "1GiB", "--seq-len", "128", "--global-batch", "4", "--json"
+    )
     assert code == 0
     plan = json.loads(out)
     assert plan["fitting"] and plan["fitting"][0]["fits"] and "assumptions" in plan
-    code, out, _ = _plan(capsys, "--model", "tiny", "--gpu", "h100", "--gpus-per-node", "2", "--seq-len", "128",
-                         "--global-batch", "8", "--explain", "1", "--write-config", str(run_yaml), "--write-deepspeed", str(ds_json))
+    code, out, _ = _plan(
+        capsys,
+        "--model",
+        "tiny",
+        "--gpu",
+        "h100",
+        "--gpus-per-node",
+        "2",
+        "--seq-len",
+        "128",
+        "--global-batch",
+        "8",
+        "--explain",
+        "1",
+        "--write-config",
+        str(run_yaml),
+        "--write-deepspeed",
+        str(ds_json),
+    )
     assert code == 0 and "per phase peak" in out and "backward" in out
     cfg = load_config(run_yaml)  # the written config is a valid memfit train config
     assert cfg.model.source == "random:tiny" and cfg.data.seq_len == 128
@@ -247,8 +322,26 @@ def test_plan_json_explain_and_written_configs(capsys, tmp_path):
 
 
 def test_plan_simulate_replays_the_explained_step_under_allocator_settings(capsys):
-    code, out, _ = _plan(capsys, "--model", "tiny", "--gpu", "mi210", "--seq-len", "128", "--global-batch", "4",
-                         "--ac", "none", "--precision", "bf16-mixed", "--micro-batch", "4", "--explain", "1", "--simulate")
+    code, out, _ = _plan(
+        capsys,
+        "--model",
+        "tiny",
+        "--gpu",
+        "mi210",
+        "--seq-len",
+        "128",
+        "--global-batch",
+        "4",
+        "--ac",
+        "none",
+        "--precision",
+        "bf16-mixed",
+        "--micro-batch",
+        "4",
+        "--explain",
+        "1",
+        "--simulate",
+    )
     assert code == 0
     text = " ".join(out.split())
     assert "what-if: the two traced steps'" in text and "in mi210's 64 GiB less 512 MiB of runtime context" in text
@@ -260,19 +353,51 @@ def test_plan_simulate_replays_the_explained_step_under_allocator_settings(capsy
 
 def test_plan_reads_train_config_and_deepspeed_json(capsys, tmp_path):
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
-                              "zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
-    code, out, _ = _plan(capsys, "--model", "tiny", "--gpu", "mi250x", "--gpus-per-node", "2", "--deepspeed", str(ds), "--json", "--seq-len", "64")
+    ds.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 1,
+                "gradient_accumulation_steps": 4,
+                "zero_optimization": {"stage": 2},
+                "bf16": {"enabled": True},
+            }
+        )
+    )
+    code, out, _ = _plan(
+        capsys,
+        "--model",
+        "tiny",
+        "--gpu",
+        "mi250x",
+        "--gpus-per-node",
+        "2",
+        "--deepspeed",
+        str(ds),
+        "--json",
+        "--seq-len",
+        "64",
+    )
     assert code == 0
     rows = json.loads(out)["fitting"] + json.loads(out)["pruned"]
-    assert {(r["zero_stage"], r["micro_batch_size"], r["grad_accum_steps"], r["precision"]) for r in rows} == {(2, 1, 4, "bf16-mixed")}
+    assert {(r["zero_stage"], r["micro_batch_size"], r["grad_accum_steps"], r["precision"]) for r in rows} == {
+        (2, 1, 4, "bf16-mixed")
+    }
     cfg = tmp_path / "t.yaml"
-    cfg.write_text(yaml.safe_dump({"model": {"source": "random:tiny"}, "data": {"seq_len": 64},
-                                   "strategy": {"activation_checkpointing": "ffn", "precision": "bf16-pure"},
-                                   "train": {"micro_batch_size": 2, "grad_accum_steps": 2}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"source": "random:tiny"},
+                "data": {"seq_len": 64},
+                "strategy": {"activation_checkpointing": "ffn", "precision": "bf16-pure"},
+                "train": {"micro_batch_size": 2, "grad_accum_steps": 2},
+            }
+        )
+    )
     code, out, _ = _plan(capsys, "--config", str(cfg), "--gpu", "mi210", "--json")
     rows = json.loads(out)["fitting"]
-    assert code == 0 and {(r["activation_checkpointing"], r["precision"], r["micro_batch_size"]) for r in rows} == {("ffn", "bf16-pure", 2)}
+    assert code == 0 and {(r["activation_checkpointing"], r["precision"], r["micro_batch_size"]) for r in rows} == {
+        ("ffn", "bf16-pure", 2)
+    }
 
 
 @pytest.mark.integration
@@ -286,8 +411,12 @@ def test_planner_matches_profiler_on_real_smollm2(embedded_dir, ac, precision, l
     from memfit.models.load import ModelSource, build_model, model_config
 
     source = ModelSource("hf", path=embedded_dir)
-    spec = StepSpec(model_config(source, ModelConfig()), 64, Strategy(CheckpointPolicy.parse(ac), precision, "foreach", 1),
-                    LoraConfig(enabled=True) if lora else None)
+    spec = StepSpec(
+        model_config(source, ModelConfig()),
+        64,
+        Strategy(CheckpointPolicy.parse(ac), precision, "foreach", 1),
+        LoraConfig(enabled=True) if lora else None,
+    )
     model = build_model(source, ModelConfig(), precision_policy(precision).param_dtype, seed=0)
     assert_within_3pct_per_category(extrapolated_step(spec).peak, measured_steady_step(spec, model))
 
@@ -297,7 +426,13 @@ def test_trainer_plan_check_refuses_what_does_not_fit():
     from memfit.errors import UserError
     from memfit.planner.search import check_fits, predict_run, reserved_estimate
 
-    step = predict_run(preset_config("tiny"), 128, Strategy(precision="bf16-mixed", optimizer="fused", micro_batch_size=4), None, on_gpu=True)
+    step = predict_run(
+        preset_config("tiny"),
+        128,
+        Strategy(precision="bf16-mixed", optimizer="fused", micro_batch_size=4),
+        None,
+        on_gpu=True,
+    )
     check_fits(step, reserved_estimate(step.peak_bytes), "test GPU")  # exactly enough: accepted
     with pytest.raises(UserError, match=r"predicted to need .* but test GPU offers .*train.plan_check=false"):
         check_fits(step, reserved_estimate(step.peak_bytes) - 1, "test GPU")
@@ -305,8 +440,8 @@ def test_trainer_plan_check_refuses_what_does_not_fit():
 
 def test_trainer_check_refuses_a_run_the_allocator_model_sees_run_out_of_memory():
     """The margin says it fits; replayed in less memory than the step needs, the model runs out."""
-    from memfit.planner.search import check_fits, predict_run, reserved_estimate, step_allocations
     from memfit.allocator.whatif import as_trace, replay, settings_from_conf
+    from memfit.planner.search import check_fits, predict_run, reserved_estimate, step_allocations
 
     cfg = preset_config("tiny")
     strategy = Strategy(precision="fp32", optimizer="foreach", micro_batch_size=2)
@@ -320,15 +455,27 @@ def test_trainer_check_refuses_a_run_the_allocator_model_sees_run_out_of_memory(
         check_fits(step, reserved_estimate(step.peak_bytes), "test GPU", tight)
 
 
-@pytest.mark.parametrize("text, fraction, hip, expected", [
-    ("", None, None, dict()),
-    ("expandable_segments:True,max_split_size_mb:256", None, None, dict(expandable_segments=True, max_split_size_mb=256)),
-    ("expandable_segments:True", None, "6.2.41133-dd7f95766", dict()),  # ignored on ROCm < 7.0
-    ("expandable_segments:True", None, "7.0.51831-a3e329ad8", dict(expandable_segments=True)),
-    ("garbage_collection_threshold:0.8,roundup_power2_divisions:4", 0.9, None,
-     dict(garbage_collection_threshold=0.8, roundup_power2_divisions=4, memory_fraction=0.9)),
-    ("roundup_power2_divisions:[256:1,>:4]", None, None, dict()),  # per-size lists: not modelled
-])
+@pytest.mark.parametrize(
+    "text, fraction, hip, expected",
+    [
+        ("", None, None, dict()),
+        (
+            "expandable_segments:True,max_split_size_mb:256",
+            None,
+            None,
+            dict(expandable_segments=True, max_split_size_mb=256),
+        ),
+        ("expandable_segments:True", None, "6.2.41133-dd7f95766", dict()),  # ignored on ROCm < 7.0
+        ("expandable_segments:True", None, "7.0.51831-a3e329ad8", dict(expandable_segments=True)),
+        (
+            "garbage_collection_threshold:0.8,roundup_power2_divisions:4",
+            0.9,
+            None,
+            dict(garbage_collection_threshold=0.8, roundup_power2_divisions=4, memory_fraction=0.9),
+        ),
+        ("roundup_power2_divisions:[256:1,>:4]", None, None, dict()),  # per-size lists: not modelled
+    ],
+)
 def test_settings_of_a_process_from_its_allocator_string(text, fraction, hip, expected):
     from memfit.allocator.model import AllocatorSettings
     from memfit.allocator.whatif import settings_from_conf
@@ -339,8 +486,8 @@ def test_settings_of_a_process_from_its_allocator_string(text, fraction, hip, ex
 def test_traced_step_replays_through_the_allocator_model():
     """The planner's allocation stream, replayed: reserved >= allocated, allocated peak = the traced
     first-step peak rounded to 512-byte blocks (the model rounds the same way)."""
-    from memfit.planner.trace import trace_allocations, trace_timeline
     from memfit.allocator.whatif import replay_allocations
+    from memfit.planner.trace import trace_allocations, trace_timeline
 
     spec = StepSpec(preset_config("tiny"), 64, Strategy(CheckpointPolicy("ffn"), "fp32", "foreach", 2), round_to=512)
     model = replay_allocations(trace_allocations(spec))
@@ -355,11 +502,16 @@ def test_second_traced_step_is_the_steady_state_of_the_allocator_model(lora):
     """From step 2 on the optimizer state exists and the cache holds what step 1 left: a third step
     replays exactly as the second (same peaks, same segments), and step 2 peaks at least as high as
     step 1 alone (the state is alive during its forward and backward)."""
-    from memfit.planner.trace import trace_allocations
     from memfit.allocator.whatif import replay_allocations
+    from memfit.planner.trace import trace_allocations
 
-    spec = StepSpec(preset_config("tiny"), 64, Strategy(CheckpointPolicy("ffn"), "bf16-mixed", "foreach", 2),
-                    LoraConfig(enabled=True) if lora else None, round_to=512)
+    spec = StepSpec(
+        preset_config("tiny"),
+        64,
+        Strategy(CheckpointPolicy("ffn"), "bf16-mixed", "foreach", 2),
+        LoraConfig(enabled=True) if lora else None,
+        round_to=512,
+    )
     one, two, three = (replay_allocations(trace_allocations(spec, steps=n)) for n in (1, 2, 3))
     assert (two.peak_reserved, two.peak_allocated) == (three.peak_reserved, three.peak_allocated)
     assert two.peak_allocated >= one.peak_allocated and two.peak_reserved >= one.peak_reserved
@@ -372,9 +524,15 @@ def test_measured_peak_matches_releases_by_address():
     a still-live address: the block there was freed first. Releases of unknown blocks are ignored."""
     from memfit.telemetry.profiler import peak_of
 
-    events = [(0, 0xA, 100), (1, 0xB, 50), (2, 0xA, -100), (3, 0xC, 70),  # peak 150 at t=1
-              (4, 0xB, 60),  # 0xB's release of 50 was missed: 60 replaces it -> 130
-              (5, 0xD, 30), (6, 0xE, -999)]  # 160; a release from before the region changes nothing
+    events = [
+        (0, 0xA, 100),
+        (1, 0xB, 50),
+        (2, 0xA, -100),
+        (3, 0xC, 70),  # peak 150 at t=1
+        (4, 0xB, 60),  # 0xB's release of 50 was missed: 60 replaces it -> 130
+        (5, 0xD, 30),
+        (6, 0xE, -999),
+    ]  # 160; a release from before the region changes nothing
     assert peak_of(events) == 160
     naive = max(__import__("itertools").accumulate(n for _, _, n in events))
     assert naive == 210  # the plain running sum keeps the lost block forever

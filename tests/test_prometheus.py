@@ -22,16 +22,30 @@ def test_trainer_metrics_endpoint_serves_every_gauge():
     m = TrainerMetrics()
     port = m.serve(0)
     try:
-        m.update({"loss": 2.5, "step": 7, "tokens_per_s": 1234.5, "peak_allocated_bytes": 1 << 30, "fragmentation_ratio": 0.42,
-                  "fragmentation_at_peak": 0.17})
+        m.update(
+            {
+                "loss": 2.5,
+                "step": 7,
+                "tokens_per_s": 1234.5,
+                "peak_allocated_bytes": 1 << 30,
+                "fragmentation_ratio": 0.42,
+                "fragmentation_at_peak": 0.17,
+            }
+        )
         got = scrape(port)
         assert got["memfit_loss"][0].value == 2.5 and got["memfit_step"][0].value == 7
         assert got["memfit_tokens_per_second"][0].value == 1234.5
         assert got["memfit_peak_allocated_bytes"][0].value == 1 << 30
         assert got["memfit_fragmentation_ratio"][0].value == 0.42
         assert got["memfit_fragmentation_at_peak_ratio"][0].value == 0.17
-        assert {"memfit_reserved_bytes", "memfit_alloc_retries", "memfit_ooms", "memfit_step_time_seconds",
-                "memfit_largest_free_block_bytes", "memfit_active_bytes"} <= set(got)
+        assert {
+            "memfit_reserved_bytes",
+            "memfit_alloc_retries",
+            "memfit_ooms",
+            "memfit_step_time_seconds",
+            "memfit_largest_free_block_bytes",
+            "memfit_active_bytes",
+        } <= set(got)
     finally:
         m.close()
 
@@ -73,8 +87,12 @@ def _free_port() -> int:
 @pytest.mark.integration
 def test_memfit_exporter_command_serves_until_stopped():
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "memfit.cli", "exporter", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memfit.cli", "exporter", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 60
         while True:
@@ -82,7 +100,9 @@ def test_memfit_exporter_command_serves_until_stopped():
                 got = scrape(port)
                 break
             except OSError:
-                assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else "timeout"
+                assert proc.poll() is None and time.time() < deadline, (
+                    proc.stderr.read() if proc.poll() is not None else "timeout"
+                )
                 time.sleep(0.2)
         assert "memfit_device_memory_total_bytes" in got
     finally:
@@ -98,6 +118,9 @@ def test_grafana_dashboard_uses_only_metrics_we_serve():
     from memfit.telemetry.prometheus import TRAINER_METRICS
 
     dash = json.loads((pathlib.Path(__file__).parent.parent / "deploy/grafana/memfit-dashboard.json").read_text())
-    served = {name for name, _ in TRAINER_METRICS.values()} | {"memfit_device_memory_used_bytes", "memfit_device_memory_total_bytes"}
+    served = {name for name, _ in TRAINER_METRICS.values()} | {
+        "memfit_device_memory_used_bytes",
+        "memfit_device_memory_total_bytes",
+    }
     used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"memfit_[a-z_]+", t["expr"])}
     assert used and used <= served, used - served

@@ -6,18 +6,18 @@ import zlib
 import pytest
 import torch
 
-from memfit.config.strategy import CheckpointPolicy
 from memfit.config.schema import LoraConfig, ModelConfig, OptimizerConfig
+from memfit.config.strategy import CheckpointPolicy
 from memfit.errors import UserError
 from memfit.models.load import ModelSource, build_model
+from memfit.step.loss import token_loss_sum
 from memfit.strategies.allocator import alloc_conf_items, apply_device_limits, merge_conf
 from memfit.strategies.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 from memfit.strategies.lora import apply_lora
 from memfit.strategies.optimizer import build_optimizer, lr_at
 from memfit.strategies.precision import resolve_precision
-from memfit.train.checkpoint import clean_name
 from memfit.telemetry.allocator_watch import frag_interval, snapshot_name
-from memfit.step.loss import token_loss_sum
+from memfit.train.checkpoint import clean_name
 
 CPU = torch.device("cpu")
 FP32 = resolve_precision("fp32", CPU)
@@ -132,8 +132,9 @@ def test_lora_freezes_base():
 def test_lora_adapters_take_the_base_weights_dtype(dtype):
     """bf16-pure means bf16 weights, gradients and optimizer state, adapters included: PEFT's default
     fp32 upcast would also cast every adapted input to fp32 and keep it for backward."""
-    model = apply_lora(build_model(ModelSource("preset", preset="tiny"), ModelConfig(), dtype, seed=0),
-                       LoraConfig(enabled=True))
+    model = apply_lora(
+        build_model(ModelSource("preset", preset="tiny"), ModelConfig(), dtype, seed=0), LoraConfig(enabled=True)
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and {p.dtype for p in trainable} == {dtype}
     tokens = torch.randint(0, 1000, (2, 16))
@@ -145,8 +146,15 @@ def test_allocator_settings_string():
     from memfit.config.schema import AllocatorConfig
 
     cfg = AllocatorConfig(expandable_segments=True, max_split_size_mb=256, garbage_collection_threshold=0.8)
-    assert alloc_conf_items(cfg) == {"expandable_segments": "True", "max_split_size_mb": "256", "garbage_collection_threshold": "0.8"}
-    assert merge_conf("backend:native, max_split_size_mb:128", {"max_split_size_mb": "256"}) == "backend:native,max_split_size_mb:256"
+    assert alloc_conf_items(cfg) == {
+        "expandable_segments": "True",
+        "max_split_size_mb": "256",
+        "garbage_collection_threshold": "0.8",
+    }
+    assert (
+        merge_conf("backend:native, max_split_size_mb:128", {"max_split_size_mb": "256"})
+        == "backend:native,max_split_size_mb:256"
+    )
     # a bracketed list with commas survives the merge whole
     assert merge_conf("roundup_power2_divisions:[256:1,512:2,>:4]", {"expandable_segments": "True"}) == (
         "roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:True"
@@ -190,4 +198,6 @@ def test_fragmentation_reading_interval_keeps_overhead_under_one_percent():
 def test_snapshot_files_are_per_rank_under_torchrun():
     assert snapshot_name("snapshot_step3", 0, 1) == "snapshot_step3.pickle"
     assert [snapshot_name("oom_step2_snapshot", r, 2) for r in (0, 1)] == [
-        "oom_step2_snapshot_rank0.pickle", "oom_step2_snapshot_rank1.pickle"]
+        "oom_step2_snapshot_rank0.pickle",
+        "oom_step2_snapshot_rank1.pickle",
+    ]

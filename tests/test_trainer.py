@@ -4,13 +4,12 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_overrides
 
 from memfit.cli import main
 from memfit.models.load import ModelSource, build_model
-from memfit.train.loop import Trainer
 from memfit.telemetry.metrics_file import read_metrics
-
-from conftest import tiny_overrides
+from memfit.train.loop import Trainer
 
 # First four training losses of the seeded tiny run (tiny preset, seed 1234, Hamlet + All's Well,
 # seq 64, batch 4, fp32, AdamW foreach, lr 1e-3 with 2 warmup steps), recorded with torch 2.13.0 CPU.
@@ -62,8 +61,18 @@ def test_strategies_train(tiny_cfg, extra):
 
 def test_grad_accumulation_equals_bigger_batch(tiny_cfg, tmp_path):
     """Two micro-batches of 2 accumulate to the same step as one batch of 4 (token-normalised)."""
-    a = Trainer(tiny_cfg("train.max_steps=3", "train.micro_batch_size=4", "train.eval_batches=1", f"output.dir={tmp_path}/a"))
-    b = Trainer(tiny_cfg("train.max_steps=3", "train.micro_batch_size=2", "train.grad_accum_steps=2", "train.eval_batches=1", f"output.dir={tmp_path}/b"))
+    a = Trainer(
+        tiny_cfg("train.max_steps=3", "train.micro_batch_size=4", "train.eval_batches=1", f"output.dir={tmp_path}/a")
+    )
+    b = Trainer(
+        tiny_cfg(
+            "train.max_steps=3",
+            "train.micro_batch_size=2",
+            "train.grad_accum_steps=2",
+            "train.eval_batches=1",
+            f"output.dir={tmp_path}/b",
+        )
+    )
     # same rows in the same order: batch b of size 4 == batches 2b, 2b+1 of size 2 only if the
     # permutation slices line up, so compare one explicit step instead of the loaders
     rows = a.train_ds.tokens[:4]
@@ -101,12 +110,18 @@ def test_plan_check_and_checkpointing_policy_leave_the_adapters_initialised_alik
 
     def adapters(*extra):
         trainer = Trainer(tiny_cfg(f"model.source={base_dir}", "lora.enabled=true", *extra))
-        return {n.replace("._checkpoint_wrapped_module", ""): p.detach().clone()
-                for n, p in trainer.model.named_parameters() if "lora_" in n}
+        return {
+            n.replace("._checkpoint_wrapped_module", ""): p.detach().clone()
+            for n, p in trainer.model.named_parameters()
+            if "lora_" in n
+        }
 
     reference = adapters("train.plan_check=false")
-    for extra in (["train.plan_check=true"], ["strategy.activation_checkpointing=every_k:2"],
-                  ["strategy.activation_checkpointing=full"]):
+    for extra in (
+        ["train.plan_check=true"],
+        ["strategy.activation_checkpointing=every_k:2"],
+        ["strategy.activation_checkpointing=full"],
+    ):
         got = adapters(*extra)
         assert got.keys() == reference.keys() and all(torch.equal(got[n], reference[n]) for n in got), extra
 
@@ -118,7 +133,14 @@ def test_export_lora_adapter_loads_in_peft(tiny_cfg, tmp_path, embedded_dir):
     base_dir = tmp_path / "tiny-hf"
     build_model(ModelSource("preset", preset="tiny"), tiny_cfg().model, torch.float32, seed=3).save_pretrained(base_dir)
     AutoTokenizer.from_pretrained(embedded_dir).save_pretrained(base_dir)
-    trainer = Trainer(tiny_cfg(f"model.source={base_dir}", "lora.enabled=true", "strategy.activation_checkpointing=ffn", "optimizer.lr=1e-2"))
+    trainer = Trainer(
+        tiny_cfg(
+            f"model.source={base_dir}",
+            "lora.enabled=true",
+            "strategy.activation_checkpointing=ffn",
+            "optimizer.lr=1e-2",
+        )
+    )
     trainer.fit()
     adapter = json.loads((trainer.run.export / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str(base_dir)
@@ -250,12 +272,23 @@ def test_summary_reports_fragmentation_readings_from_gpu_step_records():
     from memfit.telemetry.readings import StateBytes
 
     gib = 1 << 30
-    base = {"loss": 1.0, "lr": 1e-4, "tokens_per_s": 10.0, "step_time_s": 1.0, "peak_allocated_bytes": 2 * gib,
-            "peak_reserved_bytes": 3 * gib, "alloc_retries": 0}
-    steps = [{**base, "step": 1, "fragmentation_ratio": 0.2}, {**base, "step": 2, "fragmentation_ratio": 0.35},
-             {**base, "step": 3, "fragmentation_at_peak": 0.5}]
-    run, mem, summary = summary_tables(steps, [], StateBytes(gib, gib, 0, 0, 10, 10), 0, "cuda:0",
-                                       modelled_reserved_bytes=int(3.3 * gib))
+    base = {
+        "loss": 1.0,
+        "lr": 1e-4,
+        "tokens_per_s": 10.0,
+        "step_time_s": 1.0,
+        "peak_allocated_bytes": 2 * gib,
+        "peak_reserved_bytes": 3 * gib,
+        "alloc_retries": 0,
+    }
+    steps = [
+        {**base, "step": 1, "fragmentation_ratio": 0.2},
+        {**base, "step": 2, "fragmentation_ratio": 0.35},
+        {**base, "step": 3, "fragmentation_at_peak": 0.5},
+    ]
+    run, mem, summary = summary_tables(
+        steps, [], StateBytes(gib, gib, 0, 0, 10, 10), 0, "cuda:0", modelled_reserved_bytes=int(3.3 * gib)
+    )
     assert summary["max_fragmentation_ratio"] == 0.35 and summary["fragmentation_at_peak"] == 0.5
     assert summary["modelled_peak_reserved_bytes"] == int(3.3 * gib)
     console = Console(record=True, width=160)
@@ -269,8 +302,8 @@ def test_summary_reports_fragmentation_readings_from_gpu_step_records():
 def test_trainer_replays_its_planned_steps_under_its_own_allocator_settings(tiny_cfg, monkeypatch):
     """What the trainer does before allocating on one GPU, run here on CPU: the planned first two steps
     replayed through the allocator model under the settings the config puts in the environment."""
-    from memfit.planner.search import step_allocations
     from memfit.allocator.whatif import replay_allocations
+    from memfit.planner.search import step_allocations
 
     for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)  # restored after the test; the trainer writes one

@@ -33,8 +33,16 @@ def test_one_process_runs_zero_stage_0_whatever_the_config_says():
     assert run_strategy(cfg, "fp32", "foreach", world_size=1).zero_stage == 0
 
 
-@pytest.mark.parametrize("name, bad", [("activation_checkpointing", "some"), ("precision", "auto"),
-                                       ("optimizer", "adam"), ("micro_batch_size", "0"), ("zero_stage", "4")])
+@pytest.mark.parametrize(
+    "name, bad",
+    [
+        ("activation_checkpointing", "some"),
+        ("precision", "auto"),
+        ("optimizer", "adam"),
+        ("micro_batch_size", "0"),
+        ("zero_stage", "4"),
+    ],
+)
 def test_each_lever_parses_user_text_and_names_the_flag_on_error(name, bad):
     lever = levers()[name]
     with pytest.raises(UserError, match=lever.flag or lever.config_key):
@@ -54,7 +62,10 @@ def test_planner_candidates_and_bench_cells_are_strategies():
     space = search_space(w, Cluster(gpu_preset("h100"), 2), Pins({"optimizer": "fused"}))
     assert all(isinstance(s, Strategy) and s.micro_batch_size * s.grad_accum_steps * 2 == 8 for s in space)
     assert {s.zero_stage for s in space} == {0, 1, 2, 3}
-    cells = matrix({"activation_checkpointing": [CheckpointPolicy("ffn")], "precision": ["fp32"],
-                    "micro_batch_size": [2]}, [False], [None, 3])
+    cells = matrix(
+        {"activation_checkpointing": [CheckpointPolicy("ffn")], "precision": ["fp32"], "micro_batch_size": [2]},
+        [False],
+        [None, 3],
+    )
     assert [c.name for c in cells] == ["ac-ffn_fp32_mb2_full", "ac-ffn_fp32_mb2_full_zero3x2"]
     assert cells[1].strategy.zero_stage == 3 and cells[1].nproc == 2

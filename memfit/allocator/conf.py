@@ -74,10 +74,18 @@ def _check_value(key: str, value: str, conf: AllocConf) -> None:
         for entry in entries:
             n = entry.split(":")[-1] if ":" in entry else entry
             if not n.isdigit() or (int(n) & (int(n) - 1)) != 0:
-                conf.errors.append(f"roundup_power2_divisions must be a power of two or a [size:divisions,...] list (got '{value}')")
+                conf.errors.append(
+                    f"roundup_power2_divisions must be a power of two or a [size:divisions,...] list (got '{value}')"
+                )
                 break
-    elif key in ("expandable_segments", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
-                 "pinned_use_cuda_host_register", "pinned_use_hip_host_register", "pinned_use_background_threads"):
+    elif key in (
+        "expandable_segments",
+        "release_lock_on_cudamalloc",
+        "release_lock_on_hipmalloc",
+        "pinned_use_cuda_host_register",
+        "pinned_use_hip_host_register",
+        "pinned_use_background_threads",
+    ):
         if not _is_bool(value):
             conf.errors.append(f"{key} must be True or False (got '{value}')")
     elif key == "pinned_num_register_threads" and not value.isdigit():
@@ -134,6 +142,7 @@ INVENTED_KNOBS = {
     "HSA_QUEUE_PRIORITY": "not a ROCm variable; set stream priority with torch.cuda.Stream(priority=-1)",
     "PYTORCH_ROC_ALLOW_TF32": "not read by PyTorch; use torch.backends.cuda.matmul.allow_tf32 / "
     "torch.set_float32_matmul_precision (MI210 has no TF32)",
-    "ROCM_ENABLE_FLASH_SDP": "not read by PyTorch; use torch.backends.cuda.enable_flash_sdp / torch.nn.attention.sdpa_kernel "
+    "ROCM_ENABLE_FLASH_SDP": "not read by PyTorch; use torch.backends.cuda.enable_flash_sdp / "
+    "torch.nn.attention.sdpa_kernel "
     "(on ROCm also torch.backends.cuda.preferred_rocm_fa_library)",
 }

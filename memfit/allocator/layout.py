@@ -201,8 +201,19 @@ class _Layout:
             if at < seg.end:
                 rows.append((at - seg.start, seg.end - at, "inactive"))
                 largest = max(largest, seg.end - at)
-            segs.append(SegmentStats(seg.start, device, seg.stream, "small" if seg.small else "large",
-                                     seg.end - seg.start, alloc, req, largest, tuple(rows)))
+            segs.append(
+                SegmentStats(
+                    seg.start,
+                    device,
+                    seg.stream,
+                    "small" if seg.small else "large",
+                    seg.end - seg.start,
+                    alloc,
+                    req,
+                    largest,
+                    tuple(rows),
+                )
+            )
         return FragReport.of(device, tuple(segs))
 
 
@@ -226,7 +237,7 @@ class OomMoment:
 
     @property
     def cause(self) -> str:
-        """"fragmentation" when the cache held enough free memory but no block large enough (and the
+        """ "fragmentation" when the cache held enough free memory but no block large enough (and the
         device too little to map more); "shortage" when even all of it together was too little."""
         r = self.moment.report
         if r.largest_free_bytes >= self.requested_bytes:
@@ -235,21 +246,30 @@ class OomMoment:
 
     def as_dict(self) -> dict[str, Any]:
         r = self.moment.report
-        return {"requested_bytes": self.requested_bytes, "device_free_bytes": self.device_free_bytes,
-                "trace_entry": self.moment.index, "cause": self.cause, "external_free_bytes": r.external_free_bytes,
-                "largest_free_bytes": r.largest_free_bytes, "fragmentation_ratio": r.fragmentation_ratio}
+        return {
+            "requested_bytes": self.requested_bytes,
+            "device_free_bytes": self.device_free_bytes,
+            "trace_entry": self.moment.index,
+            "cause": self.cause,
+            "external_free_bytes": r.external_free_bytes,
+            "largest_free_bytes": r.largest_free_bytes,
+            "fragmentation_ratio": r.fragmentation_ratio,
+        }
 
     def explain(self) -> str:
         r = self.moment.report
-        head = (f"OOM at trace entry {self.moment.index}: asked for {self.requested_bytes / MIB:.1f} MiB with "
-                f"{self.device_free_bytes / MIB:.1f} MiB free on the device; the cache held {r.external_free_bytes / MIB:.1f} MiB "
-                f"free in {sum(st == 'inactive' for s in r.segments for _, _, st in s.blocks)} blocks, the largest "
-                f"{r.largest_free_bytes / MIB:.1f} MiB (fragmentation {r.fragmentation_ratio:.2f})")
+        head = (
+            f"OOM at trace entry {self.moment.index}: asked for {self.requested_bytes / MIB:.1f} MiB with "
+            f"{self.device_free_bytes / MIB:.1f} MiB free on the device; the cache held "
+            f"{r.external_free_bytes / MIB:.1f} MiB "
+            f"free in {sum(st == 'inactive' for s in r.segments for _, _, st in s.blocks)} blocks, the largest "
+            f"{r.largest_free_bytes / MIB:.1f} MiB (fragmentation {r.fragmentation_ratio:.2f})"
+        )
         why = {
             "fragmentation": "enough free memory, but in pieces: expandable segments or a smaller max_split_size_mb "
-                             "may avoid it (compare them with --simulate)",
+            "may avoid it (compare them with --simulate)",
             "shortage": "too little memory: all the free memory together is less than the request; the workload "
-                        "must shrink (memfit plan suggests how)",
+            "must shrink (memfit plan suggests how)",
             "unclear": "a free block was large enough: it may have been on another stream",
         }[self.cause]
         return f"{head}: {why}"
@@ -337,8 +357,13 @@ class Rebuilt:
             elif action == "free_completed":
                 lay.remove_block(addr)
             elif action in ("segment_alloc", "segment_map"):
-                lay.map(addr, size, size == K_SMALL_BUFFER if action == "segment_alloc" else None,
-                        action == "segment_map", e.get("stream", 0))
+                lay.map(
+                    addr,
+                    size,
+                    size == K_SMALL_BUFFER if action == "segment_alloc" else None,
+                    action == "segment_map",
+                    e.get("stream", 0),
+                )
             elif action in ("segment_free", "segment_unmap"):
                 lay.unmap(addr, size)
             if stop is None:
@@ -374,8 +399,11 @@ class Rebuilt:
     def ooms(self) -> list["OomMoment"]:
         """Each ``oom`` entry of the trace with the layout when it was written (the allocator has
         already released its wholly free segments and retried by then)."""
-        return [OomMoment(int(e.get("size", 0)), int(e.get("device_free", 0)), self.at(i))
-                for i, e in enumerate(self.entries) if e.get("action") == "oom"]
+        return [
+            OomMoment(int(e.get("size", 0)), int(e.get("device_free", 0)), self.at(i))
+            for i, e in enumerate(self.entries)
+            if e.get("action") == "oom"
+        ]
 
     def peak(self, since_us: int | None = None) -> Moment | None:
         """The layout at the first moment allocated bytes were highest; None without a trace.

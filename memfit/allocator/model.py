@@ -321,9 +321,11 @@ class CachingAllocatorModel:
         if end <= begin:
             return
         self._index_remove(block)
-        pieces = [Block(seg, block.offset, begin - block.offset, last_used=block.last_used),
-                  Block(seg, begin, end - begin, mapped=False),
-                  Block(seg, end, block.offset + block.size - end, last_used=block.last_used)]
+        pieces = [
+            Block(seg, block.offset, begin - block.offset, last_used=block.last_used),
+            Block(seg, begin, end - begin, mapped=False),
+            Block(seg, end, block.offset + block.size - end, last_used=block.last_used),
+        ]
         at = block
         for b in [b for b in pieces if b.size]:
             _insert_after(at, b)
@@ -355,8 +357,10 @@ class CachingAllocatorModel:
         excess = self.reserved - int(self.s.garbage_collection_threshold * self._limit())
         if excess <= 0:
             return
-        freeable = sorted((s for s in self.segments.values() if not s.expandable and s.pool == "large" and s.wholly_free()),
-                          key=lambda s: (s.size, s.sid))  # the pool's order: size, then address
+        freeable = sorted(
+            (s for s in self.segments.values() if not s.expandable and s.pool == "large" and s.wholly_free()),
+            key=lambda s: (s.size, s.sid),
+        )  # the pool's order: size, then address
         age = {s.sid: self._tick - s.head.last_used for s in freeable}
         total_age, reclaimed, freed = sum(age.values()), 0, True
         while reclaimed < excess and freed and freeable:
@@ -419,7 +423,9 @@ class CachingAllocatorModel:
             if block is None:
                 self.num_ooms += 1
                 raise OutOfMemory(size, self.reserved, self._limit())
-        if should_split(block.size - size, size, block.segment.pool == "small", block.segment.expandable, self.max_split):
+        if should_split(
+            block.size - size, size, block.segment.pool == "small", block.segment.expandable, self.max_split
+        ):
             seg = block.segment
             rest = Block(seg, block.offset + size, block.size - size, last_used=self._tick)
             _insert_after(block, rest)

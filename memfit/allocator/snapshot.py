@@ -88,7 +88,9 @@ class FragReport:
             device=device,
             reserved_bytes=sum(s.total_bytes for s in segs),
             allocated_bytes=sum(s.allocated_bytes for s in segs),
-            awaiting_free_bytes=sum(size for s in segs for _, size, state in s.blocks if state == "active_awaiting_free"),
+            awaiting_free_bytes=sum(
+                size for s in segs for _, size, state in s.blocks if state == "active_awaiting_free"
+            ),
             requested_bytes=sum(s.requested_bytes for s in segs),
             largest_free_bytes=max((s.largest_free_bytes for s in segs), default=0),
             segments=segs,
@@ -113,11 +115,17 @@ class FragReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "device": self.device, "reserved_bytes": self.reserved_bytes, "allocated_bytes": self.allocated_bytes,
-            "awaiting_free_bytes": self.awaiting_free_bytes, "requested_bytes": self.requested_bytes,
-            "internal_free_bytes": self.internal_free_bytes, "external_free_bytes": self.external_free_bytes,
-            "largest_free_bytes": self.largest_free_bytes, "fragmentation_ratio": self.fragmentation_ratio,
-            "reserved_overhead": self.reserved_overhead, "segments": len(self.segments),
+            "device": self.device,
+            "reserved_bytes": self.reserved_bytes,
+            "allocated_bytes": self.allocated_bytes,
+            "awaiting_free_bytes": self.awaiting_free_bytes,
+            "requested_bytes": self.requested_bytes,
+            "internal_free_bytes": self.internal_free_bytes,
+            "external_free_bytes": self.external_free_bytes,
+            "largest_free_bytes": self.largest_free_bytes,
+            "fragmentation_ratio": self.fragmentation_ratio,
+            "reserved_overhead": self.reserved_overhead,
+            "segments": len(self.segments),
         }
 
 
@@ -141,10 +149,21 @@ def _segment_stats(seg: dict[str, Any], where: str) -> SegmentStats:
                 largest = max(largest, size)
     except (KeyError, TypeError, ValueError) as e:
         raise UserError(f"{where}: malformed segment ({e!r} missing or wrong); not a PyTorch snapshot?") from None
-    return SegmentStats(base, seg.get("device", 0), seg.get("stream", 0), seg.get("segment_type", "large"),
-                        total, alloc, req, largest, tuple(rows))
+    return SegmentStats(
+        base,
+        seg.get("device", 0),
+        seg.get("stream", 0),
+        seg.get("segment_type", "large"),
+        total,
+        alloc,
+        req,
+        largest,
+        tuple(rows),
+    )
 
 
 def analyze(snapshot: dict[str, Any], device: int = 0, where: str = "snapshot") -> FragReport:
     """The fragmentation report of ``device``."""
-    return FragReport.of(device, tuple(_segment_stats(s, where) for s in snapshot["segments"] if s.get("device", 0) == device))
+    return FragReport.of(
+        device, tuple(_segment_stats(s, where) for s in snapshot["segments"] if s.get("device", 0) == device)
+    )

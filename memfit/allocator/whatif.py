@@ -56,9 +56,13 @@ class Replay:
 SERIES_POINTS = 20_000  # about this many points over time per replay (plus every change of reserved)
 
 
-def _replayed(entries: list[dict[str, Any]], settings: AllocatorSettings, capacity: int,
-              series: list[SeriesPoint] | None = None,
-              prefix: Sequence[tuple[int, tuple[int, int]]] = ()) -> tuple[CachingAllocatorModel, bool, int, int]:
+def _replayed(
+    entries: list[dict[str, Any]],
+    settings: AllocatorSettings,
+    capacity: int,
+    series: list[SeriesPoint] | None = None,
+    prefix: Sequence[tuple[int, tuple[int, int]]] = (),
+) -> tuple[CachingAllocatorModel, bool, int, int]:
     """The model after the ``prefix`` allocations ((address, (requested bytes, stream)) of the blocks
     alive when recording began, see ``live_at_start``) and the trace's ``alloc`` / ``free_completed`` entries:
     (model, OOM, entries replayed, frees of addresses neither the trace nor the prefix allocated);
@@ -95,9 +99,14 @@ def _replayed(entries: list[dict[str, Any]], settings: AllocatorSettings, capaci
                 model.free(live.pop(e["addr"]))
             else:
                 unmatched += 1
-        if series is not None and action in ("alloc", "free_completed") and (
-                i % every == 0 or oom or model.reserved != last_reserved or i == len(entries) - 1):
-            series.append(SeriesPoint(i, model.reserved, model.allocated, model.fragmentation_ratio(), model.num_alloc_retries))
+        if (
+            series is not None
+            and action in ("alloc", "free_completed")
+            and (i % every == 0 or oom or model.reserved != last_reserved or i == len(entries) - 1)
+        ):
+            series.append(
+                SeriesPoint(i, model.reserved, model.allocated, model.fragmentation_ratio(), model.num_alloc_retries)
+            )
             last_reserved = model.reserved
         if oom:
             break
@@ -107,12 +116,25 @@ def _replayed(entries: list[dict[str, Any]], settings: AllocatorSettings, capaci
     return model, oom, n, unmatched
 
 
-def replay(entries: list[dict[str, Any]], settings: AllocatorSettings, capacity: int,
-           prefix: Sequence[tuple[int, tuple[int, int]]] = ()) -> Replay:
+def replay(
+    entries: list[dict[str, Any]],
+    settings: AllocatorSettings,
+    capacity: int,
+    prefix: Sequence[tuple[int, tuple[int, int]]] = (),
+) -> Replay:
     series: list[SeriesPoint] = []
     model, oom, n, _ = _replayed(entries, settings, capacity, series, prefix)
-    return Replay(settings, model.peak_reserved, model.peak_allocated, model.segment_allocs,
-                  model.num_alloc_retries, oom, model.fragmentation_ratio(), n, tuple(series))
+    return Replay(
+        settings,
+        model.peak_reserved,
+        model.peak_allocated,
+        model.segment_allocs,
+        model.num_alloc_retries,
+        oom,
+        model.fragmentation_ratio(),
+        n,
+        tuple(series),
+    )
 
 
 @dataclass(frozen=True)
@@ -136,7 +158,9 @@ class TraceCheck:
 
     @property
     def peak_reserved_error(self) -> float:
-        return (self.model_peak_reserved_bytes - self.trace_peak_reserved_bytes) / max(self.trace_peak_reserved_bytes, 1)
+        return (self.model_peak_reserved_bytes - self.trace_peak_reserved_bytes) / max(
+            self.trace_peak_reserved_bytes, 1
+        )
 
 
 def trace_entries(snap: dict[str, Any], device: int, where: str = "the snapshot") -> list[dict[str, Any]]:
@@ -149,13 +173,16 @@ def trace_entries(snap: dict[str, Any], device: int, where: str = "the snapshot"
     traces = snap.get("device_traces") or []
     entries = traces[device] if device < len(traces) else []
     if not any(e.get("action") == "alloc" for e in entries):
-        raise UserError(f"{where} has no alloc entries for device {device}; record with "
-                        "torch.cuda.memory._record_memory_history() before the workload")
+        raise UserError(
+            f"{where} has no alloc entries for device {device}; record with "
+            "torch.cuda.memory._record_memory_history() before the workload"
+        )
     return entries
 
 
-def replay_check(snap: dict[str, Any], device: int, settings: AllocatorSettings,
-                 rebuilt: "Rebuilt | None" = None) -> TraceCheck:
+def replay_check(
+    snap: dict[str, Any], device: int, settings: AllocatorSettings, rebuilt: "Rebuilt | None" = None
+) -> TraceCheck:
     """Replay ``device``'s whole trace under ``settings`` (those the process ran with) and set the
     model's end state beside the snapshot's segments, and its peak reserved beside the trace's: how
     far to trust the model on this workload. ``rebuilt``: the snapshot's ``layout.Rebuilt`` for
@@ -169,8 +196,17 @@ def replay_check(snap: dict[str, Any], device: int, settings: AllocatorSettings,
     model, _, n, unmatched = _replayed(trace_entries(snap, device), settings, 1 << 62, prefix=live_at_start(rebuilt))
     report = analyze(snap, device)
     trace_peak = max(p.reserved_bytes for p in rebuilt.totals())
-    return TraceCheck(model.reserved, report.reserved_bytes, model.segment_count(), len(report.segments),
-                      model.peak_reserved, model.peak_allocated, n, unmatched, trace_peak)
+    return TraceCheck(
+        model.reserved,
+        report.reserved_bytes,
+        model.segment_count(),
+        len(report.segments),
+        model.peak_reserved,
+        model.peak_allocated,
+        n,
+        unmatched,
+        trace_peak,
+    )
 
 
 def no_op_reason(settings: AllocatorSettings, hip: str | None) -> str | None:
@@ -222,8 +258,9 @@ def live_at_start(rebuilt: "Rebuilt") -> list[tuple[int, tuple[int, int]]]:
     return out
 
 
-def compare(entries: list[dict[str, Any]], capacity: int, hip: str | None,
-            prefix: Sequence[tuple[int, tuple[int, int]]] = ()) -> tuple[list[Replay], Replay | None]:
+def compare(
+    entries: list[dict[str, Any]], capacity: int, hip: str | None, prefix: Sequence[tuple[int, tuple[int, int]]] = ()
+) -> tuple[list[Replay], Replay | None]:
     """Replays of every scenario (the defaults first) and the recommended one."""
     results = [replay(entries, s, capacity, prefix) for s in SCENARIOS]
     return results, recommend(results, hip)
@@ -237,8 +274,12 @@ def recommend(results: list[Replay], hip: str | None) -> Replay | None:
     usable = [r for r in results if not r.oom and no_op_reason(r.settings, hip) is None]
     best = min(usable, key=lambda r: (r.alloc_retries, r.peak_reserved_bytes), default=None)
     default = results[0]
-    if (best is not None and default in usable and best.alloc_retries == default.alloc_retries
-            and best.peak_reserved_bytes > (1 - MIN_GAIN) * default.peak_reserved_bytes):
+    if (
+        best is not None
+        and default in usable
+        and best.alloc_retries == default.alloc_retries
+        and best.peak_reserved_bytes > (1 - MIN_GAIN) * default.peak_reserved_bytes
+    ):
         return default
     return best
 
@@ -246,11 +287,14 @@ def recommend(results: list[Replay], hip: str | None) -> Replay | None:
 def as_trace(events: list[tuple[int, int]]) -> list[dict[str, Any]]:
     """A traced step's storage allocations (``trace_allocations``: (serial, +bytes) then (serial, -bytes))
     as snapshot trace entries, the serial standing for the address."""
-    return [{"action": "alloc" if delta > 0 else "free_completed", "addr": serial, "size": abs(delta)}
-            for serial, delta in events]
+    return [
+        {"action": "alloc" if delta > 0 else "free_completed", "addr": serial, "size": abs(delta)}
+        for serial, delta in events
+    ]
 
 
-def replay_allocations(events: list[tuple[int, int]], settings: AllocatorSettings = AllocatorSettings(),
-                       capacity: int = 1 << 62) -> CachingAllocatorModel:
+def replay_allocations(
+    events: list[tuple[int, int]], settings: AllocatorSettings = AllocatorSettings(), capacity: int = 1 << 62
+) -> CachingAllocatorModel:
     """Replay a traced step's storage allocations through the allocator model."""
     return _replayed(as_trace(events), settings, capacity)[0]

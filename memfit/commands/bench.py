@@ -13,8 +13,8 @@ from rich.console import Console
 from rich.table import Table
 
 from memfit.config.loader import load_config
-from memfit.config.strategy import ZERO_STAGES, levers
 from memfit.config.shipped import resolve_config_path
+from memfit.config.strategy import ZERO_STAGES, levers
 from memfit.errors import UserError
 from memfit.telemetry.bench import (
     BENCH_AXES,
@@ -41,7 +41,9 @@ def run(ns) -> int:
     except ValueError:
         raise UserError(f"--zero must be comma-separated stages 0-3 or none (got '{ns.zero}')") from None
     if any(z not in (None, *ZERO_STAGES) for z in zeros) or ns.nproc_per_node < 2:
-        raise UserError(f"--zero takes stages 0-3 (got '{ns.zero}') and --nproc-per-node >= 2 (got {ns.nproc_per_node})")
+        raise UserError(
+            f"--zero takes stages 0-3 (got '{ns.zero}') and --nproc-per-node >= 2 (got {ns.nproc_per_node})"
+        )
     cells = matrix(axes(ns), loras, zeros, ns.nproc_per_node)
     micro = [c.strategy.micro_batch_size for c in cells]
     global_batch = ns.global_batch or max(micro) * max(c.nproc for c in cells)
@@ -56,9 +58,11 @@ def run(ns) -> int:
         write_progress(cells, out)
         console.print(f"[{i}/{len(cells)}] {cell.name}: {cell.status}", highlight=False)
     flag_losses(cells)
-    context = (f"memfit bench {Path(config).name} {' '.join(ns.set)}: {ns.warmup} warm-up + {ns.steps} measured steps, "
-               f"global batch {global_batch}; {datetime.now(timezone.utc).date()} on {platform.node() or 'this machine'} "
-               f"({platform.machine()}, {'GPU' if any(c.peak_allocated_bytes for c in cells) else 'CPU'})")
+    context = (
+        f"memfit bench {Path(config).name} {' '.join(ns.set)}: {ns.warmup} warm-up + {ns.steps} measured steps, "
+        f"global batch {global_batch}; {datetime.now(timezone.utc).date()} on {platform.node() or 'this machine'} "
+        f"({platform.machine()}, {'GPU' if any(c.peak_allocated_bytes for c in cells) else 'CPU'})"
+    )
     paths = write_outputs(cells, out, context)
     header, body = rows(cells)
     table = Table(title=context)
@@ -67,8 +71,16 @@ def run(ns) -> int:
     for r in body:
         table.add_row(*r)
     Console(width=200 if not sys.stdout.isatty() else None).print(table)
-    print(json.dumps({"benchmark": "memfit bench", "out": str(out), **cells_summary(cells),
-                      "files": {k: str(v) for k, v in paths.items()}}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "memfit bench",
+                "out": str(out),
+                **cells_summary(cells),
+                "files": {k: str(v) for k, v in paths.items()},
+            }
+        )
+    )
     return 0
 
 

@@ -29,8 +29,11 @@ def render(r: dict[str, Any], console) -> None:
     if not r["devices"]:
         t.add_row("devices", "no GPU visible (CPU: fp32 and bf16 autocast; fp16-mixed unavailable)")
     for d in r["devices"]:
-        t.add_row(f"device {d['index']}", f"{d['name']} [{d['arch']}], {d['memory_bytes'] / GIB:.1f} GiB, "
-                  f"bf16 {d['bf16']}, fp16 {d['fp16']}, TF32 {d['tf32']}")
+        t.add_row(
+            f"device {d['index']}",
+            f"{d['name']} [{d['arch']}], {d['memory_bytes'] / GIB:.1f} GiB, "
+            f"bf16 {d['bf16']}, fp16 {d['fp16']}, TF32 {d['tf32']}",
+        )
     t.add_row("collectives", ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in r["collectives"].items()))
     t.add_row("extras", ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in r["extras"].items()))
     if not r["allocator"]:

@@ -37,17 +37,34 @@ def _rows(report: FragReport) -> list[tuple[str, str, str]]:
         ("requested", f"{report.requested_bytes / GIB:.3f} GiB", "what tensors asked for"),
         ("internal free", f"{report.internal_free_bytes / GIB:.3f} GiB", "allocated − requested (rounding)"),
         ("external free", f"{report.external_free_bytes / GIB:.3f} GiB", "reserved − allocated (inactive blocks)"),
-        ("largest free block", f"{report.largest_free_bytes / MIB:.1f} MiB", "biggest single allocation that fits without a new segment"),
-        ("fragmentation ratio", f"{report.fragmentation_ratio:.3f}", "1 − largest free / external free (0 = one hole, 1 = dust)"),
+        (
+            "largest free block",
+            f"{report.largest_free_bytes / MIB:.1f} MiB",
+            "biggest single allocation that fits without a new segment",
+        ),
+        (
+            "fragmentation ratio",
+            f"{report.fragmentation_ratio:.3f}",
+            "1 − largest free / external free (0 = one hole, 1 = dust)",
+        ),
         ("reserved overhead", f"{report.reserved_overhead:.3f}", "(reserved − allocated) / reserved"),
-        ("segments", str(len(report.segments)), f"{sum(s.segment_type == 'small' for s in report.segments)} small (2 MiB pool)"),
+        (
+            "segments",
+            str(len(report.segments)),
+            f"{sum(s.segment_type == 'small' for s in report.segments)} small (2 MiB pool)",
+        ),
     ]
 
 
 def _peak_dict(peak: Moment | None) -> dict | None:
     if peak is None:
         return None
-    return {**peak.report.as_dict(), "trace_entry": peak.index, "time_us": peak.time_us, "inferred_blocks": peak.inferred_blocks}
+    return {
+        **peak.report.as_dict(),
+        "trace_entry": peak.index,
+        "time_us": peak.time_us,
+        "inferred_blocks": peak.inferred_blocks,
+    }
 
 
 def run(ns) -> int:
@@ -66,16 +83,36 @@ def run(ns) -> int:
 
     pngs = [segment_map(report, out_dir / f"segments_device{device}.png", "at the dump")]
     if peak is not None:
-        pngs.append(segment_map(peak.report, out_dir / f"segments_at_peak_device{device}.png",
-                                f"at peak allocated (trace entry {peak.index})"))
-        pngs.append(memory_timeline(points, out_dir / f"timeline_device{device}.png",
-                                    f"{Path(ns.snapshot).name}, device {device}: allocated vs reserved", peak))
+        pngs.append(
+            segment_map(
+                peak.report,
+                out_dir / f"segments_at_peak_device{device}.png",
+                f"at peak allocated (trace entry {peak.index})",
+            )
+        )
+        pngs.append(
+            memory_timeline(
+                points,
+                out_dir / f"timeline_device{device}.png",
+                f"{Path(ns.snapshot).name}, device {device}: allocated vs reserved",
+                peak,
+            )
+        )
     ooms = rebuilt.ooms()
     sim = simulate(snap, report, ns, out_dir, rebuilt) if ns.simulate else None
     if ns.json:
-        print(json.dumps({**report.as_dict(), "at_peak": _peak_dict(peak), "ooms": len(ooms),
-                          "oom_details": [o.as_dict() for o in ooms], "plots": [str(p) for p in pngs],
-                          "simulate": sim.as_dict() if sim else None}))
+        print(
+            json.dumps(
+                {
+                    **report.as_dict(),
+                    "at_peak": _peak_dict(peak),
+                    "ooms": len(ooms),
+                    "oom_details": [o.as_dict() for o in ooms],
+                    "plots": [str(p) for p in pngs],
+                    "simulate": sim.as_dict() if sim else None,
+                }
+            )
+        )
         return 0
     console = Console() if sys.stdout.isatty() else Console(width=130)
     t = Table(title=f"{ns.snapshot}: device {device}")
@@ -89,14 +126,24 @@ def run(ns) -> int:
         t.add_row(name, value, *([at_peak[i][1]] if at_peak else []), meaning)
     console.print(t)
     if peak is not None and peak.inferred_blocks:
-        console.print(f"note: live at the peak and freed before the dump: {peak.inferred_blocks} block(s); their sizes "
-                      "follow from the allocator's rounding and split rules", highlight=False)
+        console.print(
+            f"note: live at the peak and freed before the dump: {peak.inferred_blocks} block(s); their sizes "
+            "follow from the allocator's rounding and split rules",
+            highlight=False,
+        )
     seg = Table(title="largest segments at the dump")
     for col in ("address", "type", "size MiB", "allocated MiB", "free MiB", "largest free MiB", "blocks"):
         seg.add_column(col, justify="right")
     for s in sorted(report.segments, key=lambda s: s.total_bytes, reverse=True)[: ns.top]:
-        seg.add_row(hex(s.address), s.segment_type, f"{s.total_bytes / MIB:.1f}", f"{s.allocated_bytes / MIB:.1f}",
-                    f"{(s.total_bytes - s.allocated_bytes) / MIB:.1f}", f"{s.largest_free_bytes / MIB:.1f}", str(len(s.blocks)))
+        seg.add_row(
+            hex(s.address),
+            s.segment_type,
+            f"{s.total_bytes / MIB:.1f}",
+            f"{s.allocated_bytes / MIB:.1f}",
+            f"{(s.total_bytes - s.allocated_bytes) / MIB:.1f}",
+            f"{s.largest_free_bytes / MIB:.1f}",
+            str(len(s.blocks)),
+        )
     console.print(seg)
     for o in ooms:
         console.print(o.explain(), highlight=False)
@@ -107,17 +154,24 @@ def run(ns) -> int:
     return 0
 
 
-def render_whatif(results: list[Replay], best: Replay | None, hip: str | None, console: Console, title: str,
-                  rocm: bool | None = None) -> None:
+def render_whatif(
+    results: list[Replay], best: Replay | None, hip: str | None, console: Console, title: str, rocm: bool | None = None
+) -> None:
     """The what-if table (one row per allocator setting) and the recommendation, in the variable of a
     ROCm stack when ``rocm`` (default: when ``hip`` is given)."""
     t = Table(title=title)
     for col in ("settings", "peak reserved GiB", "peak allocated GiB", "segments mapped", "retries", "OOM", "note"):
         t.add_column(col, justify="left" if col in ("settings", "note") else "right")
     for r in results:
-        t.add_row(r.settings.label(), f"{r.peak_reserved_bytes / GIB:.3f}", f"{r.peak_allocated_bytes / GIB:.3f}",
-                  str(r.segment_allocs), str(r.alloc_retries), "yes" if r.oom else "no",
-                  ("no-op here" if no_op_reason(r.settings, hip) else "") + ("recommended" if r is best else ""))
+        t.add_row(
+            r.settings.label(),
+            f"{r.peak_reserved_bytes / GIB:.3f}",
+            f"{r.peak_allocated_bytes / GIB:.3f}",
+            str(r.segment_allocs),
+            str(r.alloc_retries),
+            "yes" if r.oom else "no",
+            ("no-op here" if no_op_reason(r.settings, hip) else "") + ("recommended" if r is best else ""),
+        )
     console.print(t)
     for reason in {no_op_reason(r.settings, hip) for r in results} - {None}:
         console.print(f"note: {reason}", highlight=False)
@@ -127,10 +181,13 @@ def render_whatif(results: list[Replay], best: Replay | None, hip: str | None, c
         advice = [f"{var}={conf}"] if conf else []
         if fraction is not None:
             advice.append(f"allocator.memory_fraction={fraction} (torch.cuda.set_per_process_memory_fraction)")
-        console.print(f"recommendation: {' and '.join(advice)}" if advice else
-                      "recommendation: keep the default settings (no other setting retries less or saves "
-                      f"{MIN_GAIN:.0%} of peak reserved memory)",
-                      highlight=False)
+        console.print(
+            f"recommendation: {' and '.join(advice)}"
+            if advice
+            else "recommendation: keep the default settings (no other setting retries less or saves "
+            f"{MIN_GAIN:.0%} of peak reserved memory)",
+            highlight=False,
+        )
     else:
         console.print("recommendation: none; every applicable setting runs out of memory", highlight=False)
 
@@ -152,15 +209,26 @@ class Simulation:
     @property
     def title(self) -> str:
         return f"what-if replay of {self.results[0].events} trace events" + (
-            f" at capacity {self.capacity_bytes / GIB:.1f} GiB" if self.capacity_bytes else " (no capacity limit)")
+            f" at capacity {self.capacity_bytes / GIB:.1f} GiB" if self.capacity_bytes else " (no capacity limit)"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "capacity_bytes": self.capacity_bytes,
-            "settings": [{"label": r.settings.label(), "alloc_conf": r.settings.conf(), "memory_fraction": r.settings.memory_fraction,
-                          "peak_reserved_bytes": r.peak_reserved_bytes, "peak_allocated_bytes": r.peak_allocated_bytes,
-                          "segment_allocs": r.segment_allocs, "alloc_retries": r.alloc_retries, "oom": r.oom,
-                          "no_op": no_op_reason(r.settings, self.hip)} for r in self.results],
+            "settings": [
+                {
+                    "label": r.settings.label(),
+                    "alloc_conf": r.settings.conf(),
+                    "memory_fraction": r.settings.memory_fraction,
+                    "peak_reserved_bytes": r.peak_reserved_bytes,
+                    "peak_allocated_bytes": r.peak_allocated_bytes,
+                    "segment_allocs": r.segment_allocs,
+                    "alloc_retries": r.alloc_retries,
+                    "oom": r.oom,
+                    "no_op": no_op_reason(r.settings, self.hip),
+                }
+                for r in self.results
+            ],
             "recommended": self.best.settings.label() if self.best else None,
             "model_check": {"settings": self.ran_with.label(), **asdict(self.check)},
             "live_at_start": {"blocks": self.prefix_blocks, "requested_bytes": self.prefix_bytes},
@@ -181,8 +249,17 @@ def simulate(snap: dict[str, Any], report: FragReport, ns, out_dir: Path, rebuil
     results, best = compare(entries, capacity or 1 << 62, hip, prefix)
     ran_with = settings_in(snap)
     check = replay_check(snap, report.device, ran_with, rebuilt)
-    sim = Simulation(results, best, hip, capacity, ran_with, check, out_dir / f"whatif_device{report.device}.png",
-                     len(prefix), sum(requested for _, (requested, _) in prefix))
+    sim = Simulation(
+        results,
+        best,
+        hip,
+        capacity,
+        ran_with,
+        check,
+        out_dir / f"whatif_device{report.device}.png",
+        len(prefix),
+        sum(requested for _, (requested, _) in prefix),
+    )
     whatif_timeline(results, sim.plot, f"{Path(ns.snapshot).name}: {sim.title}", capacity)
     return sim
 
@@ -190,15 +267,25 @@ def simulate(snap: dict[str, Any], report: FragReport, ns, out_dir: Path, rebuil
 def render_simulation(sim: Simulation, console: Console) -> None:
     check = sim.check
     if sim.prefix_blocks:
-        console.print(f"recording began with {sim.prefix_blocks} blocks ({sim.prefix_bytes / GIB:.3f} GiB) alive: every "
-                      "replay allocates them first, into an empty cache", highlight=False)
+        console.print(
+            f"recording began with {sim.prefix_blocks} blocks ({sim.prefix_bytes / GIB:.3f} GiB) alive: every "
+            "replay allocates them first, into an empty cache",
+            highlight=False,
+        )
     if check.unmatched_frees:
-        console.print(f"note: {check.unmatched_frees} frees of blocks that neither the trace nor the dump's layout "
-                      "accounts for; the replay misses those blocks", highlight=False)
-    console.print(f"model check ({sim.ran_with.label()} settings, as the snapshot was taken): peak reserved "
-                  f"{check.model_peak_reserved_bytes / GIB:.3f} GiB in the replay, {check.trace_peak_reserved_bytes / GIB:.3f} "
-                  f"GiB in the trace ({100 * check.peak_reserved_error:+.1f}%); at the dump {check.model_reserved_bytes / GIB:.3f} "
-                  f"GiB in {check.model_segments} segments, the allocator held {check.snapshot_reserved_bytes / GIB:.3f} GiB in "
-                  f"{check.snapshot_segments}", highlight=False)
+        console.print(
+            f"note: {check.unmatched_frees} frees of blocks that neither the trace nor the dump's layout "
+            "accounts for; the replay misses those blocks",
+            highlight=False,
+        )
+    console.print(
+        f"model check ({sim.ran_with.label()} settings, as the snapshot was taken): peak reserved "
+        f"{check.model_peak_reserved_bytes / GIB:.3f} GiB in the replay, {check.trace_peak_reserved_bytes / GIB:.3f} "
+        f"GiB in the trace ({100 * check.peak_reserved_error:+.1f}%); at the dump "
+        f"{check.model_reserved_bytes / GIB:.3f} "
+        f"GiB in {check.model_segments} segments, the allocator held {check.snapshot_reserved_bytes / GIB:.3f} GiB in "
+        f"{check.snapshot_segments}",
+        highlight=False,
+    )
     render_whatif(sim.results, sim.best, sim.hip, console, sim.title)
     console.print(f"wrote {sim.plot}", highlight=False)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -38,6 +38,7 @@ from memfit.planner.search import (
 )
 from memfit.units import GIB, parse_memory
 
+
 @dataclass
 class PlanRequest:
     """What the user asked ``memfit plan`` for, from a train config, a DeepSpeed JSON and the flags (in that
@@ -63,7 +64,10 @@ def _from_train_config(path: str, req: PlanRequest) -> None:
     req.lora = cfg.lora if cfg.lora.enabled else None
     req.grad_accum = cfg.train.grad_accum_steps
     where = f"--config {path}: "
-    req.pins["activation_checkpointing"] = (cfg.strategy.activation_checkpointing, where + "strategy.activation_checkpointing")
+    req.pins["activation_checkpointing"] = (
+        cfg.strategy.activation_checkpointing,
+        where + "strategy.activation_checkpointing",
+    )
     req.pins["micro_batch_size"] = (cfg.train.micro_batch_size, where + "train.micro_batch_size")
     if cfg.strategy.precision != "auto":
         req.pins["precision"] = (cfg.strategy.precision, where + "strategy.precision")
@@ -146,10 +150,19 @@ def _simulate(events: list[tuple[int, int]], c: Candidate, gpu, hip: str | None,
 
     capacity = gpu.memory_bytes - CONTEXT_BYTES if c.strategy.zero_stage == 0 else 1 << 62
     results, best = compare(as_trace(events), capacity, hip)
-    where = (f"in {gpu.name}'s {gpu.memory_bytes / GIB:.0f} GiB less {CONTEXT_BYTES >> 20} MiB of runtime context"
-             if c.strategy.zero_stage == 0 else "without a capacity limit (ZeRO not applied)")
-    render_whatif(results, best, hip, console, f"what-if: the two traced steps' {len(events)} allocator events {where}",
-                  rocm=hip is not None or gpu.vendor == "amd")
+    where = (
+        f"in {gpu.name}'s {gpu.memory_bytes / GIB:.0f} GiB less {CONTEXT_BYTES >> 20} MiB of runtime context"
+        if c.strategy.zero_stage == 0
+        else "without a capacity limit (ZeRO not applied)"
+    )
+    render_whatif(
+        results,
+        best,
+        hip,
+        console,
+        f"what-if: the two traced steps' {len(events)} allocator events {where}",
+        rocm=hip is not None or gpu.vendor == "amd",
+    )
     if hip is None and gpu.vendor == "amd":
         console.print("note: expandable_segments needs ROCm >= 7.0; give --hip-version to judge it", highlight=False)
 
@@ -187,7 +200,8 @@ def run(ns) -> int:
         closest = result.pruned[0]
         over = closest.reserved_bytes - closest.usable_bytes
         raise UserError(
-            f"nothing fits on {gpu.name}: the closest candidate ({closest.strategy.label()}) is {over / GIB:.2f} GiB over; "
+            f"nothing fits on {gpu.name}: the closest candidate ({closest.strategy.label()}) is "
+            f"{over / GIB:.2f} GiB over; "
             "try LoRA, more GPUs with ZeRO, or a shorter --seq-len"
         )
     if ns.explain is not None:
@@ -201,8 +215,9 @@ def run(ns) -> int:
         if ns.simulate:
             _simulate(events, chosen, gpu, ns.hip_version, console)
     if ns.write_config:
-        write_train_config(result.best, result, _train_source(req.model), Path(ns.write_config), ns.engine,
-                           ns.write_deepspeed)
+        write_train_config(
+            result.best, result, _train_source(req.model), Path(ns.write_config), ns.engine, ns.write_deepspeed
+        )
         console.print(f"wrote {ns.write_config}", highlight=False)
     if ns.write_deepspeed:
         write_deepspeed(result.best, Path(ns.write_deepspeed))

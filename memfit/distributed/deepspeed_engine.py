@@ -72,8 +72,14 @@ def _agree(ds: dict, dotted: str, ours: Any, our_name: str, path: Path) -> None:
     theirs = _get(ds, dotted)
     if theirs is None or theirs == "auto":
         _put(ds, dotted, ours)
-    elif theirs != ours and not (isinstance(ours, float) and isinstance(theirs, (int, float)) and abs(theirs - ours) <= 1e-12 * max(1.0, abs(ours))):
-        raise UserError(f"{path}: {dotted} is {theirs!r} but {our_name} is {ours!r}; make them agree (or drop it from the JSON)")
+    elif theirs != ours and not (
+        isinstance(ours, float)
+        and isinstance(theirs, (int, float))
+        and abs(theirs - ours) <= 1e-12 * max(1.0, abs(ours))
+    ):
+        raise UserError(
+            f"{path}: {dotted} is {theirs!r} but {our_name} is {ours!r}; make them agree (or drop it from the JSON)"
+        )
 
 
 def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int, accum: int) -> dict[str, Any]:
@@ -93,11 +99,15 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
     t, o = cfg.train, cfg.optimizer
     _agree(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size", path)
     _agree(ds, "gradient_accumulation_steps", accum, "train.grad_accum_steps (derived)", path)
-    _agree(ds, "train_batch_size", world_size * t.micro_batch_size * accum, "world size x micro-batch x accumulation", path)
+    _agree(
+        ds, "train_batch_size", world_size * t.micro_batch_size * accum, "world size x micro-batch x accumulation", path
+    )
     _agree(ds, "zero_optimization.stage", cfg.distributed.zero_stage, "distributed.zero_stage", path)
     _agree(ds, "gradient_clipping", o.grad_clip, "optimizer.grad_clip", path)
     if precision.name == "bf16-pure":
-        raise UserError("strategy.precision bf16-pure: DeepSpeed keeps fp32 master weights; use bf16-mixed with engine deepspeed")
+        raise UserError(
+            "strategy.precision bf16-pure: DeepSpeed keeps fp32 master weights; use bf16-mixed with engine deepspeed"
+        )
     _agree(ds, "bf16.enabled", precision.name == "bf16-mixed", f"strategy.precision ({precision.name})", path)
     _agree(ds, "fp16.enabled", precision.name == "fp16-mixed", f"strategy.precision ({precision.name})", path)
     if "scheduler" in ds:
@@ -108,7 +118,9 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
     if "optimizer" in ds:
         kind = str(_get(ds, "optimizer.type") or "").lower()
         if kind not in ("adam", "adamw"):
-            raise UserError(f"{path}: optimizer.type is {kind!r} but memfit trains with AdamW; use AdamW or remove the section")
+            raise UserError(
+                f"{path}: optimizer.type is {kind!r} but memfit trains with AdamW; use AdamW or remove the section"
+            )
         _agree(ds, "optimizer.params.lr", o.lr, "optimizer.lr", path)
         _agree(ds, "optimizer.params.betas", [o.beta1, o.beta2], "optimizer.beta1/beta2", path)
         _agree(ds, "optimizer.params.eps", o.eps, "optimizer.eps", path)
@@ -128,8 +140,7 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict[str, Any]):
     """``deepspeed.initialize`` on memfit's model and AdamW; returns the engine."""
     deepspeed = require_deepspeed()
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config,
-                                           dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
     return engine
 
 
@@ -152,8 +163,9 @@ def ds_writer(engine):
 def ds_reader(engine):
     def read(path: Path) -> None:
         # DeepSpeed reads its own files (written by this run) with its own loader
-        loaded, _ = engine.load_checkpoint(str(path), tag="deepspeed", load_optimizer_states=True,
-                                           load_lr_scheduler_states=False)
+        loaded, _ = engine.load_checkpoint(
+            str(path), tag="deepspeed", load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if loaded is None:
             raise UserError(f"checkpoint {path}: DeepSpeed could not load its files; the directory is damaged")
 

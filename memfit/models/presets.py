@@ -46,8 +46,7 @@ def preset_config(name: str, attn_implementation: str = "sdpa") -> LlamaConfig:
     """
     if name not in PRESETS:
         raise UserError(
-            f"model.source: unknown preset '{name}'{did_you_mean(name, PRESETS)}; "
-            f"presets: {', '.join(PRESETS)}"
+            f"model.source: unknown preset '{name}'{did_you_mean(name, PRESETS)}; presets: {', '.join(PRESETS)}"
         )
     p = PRESETS[name]
     config = LlamaConfig(

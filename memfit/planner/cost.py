@@ -33,8 +33,14 @@ class Shape:
 
     @classmethod
     def of(cls, config) -> "Shape":
-        return cls(config.num_hidden_layers, config.hidden_size, config.intermediate_size,
-                   config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads, config.vocab_size)
+        return cls(
+            config.num_hidden_layers,
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_attention_heads,
+            config.num_key_value_heads or config.num_attention_heads,
+            config.vocab_size,
+        )
 
     @property
     def attn_weights(self) -> int:
@@ -66,7 +72,9 @@ def step_flops(shape: Shape, tokens: int, seq_len: int, lora: bool, ac: Checkpoi
     return tokens * (fwd * (2 if lora else 3) + recompute)
 
 
-def step_time_s(flops: float, peak_tflops: float, precision: str, comm_bytes: int, link_GBps: float, nodes: int) -> float:
+def step_time_s(
+    flops: float, peak_tflops: float, precision: str, comm_bytes: int, link_GBps: float, nodes: int
+) -> float:
     rate = peak_tflops * 1e12 * MFU / (FP32_SLOWDOWN if precision == "fp32" else 1.0)
     bandwidth = (INTER_NODE_GBPS if nodes > 1 else link_GBps) * 1e9
     return flops / rate + comm_bytes / bandwidth
@@ -74,5 +82,7 @@ def step_time_s(flops: float, peak_tflops: float, precision: str, comm_bytes: in
 
 def assumptions(peak_tflops: float, link_GBps: float, nodes: int) -> str:
     bw = INTER_NODE_GBPS if nodes > 1 else link_GBps
-    return (f"step time assumes {MFU:.0%} of {peak_tflops:g} TFLOP/s bf16 (fp32 {FP32_SLOWDOWN:g}x slower) "
-            f"and {bw:g} GB/s per GPU for collectives, without overlap")
+    return (
+        f"step time assumes {MFU:.0%} of {peak_tflops:g} TFLOP/s bf16 (fp32 {FP32_SLOWDOWN:g}x slower) "
+        f"and {bw:g} GB/s per GPU for collectives, without overlap"
+    )

@@ -39,10 +39,13 @@ GPUS: dict[str, Gpu] = {
     )
 }
 
+
 def gpu_preset(name: str) -> Gpu:
     key = name.lower()
     if key not in GPUS:
-        raise UserError(f"--gpu: unknown GPU '{name}'{did_you_mean(key, GPUS)}; known: {', '.join(GPUS)}, or give --gpu-mem 64GiB")
+        raise UserError(
+            f"--gpu: unknown GPU '{name}'{did_you_mean(key, GPUS)}; known: {', '.join(GPUS)}, or give --gpu-mem 64GiB"
+        )
     return GPUS[key]
 
 

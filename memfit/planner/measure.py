@@ -73,7 +73,7 @@ def profiled_breakdown(
 
 def _saved_markers(prof) -> list[tuple[int, int]]:
     """(time ns, storage address) of every ``_mark_saved`` marker in the profile."""
-    return [(ev.start_time_ns, int(ev.name[len(_SAVED):])) for ev in all_events(prof) if ev.name.startswith(_SAVED)]
+    return [(ev.start_time_ns, int(ev.name[len(_SAVED) :])) for ev in all_events(prof) if ev.name.startswith(_SAVED)]
 
 
 def measured_steady_step(spec, model=None) -> Breakdown:
@@ -93,13 +93,20 @@ def measured_steady_step(spec, model=None) -> Breakdown:
     opt = build_optimizer(params, OptimizerConfig(implementation=strategy.optimizer), torch.device("cpu"))
     runner = StepRunner(model, params, opt, precision, torch.device("cpu"), grad_clip=1.0)
     vocab = spec.model_config.vocab_size
-    tokens = torch.randint(0, vocab, (strategy.micro_batch_size, spec.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, vocab, (strategy.micro_batch_size, spec.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
     batches = [(tokens, tokens)] * strategy.grad_accum_steps
     runner.step(batches)  # step 1 creates the optimizer state
     runner.zero_grad()
     state = [v for st in opt.state.values() for v in st.values()]
 
-    measured = profiled_breakdown(lambda: runner.step(batches), params=model.parameters(), optimizer_state=state,
-                                  other_live=[*model.buffers(), tokens], grads=lambda: [p.grad for p in params if p.grad is not None])
+    measured = profiled_breakdown(
+        lambda: runner.step(batches),
+        params=model.parameters(),
+        optimizer_state=state,
+        other_live=[*model.buffers(), tokens],
+        grads=lambda: [p.grad for p in params if p.grad is not None],
+    )
     runner.zero_grad()
     return measured

@@ -60,8 +60,14 @@ class Predictor:
     def _step_spec(self, strategy: Strategy) -> StepSpec:
         """Forward and backward depend on checkpointing and precision only (not on the optimizer, the
         accumulation or the ZeRO stage, applied afterwards): one spec traces them for all others."""
-        return replace(self.base, strategy=Strategy(activation_checkpointing=strategy.activation_checkpointing,
-                                                    precision=strategy.precision, optimizer="for-loop"))
+        return replace(
+            self.base,
+            strategy=Strategy(
+                activation_checkpointing=strategy.activation_checkpointing,
+                precision=strategy.precision,
+                optimizer="for-loop",
+            ),
+        )
 
     def _optimizer_spec(self, spec: StepSpec, optimizer: str) -> StepSpec:
         return spec.with_strategy(activation_checkpointing=CheckpointPolicy(), optimizer=optimizer, micro_batch_size=2)
@@ -81,7 +87,8 @@ class Predictor:
         return out + [(self._optimizer_spec(spec, strategy.optimizer), n) for n in self._optimizer_depths()]
 
     def prefetch(self, strategies: Iterable[Strategy], workers: int | None = None) -> None:
-        """Trace, in parallel worker processes, everything ``predict`` will read for these strategies. Traces are pure Python-bound work on fake tensors,
+        """Trace, in parallel worker processes, everything ``predict`` will read for these strategies.
+        Traces are pure Python-bound work on fake tensors,
         so N processes take about 1/N of the time; the results are identical to tracing on demand.
 
         Args:
@@ -117,7 +124,9 @@ class Predictor:
             if two.phases == three.phases:
                 self._moments[key] = two.combine(three, micro_batch - 2).region_peaks()
             else:  # not expected; trace the batch size itself
-                self._moments[key] = self._trace(spec.with_strategy(micro_batch_size=micro_batch), layers).region_peaks()
+                self._moments[key] = self._trace(
+                    spec.with_strategy(micro_batch_size=micro_batch), layers
+                ).region_peaks()
         return self._moments[key]
 
     def _optimizer_moments(self, spec: StepSpec) -> dict[str, tuple[int, ...]]:

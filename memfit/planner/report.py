@@ -24,47 +24,92 @@ def _g(n: int) -> str:
 def candidate_dict(c: Candidate) -> dict[str, Any]:
     return {
         **c.strategy.as_dict(),
-        "peak_bytes": c.memory.peak_bytes, "peak_phase": c.memory.peak_phase,
+        "peak_bytes": c.memory.peak_bytes,
+        "peak_phase": c.memory.peak_phase,
         "peak_by_category_bytes": c.memory.peak.as_dict(),
         "phase_peaks_bytes": {p: b.as_dict() for p, b in c.memory.phase_peaks.items()},
-        "predicted_reserved_bytes": c.reserved_bytes, "usable_bytes": c.usable_bytes, "fits": c.fits,
-        "estimated_step_time_s": c.step_time_s, "comm_bytes_per_step": c.comm_bytes,
+        "predicted_reserved_bytes": c.reserved_bytes,
+        "usable_bytes": c.usable_bytes,
+        "fits": c.fits,
+        "estimated_step_time_s": c.step_time_s,
+        "comm_bytes_per_step": c.comm_bytes,
     }
 
 
 def plan_dict(r: PlanResult) -> dict[str, Any]:
     w, cl = r.workload, r.cluster
     return {
-        "model": w.model_name, "seq_len": w.seq_len, "global_batch": w.global_batch, "lora": w.lora is not None,
-        "gpu": cl.gpu.name, "gpu_memory_bytes": cl.gpu.memory_bytes, "gpus_per_node": cl.gpus_per_node, "nodes": cl.nodes,
-        "headroom": r.headroom, "allocator_margin": ALLOCATOR_MARGIN, "context_bytes": CONTEXT_BYTES,
+        "model": w.model_name,
+        "seq_len": w.seq_len,
+        "global_batch": w.global_batch,
+        "lora": w.lora is not None,
+        "gpu": cl.gpu.name,
+        "gpu_memory_bytes": cl.gpu.memory_bytes,
+        "gpus_per_node": cl.gpus_per_node,
+        "nodes": cl.nodes,
+        "headroom": r.headroom,
+        "allocator_margin": ALLOCATOR_MARGIN,
+        "context_bytes": CONTEXT_BYTES,
         "assumptions": assumptions(cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes),
-        "traces": r.traces, "fitting": [candidate_dict(c) for c in r.fitting],
+        "traces": r.traces,
+        "fitting": [candidate_dict(c) for c in r.fitting],
         "pruned": [dict(candidate_dict(c), reason=c.why_not()) for c in r.pruned],
     }
 
 
 def render_table(r: PlanResult, console: Console, top: int) -> None:
     w, cl = r.workload, r.cluster
-    title = (f"{w.model_name}{' + LoRA' if w.lora else ''}, seq {w.seq_len}, global batch {w.global_batch} on "
-             f"{cl.gpus_per_node * cl.nodes} x {cl.gpu.name} ({cl.gpu.memory_bytes / GIB:g} GiB); per-rank GiB")
+    title = (
+        f"{w.model_name}{' + LoRA' if w.lora else ''}, seq {w.seq_len}, global batch {w.global_batch} on "
+        f"{cl.gpus_per_node * cl.nodes} x {cl.gpu.name} ({cl.gpu.memory_bytes / GIB:g} GiB); per-rank GiB"
+    )
     t = Table(title=title)
-    for col in ("#", "AC", "precision", "ZeRO", "mb x acc", "AdamW", "params", "grads", "optim", "activ", "temps",
-                "peak", "reserved*", "free", "step time"):
+    for col in (
+        "#",
+        "AC",
+        "precision",
+        "ZeRO",
+        "mb x acc",
+        "AdamW",
+        "params",
+        "grads",
+        "optim",
+        "activ",
+        "temps",
+        "peak",
+        "reserved*",
+        "free",
+        "step time",
+    ):
         t.add_column(col, justify="right" if col not in ("AC", "precision", "AdamW") else "left")
     best = r.best.step_time_s if r.best else 1.0
     for i, c in enumerate(r.fitting[:top], 1):
         p, s = c.memory.peak, c.strategy
-        t.add_row(str(i), str(s.activation_checkpointing), s.precision, str(s.zero_stage),
-                  f"{s.micro_batch_size}x{s.grad_accum_steps}", s.optimizer,
-                  _g(p[Category.PARAMS]), _g(p[Category.GRADS]), _g(p[Category.OPTIMIZER]), _g(p[Category.ACTIVATIONS]),
-                  _g(p[Category.TEMPORARIES]), _g(c.memory.peak_bytes), _g(c.reserved_bytes), _g(c.headroom_bytes),
-                  f"{c.step_time_s / best:.2f}x")
+        t.add_row(
+            str(i),
+            str(s.activation_checkpointing),
+            s.precision,
+            str(s.zero_stage),
+            f"{s.micro_batch_size}x{s.grad_accum_steps}",
+            s.optimizer,
+            _g(p[Category.PARAMS]),
+            _g(p[Category.GRADS]),
+            _g(p[Category.OPTIMIZER]),
+            _g(p[Category.ACTIVATIONS]),
+            _g(p[Category.TEMPORARIES]),
+            _g(c.memory.peak_bytes),
+            _g(c.reserved_bytes),
+            _g(c.headroom_bytes),
+            f"{c.step_time_s / best:.2f}x",
+        )
     console.print(t)
-    console.print(f"{len(r.fitting)} of {len(r.fitting) + len(r.pruned)} candidates fit ({r.traces} traces). "
-                  f"*reserved = peak x {1 + ALLOCATOR_MARGIN:g} + {CONTEXT_BYTES >> 20} MiB context; usable = "
-                  f"{(1 - r.headroom):.0%} of the GPU. Relative step time: {assumptions(cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes)}.",
-                  highlight=False)
+    console.print(
+        f"{len(r.fitting)} of {len(r.fitting) + len(r.pruned)} candidates fit ({r.traces} traces). "
+        f"*reserved = peak x {1 + ALLOCATOR_MARGIN:g} + {CONTEXT_BYTES >> 20} MiB context; usable = "
+        f"{(1 - r.headroom):.0%} of the GPU. Relative step time: "
+        f"{assumptions(cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes)}.",
+        highlight=False,
+    )
     if r.pruned:
         console.print("closest that do not fit:", highlight=False)
         for c in r.pruned[:3]:
@@ -85,9 +130,13 @@ def render_explain(c: Candidate, console: Console, replayed: tuple[int, int] | N
     console.print(t)
     if replayed is not None:
         reserved, allocated = replayed
-        console.print(f"allocator model, first two steps (up to 2 micro-batches each) replayed on one device (ZeRO not applied): peak reserved "
-                      f"{_g(reserved)} GiB for a peak allocated {_g(allocated)} GiB ({reserved / max(1, allocated) - 1:+.1%}); "
-                      f"the table's margin model assumes +{ALLOCATOR_MARGIN:.0%}", highlight=False)
+        console.print(
+            "allocator model, first two steps (up to 2 micro-batches each) replayed on one device (ZeRO "
+            "not applied): peak reserved "
+            f"{_g(reserved)} GiB for a peak allocated {_g(allocated)} GiB ({reserved / max(1, allocated) - 1:+.1%}); "
+            f"the table's margin model assumes +{ALLOCATOR_MARGIN:.0%}",
+            highlight=False,
+        )
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -96,8 +145,9 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_train_config(c: Candidate, r: PlanResult, source: str, path: Path, engine: str = "fsdp2",
-                       deepspeed_json: str | None = None) -> None:
+def write_train_config(
+    c: Candidate, r: PlanResult, source: str, path: Path, engine: str = "fsdp2", deepspeed_json: str | None = None
+) -> None:
     w, s = r.workload, c.strategy
     cfg: dict = {
         "model": {"source": source},
@@ -105,11 +155,17 @@ def write_train_config(c: Candidate, r: PlanResult, source: str, path: Path, eng
         "strategy": {"activation_checkpointing": str(s.activation_checkpointing), "precision": s.precision},
         "lora": {"enabled": w.lora is not None, **({"rank": w.lora.rank, "alpha": w.lora.alpha} if w.lora else {})},
         "optimizer": {"implementation": s.optimizer},
-        "train": {"device": "cuda", "micro_batch_size": s.micro_batch_size, "grad_accum_steps": s.grad_accum_steps,
-                  "global_batch_size": w.global_batch},
+        "train": {
+            "device": "cuda",
+            "micro_batch_size": s.micro_batch_size,
+            "grad_accum_steps": s.grad_accum_steps,
+            "global_batch_size": w.global_batch,
+        },
     }
-    header = (f"# written by memfit plan: {c.strategy.label()}\n# predicted per-rank peak {_g(c.memory.peak_bytes)} GiB, "
-              f"reserved {_g(c.reserved_bytes)} GiB of {_g(c.usable_bytes)} GiB usable on {r.cluster.gpu.name}\n")
+    header = (
+        f"# written by memfit plan: {c.strategy.label()}\n# predicted per-rank peak {_g(c.memory.peak_bytes)} GiB, "
+        f"reserved {_g(c.reserved_bytes)} GiB of {_g(c.usable_bytes)} GiB usable on {r.cluster.gpu.name}\n"
+    )
     if r.cluster.world_size > 1:
         cfg["distributed"] = {"engine": engine, "zero_stage": s.zero_stage}
         if engine == "deepspeed":
@@ -118,7 +174,9 @@ def write_train_config(c: Candidate, r: PlanResult, source: str, path: Path, eng
         launch = f"--nproc-per-node {r.cluster.gpus_per_node}"
         if nodes > 1:
             launch += f" --nnodes {nodes} --node-rank <this node> --rdzv-endpoint <node 0>:29400"
-        header += f"# planned for {r.cluster.world_size} GPUs with ZeRO-{s.zero_stage}: memfit train {path.name} {launch}\n"
+        header += (
+            f"# planned for {r.cluster.world_size} GPUs with ZeRO-{s.zero_stage}: memfit train {path.name} {launch}\n"
+        )
     _atomic_write(path, header + yaml.safe_dump(cfg, sort_keys=False))
 
 

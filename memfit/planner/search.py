@@ -83,9 +83,12 @@ class Candidate:
         return self.usable_bytes - self.reserved_bytes
 
     def why_not(self) -> str:
-        return (f"needs {self.reserved_bytes / GIB:.2f} GiB > {self.usable_bytes / GIB:.2f} GiB usable "
-                f"(peak in {self.memory.peak_phase}: " +
-                ", ".join(f"{c.value} {self.memory.peak[c] / GIB:.2f}" for c in Category if self.memory.peak[c]) + ")")
+        return (
+            f"needs {self.reserved_bytes / GIB:.2f} GiB > {self.usable_bytes / GIB:.2f} GiB usable "
+            f"(peak in {self.memory.peak_phase}: "
+            + ", ".join(f"{c.value} {self.memory.peak[c] / GIB:.2f}" for c in Category if self.memory.peak[c])
+            + ")"
+        )
 
 
 @dataclass
@@ -113,7 +116,9 @@ def micro_batches(global_batch: int, world: int) -> list[int]:
             f"--global-batch {global_batch} is not divisible by the {world} GPUs; use a multiple of {world}"
         )
     per_rank_batch = global_batch // world
-    return [b for b in range(1, per_rank_batch + 1) if per_rank_batch % b == 0 and (b & (b - 1) == 0 or b == per_rank_batch)]
+    return [
+        b for b in range(1, per_rank_batch + 1) if per_rank_batch % b == 0 and (b & (b - 1) == 0 or b == per_rank_batch)
+    ]
 
 
 def _check_pins(pins: Pins, w: Workload, c: Cluster) -> None:
@@ -141,8 +146,13 @@ def _rank_key(c: Candidate) -> tuple:
     ties (within 0.5%) go to fp32 master weights, then the larger micro-batch (better kernel
     efficiency, not modelled), then the fused optimizer, then the smaller footprint."""
     s = c.strategy
-    return (time_bucket(c.step_time_s), PRECISION_PREFERENCE.index(s.precision),
-            -s.micro_batch_size, OPTIMIZER_IMPLEMENTATIONS.index(s.optimizer), c.reserved_bytes)
+    return (
+        time_bucket(c.step_time_s),
+        PRECISION_PREFERENCE.index(s.precision),
+        -s.micro_batch_size,
+        OPTIMIZER_IMPLEMENTATIONS.index(s.optimizer),
+        c.reserved_bytes,
+    )
 
 
 def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
@@ -155,14 +165,21 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
         "micro_batch_size": micro_batches(w.global_batch, c.world_size),
         "zero_stage": ZERO_STAGES if c.world_size > 1 else (0,),
     }
-    return [Strategy(**levers, grad_accum_steps=per_rank_batch // levers["micro_batch_size"])
-            for levers in candidates(pins.levers, choices)]
+    return [
+        Strategy(**levers, grad_accum_steps=per_rank_batch // levers["micro_batch_size"])
+        for levers in candidates(pins.levers, choices)
+    ]
 
 
-def search(w: Workload, c: Cluster, pins: Pins = Pins(), headroom: float = 0.05, predictor: Predictor | None = None) -> PlanResult:
+def search(
+    w: Workload, c: Cluster, pins: Pins = Pins(), headroom: float = 0.05, predictor: Predictor | None = None
+) -> PlanResult:
     """Predict every candidate; fitting ones sorted fastest first, the others with their reasons."""
     if w.seq_len > w.model_config.max_position_embeddings:
-        raise UserError(f"--seq-len {w.seq_len} exceeds the model's max_position_embeddings {w.model_config.max_position_embeddings}")
+        raise UserError(
+            f"--seq-len {w.seq_len} exceeds the model's max_position_embeddings "
+            f"{w.model_config.max_position_embeddings}"
+        )
     micro_batches(w.global_batch, c.world_size)  # the batch must split over the GPUs
     _check_pins(pins, w, c)
     strategies = search_space(w, c, pins)
@@ -177,15 +194,21 @@ def search(w: Workload, c: Cluster, pins: Pins = Pins(), headroom: float = 0.05,
         flops = step_flops(shape, tokens, w.seq_len, w.lora is not None, strategy.activation_checkpointing)
         sharding = None
         if c.world_size > 1:
-            sharding = ShardingSpec.for_model(strategy.zero_stage, c.world_size, pins.engine, w.model_config,
-                                              w.lora is not None)
+            sharding = ShardingSpec.for_model(
+                strategy.zero_stage, c.world_size, pins.engine, w.model_config, w.lora is not None
+            )
         mem = predictor.predict(strategy, sharding)
         trained_bytes = lowp_param_bytes if w.lora is None else 0  # LoRA: adapters only, negligible
-        comm = comm_bytes_per_step(lowp_param_bytes, trained_bytes, strategy.zero_stage, c.world_size,
-                                   strategy.grad_accum_steps)
+        comm = comm_bytes_per_step(
+            lowp_param_bytes, trained_bytes, strategy.zero_stage, c.world_size, strategy.grad_accum_steps
+        )
         cand = Candidate(
-            strategy, mem, reserved_estimate(mem.peak_bytes), usable,
-            step_time_s(flops, c.gpu.peak_tflops, strategy.precision, comm, c.gpu.link_GBps, c.nodes), comm,
+            strategy,
+            mem,
+            reserved_estimate(mem.peak_bytes),
+            usable,
+            step_time_s(flops, c.gpu.peak_tflops, strategy.precision, comm, c.gpu.link_GBps, c.nodes),
+            comm,
         )
         (result.fitting if cand.fits else result.pruned).append(cand)
     result.fitting.sort(key=_rank_key)
@@ -194,8 +217,14 @@ def search(w: Workload, c: Cluster, pins: Pins = Pins(), headroom: float = 0.05,
     return result
 
 
-def predict_run(model_config: PretrainedConfig, seq_len: int, strategy: Strategy, lora: LoraConfig | None,
-                on_gpu: bool, sharding: ShardingSpec | None = None) -> StepMemory:
+def predict_run(
+    model_config: PretrainedConfig,
+    seq_len: int,
+    strategy: Strategy,
+    lora: LoraConfig | None,
+    on_gpu: bool,
+    sharding: ShardingSpec | None = None,
+) -> StepMemory:
     """The planner's prediction for exactly one training configuration on one device (or one rank)."""
     predictor = Predictor(StepSpec(model_config, seq_len, lora=lora, round_to=512 if on_gpu else 1))
     return predictor.predict(strategy, sharding)
@@ -206,8 +235,9 @@ def reserved_estimate(peak_bytes: int) -> int:
     return int(peak_bytes * (1 + ALLOCATOR_MARGIN)) + CONTEXT_BYTES
 
 
-def step_allocations(model_config: PretrainedConfig, seq_len: int, strategy: Strategy,
-                     lora: LoraConfig | None) -> list[tuple[int, int]]:
+def step_allocations(
+    model_config: PretrainedConfig, seq_len: int, strategy: Strategy, lora: LoraConfig | None
+) -> list[tuple[int, int]]:
     """The first two full-depth steps of one configuration on one device as allocations and releases
     of 512-byte-rounded blocks, for the allocator model (ZeRO not applied; two micro-batches stand for
     any longer accumulation: later ones repeat the second's). The second step is the steady state.
@@ -228,8 +258,10 @@ def check_fits(step: StepMemory, capacity_bytes: int, device_label: str, replaye
         UserError: naming the predicted need, the capacity and the two ways out.
     """
     need = reserved_estimate(step.peak_bytes)
-    ways_out = (f"run `memfit plan --config <this config> --gpu-mem {capacity_bytes / GIB:.0f}GiB` for one that fits, "
-                "or set train.plan_check=false to try anyway")
+    ways_out = (
+        f"run `memfit plan --config <this config> --gpu-mem {capacity_bytes / GIB:.0f}GiB` for one that fits, "
+        "or set train.plan_check=false to try anyway"
+    )
     if need > capacity_bytes:
         raise UserError(
             f"predicted to need {need / GIB:.2f} GiB (peak {step.peak_bytes / GIB:.2f} GiB in {step.peak_phase}) but "
@@ -238,7 +270,8 @@ def check_fits(step: StepMemory, capacity_bytes: int, device_label: str, replaye
     if replayed is not None and replayed.oom:
         raise UserError(
             f"the caching-allocator model runs out of memory replaying this run's first two steps under "
-            f"{replayed.settings.label()} settings on {device_label} (peak reserved {replayed.peak_reserved_bytes / GIB:.2f} "
+            f"{replayed.settings.label()} settings on {device_label} (peak reserved "
+            f"{replayed.peak_reserved_bytes / GIB:.2f} "
             f"GiB, {replayed.alloc_retries} cache releases and retries); {ways_out}, or try other allocator settings "
             "(`memfit plan --explain 1 --simulate`)"
         )

@@ -59,8 +59,14 @@ class ShardingSpec:
     def for_model(cls, stage: int, world_size: int, engine: str, config, lora: bool) -> "ShardingSpec":
         """The spec for a Llama-family ``config`` (its depth and root-group share)."""
         root = root_fraction(config)
-        return cls(stage, world_size, engine, config.num_hidden_layers,
-                   root_param_fraction=root, root_grad_fraction=0.0 if lora else root)
+        return cls(
+            stage,
+            world_size,
+            engine,
+            config.num_hidden_layers,
+            root_param_fraction=root,
+            root_grad_fraction=0.0 if lora else root,
+        )
 
 
 def root_fraction(config) -> float:
@@ -77,7 +83,9 @@ def validate(stage: int, world_size: int, engine: str) -> None:
     if stage not in (0, 1, 2, 3):
         raise UserError(f"--zero must be 0, 1, 2 or 3 (got {stage})")
     if stage > 0 and world_size < 2:
-        raise UserError(f"ZeRO stage {stage} needs more than one GPU (world size {world_size}); use --zero 0 or more GPUs")
+        raise UserError(
+            f"ZeRO stage {stage} needs more than one GPU (world size {world_size}); use --zero 0 or more GPUs"
+        )
     if engine not in ENGINES:
         raise UserError(f"sharding engine must be one of {', '.join(ENGINES)} (got '{engine}')")
 
@@ -86,8 +94,9 @@ _CATS = tuple(Category)
 _P, _G, _O, _T = (_CATS.index(c) for c in (Category.PARAMS, Category.GRADS, Category.OPTIMIZER, Category.TEMPORARIES))
 
 
-def _shard_row(row: tuple[int, ...], s: ShardingSpec, phase: str, grads_done: float, g_total: int,
-               accumulated: bool = False) -> tuple[int, ...]:
+def _shard_row(
+    row: tuple[int, ...], s: ShardingSpec, phase: str, grads_done: float, g_total: int, accumulated: bool = False
+) -> tuple[int, ...]:
     """One moment's bytes (in ``Category`` order) on one rank; ``grads_done`` is the fraction of the
     step's gradients this micro-batch's backward had produced by then (where FSDP2 has resharded),
     ``g_total`` the bytes of all gradients, ``accumulated`` whether earlier micro-batches of the step
@@ -148,8 +157,9 @@ def per_rank(step: StepMemory, s: ShardingSpec) -> StepMemory:
     return StepMemory(peak=phases[peak_phase], phase_peaks=phases, peak_phase=peak_phase)
 
 
-def per_rank_moments(moments: dict[str, tuple[int, ...]], s: ShardingSpec, grads_done: dict[str, float],
-                     accumulated: bool = False) -> StepMemory:
+def per_rank_moments(
+    moments: dict[str, tuple[int, ...]], s: ShardingSpec, grads_done: dict[str, float], accumulated: bool = False
+) -> StepMemory:
     """Every traced moment (rows in ``Category`` order, keyed ``phase:...``) as one rank sees it, and
     then the peaks: the moment of a rank's peak can differ from the single device's (e.g. ZeRO-2
     frees each layer's gathered weights during backward)."""

@@ -30,8 +30,9 @@ def supervised_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
-def global_token_count(batches: list[tuple[torch.Tensor, torch.Tensor]], ctx: DistContext,
-                       device: torch.device) -> torch.Tensor:
+def global_token_count(
+    batches: list[tuple[torch.Tensor, torch.Tensor]], ctx: DistContext, device: torch.device
+) -> torch.Tensor:
     """Supervised tokens of the whole step over every rank (a tensor, not an int: no host sync, and
     traceable under FakeTensorMode); the loss of each micro-batch is divided by it."""
     n_tokens = sum(supervised_tokens(labels) for _, labels in batches).to(device)

@@ -83,7 +83,9 @@ def apply_device_limits(cfg: AllocatorConfig, device: torch.device) -> list[str]
     if cfg.prewarm_gib > 0:
         block = torch.empty(int(cfg.prewarm_gib * GIB), dtype=torch.uint8, device=device)
         del block  # the segment stays reserved in the cache for later allocations
-        notes.append(f"pre-warmed {cfg.prewarm_gib:g} GiB (reserved {torch.cuda.memory_reserved(device) / GIB:.2f} GiB)")
+        notes.append(
+            f"pre-warmed {cfg.prewarm_gib:g} GiB (reserved {torch.cuda.memory_reserved(device) / GIB:.2f} GiB)"
+        )
     return notes
 
 

@@ -32,13 +32,20 @@ def adamw_groups(params: list[torch.nn.Parameter], cfg: OptimizerConfig) -> list
 
 def adamw_kwargs(cfg: OptimizerConfig, impl: str) -> dict:
     """AdamW's hyper-parameters and implementation flags (without the weight decay of a group)."""
-    return {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps,
-            "foreach": impl == "foreach", "fused": impl == "fused"}
+    return {
+        "lr": cfg.lr,
+        "betas": (cfg.beta1, cfg.beta2),
+        "eps": cfg.eps,
+        "foreach": impl == "foreach",
+        "fused": impl == "fused",
+    }
 
 
 def build_optimizer(params: list[torch.nn.Parameter], cfg: OptimizerConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW over ``params`` with the implementation ``optimizer.implementation`` resolves to."""
-    return torch.optim.AdamW(adamw_groups(params, cfg), **adamw_kwargs(cfg, resolve_implementation(cfg.implementation, device)))
+    return torch.optim.AdamW(
+        adamw_groups(params, cfg), **adamw_kwargs(cfg, resolve_implementation(cfg.implementation, device))
+    )
 
 
 def lr_at(step: int, max_steps: int, cfg: OptimizerConfig) -> float:

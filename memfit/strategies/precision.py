@@ -64,7 +64,5 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
             "use bf16-mixed or fp32 on CPU"
         )
     if name.startswith("bf16") and not supports_bf16(device):
-        raise UserError(
-            f"strategy.precision {name}: this GPU has no bf16 support; use fp16-mixed or fp32"
-        )
+        raise UserError(f"strategy.precision {name}: this GPU has no bf16 support; use fp16-mixed or fp32")
     return _POLICIES[name]

@@ -1,1 +1,2 @@
-"""Measuring and showing: memory readings, the profiler walk, metrics file and endpoints, bench cells, plots, platform report."""
+"""Measuring and showing: memory readings, the profiler walk, metrics file and endpoints, bench cells, "
+"plots, platform report."""

@@ -54,8 +54,16 @@ class AllocatorWatch:
             trace (recorded for that step alone unless the whole run is recorded).
     """
 
-    def __init__(self, device: torch.device, run_root: Path, rank: int, world_size: int, frag_every: int,
-                 record_history: bool, snapshot_at_step: int | None):
+    def __init__(
+        self,
+        device: torch.device,
+        run_root: Path,
+        rank: int,
+        world_size: int,
+        frag_every: int,
+        record_history: bool,
+        snapshot_at_step: int | None,
+    ):
         self.on = device.type == "cuda"
         self.index = device.index or 0
         self.root, self.rank, self.world_size = run_root, rank, world_size
@@ -93,8 +101,12 @@ class AllocatorWatch:
             cost_s = time.perf_counter() - start
             every = frag_interval(cost_s, rec["step_time_s"], self.frag_every)
             self._next_frag = step + every
-            rec.update(fragmentation_ratio=report.fragmentation_ratio, largest_free_block_bytes=report.largest_free_bytes,
-                       frag_time_s=cost_s, frag_every=every)
+            rec.update(
+                fragmentation_ratio=report.fragmentation_ratio,
+                largest_free_block_bytes=report.largest_free_bytes,
+                frag_time_s=cost_s,
+                frag_every=every,
+            )
         if step == self.snapshot_at_step:
             snap, path = self._dump(f"snapshot_step{step}")
             if not self.record_history:
@@ -102,10 +114,12 @@ class AllocatorWatch:
             peak = Rebuilt(snap, self.index).peak(since_us=self._step_start_us)  # this step's, in a whole-run trace
             rec["snapshot"] = str(path)
             if peak is not None:
-                rec.update(fragmentation_at_peak=peak.report.fragmentation_ratio,
-                           largest_free_at_peak_bytes=peak.report.largest_free_bytes,
-                           reserved_at_peak_bytes=peak.report.reserved_bytes,
-                           allocated_at_peak_bytes=peak.report.allocated_bytes)
+                rec.update(
+                    fragmentation_at_peak=peak.report.fragmentation_ratio,
+                    largest_free_at_peak_bytes=peak.report.largest_free_bytes,
+                    reserved_at_peak_bytes=peak.report.reserved_bytes,
+                    allocated_at_peak_bytes=peak.report.allocated_bytes,
+                )
 
     def oom_snapshot(self, step: int) -> tuple[Path | None, str]:
         """The allocator's state after an out-of-memory error (None off a GPU), and, when the trace was
@@ -117,5 +131,7 @@ class AllocatorWatch:
         if not ooms:
             return path, ""
         o, r = ooms[-1], ooms[-1].moment.report
-        return path, (f"{o.cause} at the failed request: {r.external_free_bytes / MIB:.0f} MiB free in the cache, "
-                      f"the largest block {r.largest_free_bytes / MIB:.0f} MiB")
+        return path, (
+            f"{o.cause} at the failed request: {r.external_free_bytes / MIB:.0f} MiB free in the cache, "
+            f"the largest block {r.largest_free_bytes / MIB:.0f} MiB"
+        )

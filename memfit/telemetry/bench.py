@@ -105,7 +105,9 @@ def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: 
     s = cell.strategy
     per_pass = s.micro_batch_size * cell.nproc
     if global_batch % per_pass:
-        raise UserError(f"--micro-batch {s.micro_batch_size} x {cell.nproc} rank(s) does not divide the global batch {global_batch}")
+        raise UserError(
+            f"--micro-batch {s.micro_batch_size} x {cell.nproc} rank(s) does not divide the global batch {global_batch}"
+        )
     cell.strategy = s = s.replace(grad_accum_steps=global_batch // per_pass)
     pins = [o for o, name in zip(s.overrides(), levers()) if name in cell.axes]
     if cell.nproc > 1:
@@ -116,16 +118,38 @@ def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: 
         inspect.append(f"train.profile_step={steps}")
     launch = [] if cell.nproc == 1 else ["--nproc-per-node", str(cell.nproc)]
     return [
-        sys.executable, "-m", "memfit.cli", "train", config, *extra, *inspect, *pins,
+        sys.executable,
+        "-m",
+        "memfit.cli",
+        "train",
+        config,
+        *extra,
+        *inspect,
+        *pins,
         f"train.global_batch_size={global_batch}",
-        f"lora.enabled={'true' if cell.lora else 'false'}", f"train.max_steps={steps}", "train.eval_every=0",
-        "train.eval_batches=1", "train.keep_checkpoints=0", "train.frag_every=1", "train.log_every=1", "output.export=false",
-        f"output.dir={out / 'cells' / cell.name}", *launch,
+        f"lora.enabled={'true' if cell.lora else 'false'}",
+        f"train.max_steps={steps}",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.keep_checkpoints=0",
+        "train.frag_every=1",
+        "train.log_every=1",
+        "output.export=false",
+        f"output.dir={out / 'cells' / cell.name}",
+        *launch,
     ]
 
 
-def run_cell(config: str, cell: Cell, out: Path, warmup: int, steps: int, global_batch: int,
-             extra: list[str], mem_limit: int | None) -> Cell:
+def run_cell(
+    config: str,
+    cell: Cell,
+    out: Path,
+    warmup: int,
+    steps: int,
+    global_batch: int,
+    extra: list[str],
+    mem_limit: int | None,
+) -> Cell:
     cmd = _cell_command(config, cell, out, warmup + steps, global_batch, extra)
 
     def cap() -> None:
@@ -155,8 +179,11 @@ def run_cell(config: str, cell: Cell, out: Path, warmup: int, steps: int, global
         cell.peak_allocated_bytes = max(r["peak_allocated_bytes"] for r in measured)
         cell.peak_reserved_bytes = max(r["peak_reserved_bytes"] for r in measured)
         at_peak = [r["fragmentation_at_peak"] for r in records if r["kind"] == "step" and "fragmentation_at_peak" in r]
-        cell.fragmentation_ratio = at_peak[0] if at_peak else max(
-            (r["fragmentation_ratio"] for r in measured if "fragmentation_ratio" in r), default=None)
+        cell.fragmentation_ratio = (
+            at_peak[0]
+            if at_peak
+            else max((r["fragmentation_ratio"] for r in measured if "fragmentation_ratio" in r), default=None)
+        )
     else:
         cell.peak_rss_bytes = max(r["peak_rss_bytes"] for r in measured)
     cell.predicted_peak_bytes = summary.get("predicted_peak_bytes")
@@ -165,7 +192,11 @@ def run_cell(config: str, cell: Cell, out: Path, warmup: int, steps: int, global
     reference = cell.peak_allocated_bytes or cell.profiled_peak_bytes
     if cell.predicted_peak_bytes and reference:
         cell.prediction_error_pct = 100 * (cell.predicted_peak_bytes - reference) / reference
-    cell.params_bytes, cell.grads_bytes, cell.optimizer_bytes = (summary["params_bytes"], summary["grads_bytes"], summary["optimizer_bytes"])
+    cell.params_bytes, cell.grads_bytes, cell.optimizer_bytes = (
+        summary["params_bytes"],
+        summary["grads_bytes"],
+        summary["optimizer_bytes"],
+    )
     return cell
 
 
@@ -188,23 +219,49 @@ def _fmt_gib(n: int | None) -> str:
 
 
 def rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
-    header = ["cell", "status", "ranks x mb x acc", "peak GiB", "reserved GiB", "modelled reserved GiB", "frag",
-              "inspected step peak GiB",
-              "predicted GiB", "error %", "step s (median)",
-              "spread s", "tokens/s", "loss", "note"]
+    header = [
+        "cell",
+        "status",
+        "ranks x mb x acc",
+        "peak GiB",
+        "reserved GiB",
+        "modelled reserved GiB",
+        "frag",
+        "inspected step peak GiB",
+        "predicted GiB",
+        "error %",
+        "step s (median)",
+        "spread s",
+        "tokens/s",
+        "loss",
+        "note",
+    ]
     body = []
     for c in cells:
-        note = c.loss_flag or (f"OOM asking for {c.oom_request_bytes / GIB:.2f} GiB" if c.status == "oom" and c.oom_request_bytes else c.message)
-        body.append([
-            c.name, c.status, f"{c.nproc}x{c.strategy.micro_batch_size}x{c.strategy.grad_accum_steps}", _fmt_gib(c.peak_bytes), _fmt_gib(c.peak_reserved_bytes),
-            _fmt_gib(c.modelled_reserved_bytes),
-            "" if c.fragmentation_ratio is None else f"{c.fragmentation_ratio:.3f}",
-            _fmt_gib(c.profiled_peak_bytes),
-            _fmt_gib(c.predicted_peak_bytes), "" if c.prediction_error_pct is None else f"{c.prediction_error_pct:+.1f}",
-            "" if c.median_step_time_s is None else f"{c.median_step_time_s:.3f}",
-            "" if c.step_time_spread_s is None else f"{c.step_time_spread_s:.3f}",
-            "" if c.tokens_per_s is None else f"{c.tokens_per_s:.0f}", "" if c.loss is None else f"{c.loss:.5f}", note,
-        ])
+        note = c.loss_flag or (
+            f"OOM asking for {c.oom_request_bytes / GIB:.2f} GiB"
+            if c.status == "oom" and c.oom_request_bytes
+            else c.message
+        )
+        body.append(
+            [
+                c.name,
+                c.status,
+                f"{c.nproc}x{c.strategy.micro_batch_size}x{c.strategy.grad_accum_steps}",
+                _fmt_gib(c.peak_bytes),
+                _fmt_gib(c.peak_reserved_bytes),
+                _fmt_gib(c.modelled_reserved_bytes),
+                "" if c.fragmentation_ratio is None else f"{c.fragmentation_ratio:.3f}",
+                _fmt_gib(c.profiled_peak_bytes),
+                _fmt_gib(c.predicted_peak_bytes),
+                "" if c.prediction_error_pct is None else f"{c.prediction_error_pct:+.1f}",
+                "" if c.median_step_time_s is None else f"{c.median_step_time_s:.3f}",
+                "" if c.step_time_spread_s is None else f"{c.step_time_spread_s:.3f}",
+                "" if c.tokens_per_s is None else f"{c.tokens_per_s:.0f}",
+                "" if c.loss is None else f"{c.loss:.5f}",
+                note,
+            ]
+        )
     return header, body
 
 
@@ -235,5 +292,10 @@ def write_progress(cells: list[Cell], out: Path) -> None:
 
 
 def cells_summary(cells: list[Cell]) -> dict[str, Any]:
-    return {"cells": len(cells), "ok": sum(c.status == "ok" for c in cells), "oom": sum(c.status == "oom" for c in cells),
-            "failed": sum(c.status == "failed" for c in cells), "loss_flags": sum(bool(c.loss_flag) for c in cells)}
+    return {
+        "cells": len(cells),
+        "ok": sum(c.status == "ok" for c in cells),
+        "oom": sum(c.status == "oom" for c in cells),
+        "failed": sum(c.status == "failed" for c in cells),
+        "loss_flags": sum(bool(c.loss_flag) for c in cells),
+    }

@@ -51,8 +51,7 @@ class TrainDisplay:
         mem = rec.get("peak_allocated_bytes", rec.get("peak_rss_bytes", 0)) / GIB
         label = "alloc" if "peak_allocated_bytes" in rec else "rss"
         status = (
-            f"loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s']:.0f} tok/s  "
-            f"peak {label} {mem:.2f} GiB"
+            f"loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['tokens_per_s']:.0f} tok/s  peak {label} {mem:.2f} GiB"
         )
         if "fragmentation_ratio" in rec:
             status += f"  frag {rec['fragmentation_ratio']:.2f}"
@@ -111,8 +110,10 @@ def summary_tables(
     if readings:
         worst = max(readings, key=lambda r: r["fragmentation_ratio"])
         summary["max_fragmentation_ratio"] = worst["fragmentation_ratio"]
-        run.add_row(f"fragmentation ratio, highest of {len(readings)} readings",
-                    f"{worst['fragmentation_ratio']:.3f} (step {worst['step']})")
+        run.add_row(
+            f"fragmentation ratio, highest of {len(readings)} readings",
+            f"{worst['fragmentation_ratio']:.3f} (step {worst['step']})",
+        )
     traced = [r for r in steps if "fragmentation_at_peak" in r]
     if traced:
         summary["fragmentation_at_peak"] = traced[-1]["fragmentation_at_peak"]
@@ -129,48 +130,73 @@ def summary_tables(
     if peaks:
         peak_alloc = max(r["peak_allocated_bytes"] for r in peaks)
         peak_res = max(r["peak_reserved_bytes"] for r in peaks)
-        summary.update(peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
-                       alloc_retries=peaks[-1]["alloc_retries"])
-        mem.add_row("activations + temporaries", f"{max(0, peak_alloc - states.total_bytes) / GIB:.3f}",
-                    "peak allocated − model states")
+        summary.update(
+            peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res, alloc_retries=peaks[-1]["alloc_retries"]
+        )
+        mem.add_row(
+            "activations + temporaries",
+            f"{max(0, peak_alloc - states.total_bytes) / GIB:.3f}",
+            "peak allocated − model states",
+        )
         mem.add_row("peak allocated", f"{peak_alloc / GIB:.3f}", "torch.cuda.memory_stats")
         if predicted_peak_bytes is not None:
-            mem.add_row("planner's predicted peak", f"{predicted_peak_bytes / GIB:.3f}",
-                        f"fake-tensor trace ({100 * (predicted_peak_bytes - peak_alloc) / max(1, peak_alloc):+.1f}% vs allocated)")
+            mem.add_row(
+                "planner's predicted peak",
+                f"{predicted_peak_bytes / GIB:.3f}",
+                "fake-tensor trace "
+                f"({100 * (predicted_peak_bytes - peak_alloc) / max(1, peak_alloc):+.1f}% vs allocated)",
+            )
         mem.add_row("peak reserved", f"{peak_res / GIB:.3f}", "torch.cuda.memory_stats")
         if modelled_reserved_bytes is not None:
             summary["modelled_peak_reserved_bytes"] = modelled_reserved_bytes
-            mem.add_row("allocator model's peak reserved", f"{modelled_reserved_bytes / GIB:.3f}",
-                        f"planned first two steps replayed ({100 * (modelled_reserved_bytes - peak_res) / max(1, peak_res):+.1f}% vs reserved)")
-        mem.add_row("reserved − allocated (at peak)", f"{(peak_res - peak_alloc) / GIB:.3f}", "cache the allocator holds")
+            mem.add_row(
+                "allocator model's peak reserved",
+                f"{modelled_reserved_bytes / GIB:.3f}",
+                "planned first two steps replayed "
+                f"({100 * (modelled_reserved_bytes - peak_res) / max(1, peak_res):+.1f}% vs reserved)",
+            )
+        mem.add_row(
+            "reserved − allocated (at peak)", f"{(peak_res - peak_alloc) / GIB:.3f}", "cache the allocator holds"
+        )
     elif steps:
         peak_rss = max(r["peak_rss_bytes"] for r in steps)
         other = max(0, peak_rss - baseline_rss_bytes - states.total_bytes)
         summary.update(peak_rss_bytes=peak_rss, baseline_rss_bytes=baseline_rss_bytes)
-        mem.add_row("activations, temporaries, heap slack", f"{other / GIB:.3f}",
-                    "peak step RSS − RSS before model load − model states")
+        mem.add_row(
+            "activations, temporaries, heap slack",
+            f"{other / GIB:.3f}",
+            "peak step RSS − RSS before model load − model states",
+        )
         mem.add_row("RSS before model load", f"{baseline_rss_bytes / GIB:.3f}", "runtime, libraries, data")
         mem.add_row("peak RSS during steps", f"{peak_rss / GIB:.3f}", "VmHWM, reset before each step")
         if predicted_peak_bytes is not None:
-            mem.add_row("planner's predicted tensor peak", f"{predicted_peak_bytes / GIB:.3f}",
-                        "fake-tensor trace of this step (tensors only, no runtime)")
+            mem.add_row(
+                "planner's predicted tensor peak",
+                f"{predicted_peak_bytes / GIB:.3f}",
+                "fake-tensor trace of this step (tensors only, no runtime)",
+            )
     profiled = [r for r in steps if "profiled_peak_bytes" in r]
     if profiled:
         rec = profiled[-1]
         summary.update(profiled_peak_bytes=rec["profiled_peak_bytes"], profiled_step=rec["step"])
         ranks = rec.get("rank_profiled_peak_bytes")
-        how = f"{rec.get('profiled_with', 'torch.profiler')}, step {rec['step']}" + (f", worst of {len(ranks)} ranks" if ranks else "")
+        how = f"{rec.get('profiled_with', 'torch.profiler')}, step {rec['step']}" + (
+            f", worst of {len(ranks)} ranks" if ranks else ""
+        )
         if predicted_peak_bytes is not None:
-            how += f"; planner {100 * (predicted_peak_bytes - rec['profiled_peak_bytes']) / rec['profiled_peak_bytes']:+.1f}%"
+            profiled = rec["profiled_peak_bytes"]
+            how += f"; planner {100 * (predicted_peak_bytes - profiled) / profiled:+.1f}%"
         mem.add_row("measured tensor peak", f"{rec['profiled_peak_bytes'] / GIB:.3f}", how)
     rank_peaks = _rank_peaks(steps)
     if rank_peaks:
         key, values = rank_peaks
         summary["rank_peak_bytes"] = values
         summary[f"{key}_min_rank"] = min(values)
-        mem.add_row(f"{key.replace('_bytes', '').replace('_', ' ')} per rank, max / min",
-                    f"{max(values) / GIB:.3f} / {min(values) / GIB:.3f}",
-                    f"ranks 0..{len(values) - 1}: " + ", ".join(f"{v / GIB:.3f}" for v in values))
+        mem.add_row(
+            f"{key.replace('_bytes', '').replace('_', ' ')} per rank, max / min",
+            f"{max(values) / GIB:.3f} / {min(values) / GIB:.3f}",
+            f"ranks 0..{len(values) - 1}: " + ", ".join(f"{v / GIB:.3f}" for v in values),
+        )
     if predicted_peak_bytes is not None:
         summary["predicted_peak_bytes"] = predicted_peak_bytes
     return run, mem, summary

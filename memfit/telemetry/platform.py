@@ -32,12 +32,19 @@ def devices(hip: str | None) -> list[dict[str, Any]]:
         return out
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        out.append({
-            "index": i, "name": p.name, "memory_bytes": p.total_memory,
-            "arch": getattr(p, "gcnArchName", "") if hip else f"sm_{p.major}{p.minor}",
-            "bf16": torch.cuda.is_bf16_supported(including_emulation=False) if i == torch.cuda.current_device() else None,
-            "fp16": True, "tf32": _tf32(p, hip),
-        })
+        out.append(
+            {
+                "index": i,
+                "name": p.name,
+                "memory_bytes": p.total_memory,
+                "arch": getattr(p, "gcnArchName", "") if hip else f"sm_{p.major}{p.minor}",
+                "bf16": torch.cuda.is_bf16_supported(including_emulation=False)
+                if i == torch.cuda.current_device()
+                else None,
+                "fp16": True,
+                "tf32": _tf32(p, hip),
+            }
+        )
     return out
 
 
@@ -65,24 +72,39 @@ def report(env: dict[str, str] | None = None, hip: Any = _THIS_BUILD, cuda: Any 
         if var == "PYTORCH_HIP_ALLOC_CONF" and not hip:
             warnings.append(f"{var} is set but this is not a ROCm build: it is not read; use PYTORCH_CUDA_ALLOC_CONF")
         conf = alloc_conf.check(env[var], hip)
-        allocator[var] = {"value": env[var], "settings": conf.settings, "errors": conf.errors, "warnings": conf.warnings}
+        allocator[var] = {
+            "value": env[var],
+            "settings": conf.settings,
+            "errors": conf.errors,
+            "warnings": conf.warnings,
+        }
         problems += [f"{var}: {e}" for e in conf.errors]
         warnings += [f"{var}: {w}" for w in conf.warnings]
     shadowed = [v for v in alloc_conf.ENV_VARS[1:] if v in env and "PYTORCH_ALLOC_CONF" in env]
     if shadowed:
-        warnings.append(f"{' and '.join(shadowed)} not read: PYTORCH_ALLOC_CONF is set and PyTorch reads only it; "
-                        "put every allocator setting there")
+        warnings.append(
+            f"{' and '.join(shadowed)} not read: PYTORCH_ALLOC_CONF is set and PyTorch reads only it; "
+            "put every allocator setting there"
+        )
     if allocator and not torch.cuda.is_available():
         warnings.append("allocator settings are set but there is no GPU: they have no effect on CPU")
     for knob, real in alloc_conf.INVENTED_KNOBS.items():
         if knob in env:
             warnings.append(f"{knob} is set: {real}")
     return {
-        "torch": torch.__version__, "build": build, "hip": hip, "cuda": cuda if not hip else None,
-        "python": platform.python_version(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "build": build,
+        "hip": hip,
+        "cuda": cuda if not hip else None,
+        "python": platform.python_version(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "devices": devices(hip),
-        "collectives": {"nccl" if not hip else "rccl (nccl)": torch.distributed.is_nccl_available(),
-                        "gloo": torch.distributed.is_gloo_available()},
+        "collectives": {
+            "nccl" if not hip else "rccl (nccl)": torch.distributed.is_nccl_available(),
+            "gloo": torch.distributed.is_gloo_available(),
+        },
         "extras": {name: importlib.util.find_spec(mod) is not None for name, mod in EXTRAS.items()},
-        "allocator": allocator, "warnings": warnings, "problems": problems,
+        "allocator": allocator,
+        "warnings": warnings,
+        "problems": problems,
     }

@@ -24,18 +24,33 @@ def segment_map(report: FragReport, path: Path, when: str = "", max_segments: in
     fig, ax = plt.subplots(figsize=(11, 0.28 * len(segs) + 1.8))
     for row, s in enumerate(segs):
         for offset, size, state in s.blocks:
-            ax.barh(row, size / MIB, left=offset / MIB, height=0.8, color=COLORS.get(state, "#999999"),
-                    edgecolor="white", linewidth=0.3)
+            ax.barh(
+                row,
+                size / MIB,
+                left=offset / MIB,
+                height=0.8,
+                color=COLORS.get(state, "#999999"),
+                edgecolor="white",
+                linewidth=0.3,
+            )
     ax.set_yticks(range(len(segs)), [f"{s.segment_type} {s.total_bytes / MIB:.0f} MiB" for s in segs], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("offset in segment (MiB)")
-    shown = f"{len(segs)} of {len(report.segments)} segments" if len(report.segments) > len(segs) else f"{len(segs)} segments"
+    shown = (
+        f"{len(segs)} of {len(report.segments)} segments"
+        if len(report.segments) > len(segs)
+        else f"{len(segs)} segments"
+    )
     ax.set_title(
-        f"device {report.device}{' ' + when if when else ''}: reserved {report.reserved_bytes / GIB:.2f} GiB, allocated {report.allocated_bytes / GIB:.2f} GiB, "
-        f"largest free block {report.largest_free_bytes / MIB:.0f} MiB, fragmentation {report.fragmentation_ratio:.2f} ({shown})",
+        f"device {report.device}{' ' + when if when else ''}: reserved {report.reserved_bytes / GIB:.2f} "
+        f"GiB, allocated {report.allocated_bytes / GIB:.2f} GiB, "
+        f"largest free block {report.largest_free_bytes / MIB:.0f} MiB, fragmentation "
+        f"{report.fragmentation_ratio:.2f} ({shown})",
         fontsize=9,
     )
-    ax.legend(handles=[Patch(color=c, label=s.replace("_", " ")) for s, c in COLORS.items()], loc="lower right", fontsize=8)
+    ax.legend(
+        handles=[Patch(color=c, label=s.replace("_", " ")) for s, c in COLORS.items()], loc="lower right", fontsize=8
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -52,14 +67,27 @@ def memory_timeline(points: list[TimelinePoint], path: Path, title: str, peak: M
     ax.set_xlabel("time since first trace entry (s)" if timed else "allocator event")
     ax.step(x, [p.reserved_bytes / GIB for p in points], where="post", label="reserved", color="#c0392b")
     ax.step(x, [p.allocated_bytes / GIB for p in points], where="post", label="allocated", color="#3b6fb6")
-    ax.fill_between(x, [p.allocated_bytes / GIB for p in points], [p.reserved_bytes / GIB for p in points],
-                    step="post", color="#c0392b", alpha=0.15, label="reserved − allocated (cached)")
+    ax.fill_between(
+        x,
+        [p.allocated_bytes / GIB for p in points],
+        [p.reserved_bytes / GIB for p in points],
+        step="post",
+        color="#c0392b",
+        alpha=0.15,
+        label="reserved − allocated (cached)",
+    )
     if peak is not None:
         at = x[peak.index]
         ax.axvline(at, color="#555555", linestyle="--", linewidth=0.8)
-        ax.annotate(f"peak allocated {peak.report.allocated_bytes / GIB:.2f} GiB\n"
-                    f"fragmentation {peak.report.fragmentation_ratio:.2f}, largest free {peak.report.largest_free_bytes / MIB:.0f} MiB",
-                    (at, peak.report.allocated_bytes / GIB), xytext=(6, -28), textcoords="offset points", fontsize=8)
+        ax.annotate(
+            f"peak allocated {peak.report.allocated_bytes / GIB:.2f} GiB\n"
+            f"fragmentation {peak.report.fragmentation_ratio:.2f}, largest free "
+            f"{peak.report.largest_free_bytes / MIB:.0f} MiB",
+            (at, peak.report.allocated_bytes / GIB),
+            xytext=(6, -28),
+            textcoords="offset points",
+            fontsize=8,
+        )
     ax.set_ylabel("GiB")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
@@ -78,13 +106,22 @@ def whatif_timeline(replays, path: Path, title: str, capacity_bytes: int | None 
         if not r.series:
             continue
         x = [p.index for p in r.series]
-        line, = ax.step(x, [p.reserved_bytes / GIB for p in r.series], where="post", label=r.settings.label(), linewidth=1.1)
+        (line,) = ax.step(
+            x, [p.reserved_bytes / GIB for p in r.series], where="post", label=r.settings.label(), linewidth=1.1
+        )
         if r.oom:
             ax.plot(x[-1], r.series[-1].reserved_bytes / GIB, "x", color=line.get_color(), markersize=9)
     base = replays[0]
     if base.series:
-        ax.step([p.index for p in base.series], [p.allocated_bytes / GIB for p in base.series], where="post",
-                color="#555555", linestyle="--", linewidth=0.9, label="allocated (defaults)")
+        ax.step(
+            [p.index for p in base.series],
+            [p.allocated_bytes / GIB for p in base.series],
+            where="post",
+            color="#555555",
+            linestyle="--",
+            linewidth=0.9,
+            label="allocated (defaults)",
+        )
     if capacity_bytes:
         ax.axhline(capacity_bytes / GIB, color="#c0392b", linewidth=0.8, linestyle=":", label="capacity")
     ax.set_xlabel("trace entry")
@@ -118,10 +155,18 @@ def bench_memory(cells, path: Path, title: str) -> Path:
     ax.set_xticks(range(len(cells)), names, rotation=35, ha="right", fontsize=7)
     ax.set_ylabel("GiB at the step peak")
     ax.set_title(textwrap.fill(title, 70), fontsize=8)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), handles=[Patch(color="#3b6fb6", label="parameters"), Patch(color="#e59b2e", label="gradients"),
-                       Patch(color="#7d3c98", label="optimizer state"),
-                       Patch(color="#95a5a6", label="activations, temporaries (and runtime on CPU)"),
-                       plt.Line2D([0], [0], color="black", label="planner prediction (tensors)")], fontsize=7)
+    ax.legend(
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        handles=[
+            Patch(color="#3b6fb6", label="parameters"),
+            Patch(color="#e59b2e", label="gradients"),
+            Patch(color="#7d3c98", label="optimizer state"),
+            Patch(color="#95a5a6", label="activations, temporaries (and runtime on CPU)"),
+            plt.Line2D([0], [0], color="black", label="planner prediction (tensors)"),
+        ],
+        fontsize=7,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")  # rotated cell names and the outside legend stay whole
     plt.close(fig)
@@ -141,7 +186,9 @@ def bench_pareto(cells, path: Path, title: str) -> Path:
             front.append(c)
             best = c.tokens_per_s
     if front:
-        ax.plot([c.peak_bytes / GIB for c in front], [c.tokens_per_s for c in front], color="#c0392b", label="Pareto front")
+        ax.plot(
+            [c.peak_bytes / GIB for c in front], [c.tokens_per_s for c in front], color="#c0392b", label="Pareto front"
+        )
         ax.legend(fontsize=8)
     ax.set_xlabel("peak memory (GiB)")
     ax.set_ylabel("tokens/s")

@@ -55,8 +55,11 @@ def allocation_events(prof, device_type: str) -> list[tuple[int, int, int]]:
     """(time ns, address, +bytes | -bytes) of every allocation and release on ``device_type``."""
     from torch._C._profiler import _EventType
 
-    out = [(ev.start_time_ns, ev.extra_fields.ptr, ev.extra_fields.alloc_size) for ev in all_events(prof)
-           if ev.tag == _EventType.Allocation and ev.extra_fields.device.type == device_type]
+    out = [
+        (ev.start_time_ns, ev.extra_fields.ptr, ev.extra_fields.alloc_size)
+        for ev in all_events(prof)
+        if ev.tag == _EventType.Allocation and ev.extra_fields.device.type == device_type
+    ]
     out.sort(key=lambda e: e[0])
     return out
 
@@ -70,7 +73,9 @@ class Block:
     saved: bool = False  # autograd saved it for backward while it was live
 
 
-def live_blocks(events: list[tuple[int, int, int]], saved: Iterable[tuple[int, int]] = ()) -> tuple[list[Block], list[Block]]:
+def live_blocks(
+    events: list[tuple[int, int, int]], saved: Iterable[tuple[int, int]] = ()
+) -> tuple[list[Block], list[Block]]:
     """Replay ``events`` (and saved-tensor markers) in time order: every block allocated, in order,
     and the blocks live at the (first) peak. A block counts from its allocation to its release, or
     to the next allocation at its address (whose release the profiler did not see)."""

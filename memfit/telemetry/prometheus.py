@@ -22,8 +22,10 @@ TRAINER_METRICS = {
     "peak_active_bytes": ("memfit_active_bytes", "peak active bytes (allocated + awaiting free) in the last step"),
     "fragmentation_ratio": ("memfit_fragmentation_ratio", "1 - largest free block / external free"),
     "largest_free_block_bytes": ("memfit_largest_free_block_bytes", "largest inactive block"),
-    "fragmentation_at_peak": ("memfit_fragmentation_at_peak_ratio",
-                              "fragmentation at the peak of the step whose allocator trace was recorded (train.snapshot_at_step)"),
+    "fragmentation_at_peak": (
+        "memfit_fragmentation_at_peak_ratio",
+        "fragmentation at the peak of the step whose allocator trace was recorded (train.snapshot_at_step)",
+    ),
     "alloc_retries": ("memfit_alloc_retries", "allocations that needed the cache freed first (cumulative)"),
     "ooms": ("memfit_ooms", "out-of-memory errors raised by the allocator (cumulative)"),
     "step_time_s": ("memfit_step_time_seconds", "wall time of the last optimizer step"),
@@ -109,7 +111,9 @@ class DeviceMemoryCollector:
                     h = pynvml.nvmlDeviceGetHandleByIndex(i)
                     info = pynvml.nvmlDeviceGetMemoryInfo(h)
                     name = pynvml.nvmlDeviceGetName(h)
-                    out.append((str(i), name.decode() if isinstance(name, bytes) else name, int(info.total), int(info.used)))
+                    out.append(
+                        (str(i), name.decode() if isinstance(name, bytes) else name, int(info.total), int(info.used))
+                    )
                 return out
             finally:
                 pynvml.nvmlShutdown()
@@ -125,8 +129,14 @@ class DeviceMemoryCollector:
         return [("host", "host-memory", info["MemTotal"], info["MemTotal"] - info["MemAvailable"])]
 
     def collect(self):
-        total = GaugeMetricFamily("memfit_device_memory_total_bytes", "device memory capacity", labels=["device", "name", "source"])
-        used = GaugeMetricFamily("memfit_device_memory_used_bytes", "device memory in use (all processes)", labels=["device", "name", "source"])
+        total = GaugeMetricFamily(
+            "memfit_device_memory_total_bytes", "device memory capacity", labels=["device", "name", "source"]
+        )
+        used = GaugeMetricFamily(
+            "memfit_device_memory_used_bytes",
+            "device memory in use (all processes)",
+            labels=["device", "name", "source"],
+        )
         for dev, name, t, u in self._devices():
             total.add_metric([dev, name, self.backend], t)
             used.add_metric([dev, name, self.backend], u)

@@ -59,7 +59,8 @@ def memory_record(device: torch.device) -> dict[str, int]:
         "peak_active_bytes": s.get("active_bytes.all.peak", 0),
         "allocated_bytes": s.get("allocated_bytes.all.current", 0),
         "reserved_bytes": s.get("reserved_bytes.all.current", 0),
-        "reserved_minus_allocated_bytes": s.get("reserved_bytes.all.current", 0) - s.get("allocated_bytes.all.current", 0),
+        "reserved_minus_allocated_bytes": s.get("reserved_bytes.all.current", 0)
+        - s.get("allocated_bytes.all.current", 0),
         "alloc_retries": s.get("num_alloc_retries", 0),
         "ooms": s.get("num_ooms", 0),
     }

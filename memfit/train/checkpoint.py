@@ -161,7 +161,10 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, device: torch.devic
     params = {clean_name(n): p for n, p in model.named_parameters() if p.requires_grad}
     missing = set(params) - set(tensors)
     if missing:
-        raise UserError(f"checkpoint {path} lacks {len(missing)} trainable tensors (e.g. {sorted(missing)[0]}); it belongs to another configuration")
+        raise UserError(
+            f"checkpoint {path} lacks {len(missing)} trainable tensors (e.g. {sorted(missing)[0]}); it "
+            "belongs to another configuration"
+        )
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(tensors[name])

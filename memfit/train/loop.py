@@ -117,8 +117,9 @@ class Trainer:
         self.kind = engine_name(ctx, d.engine, d.zero_stage)
         self.accum = grad_accum_steps(cfg, ctx.world_size)
         self.precision = resolve_precision(cfg.strategy.precision, self.device)
-        self.strategy = run_strategy(cfg, self.precision.name, resolve_implementation(cfg.optimizer.implementation,
-                                                                                      self.device), ctx.world_size)
+        self.strategy = run_strategy(
+            cfg, self.precision.name, resolve_implementation(cfg.optimizer.implementation, self.device), ctx.world_size
+        )
         self.run, self.resume_from = on_main(ctx, lambda: prepare_run_dir(cfg))
 
         # may convert the embedded GGUF (with its progress bar): rank 0 first, the others then hit the cache
@@ -142,8 +143,10 @@ class Trainer:
                     f"{mconf.vocab_size} embeddings; use a checkpoint directory with its own tokenizer"
                 )
             dataset = dataset.folded(mconf.vocab_size)  # random weights: only shapes matter
-            self.notes.append(f"random preset with {mconf.vocab_size} embeddings: the {len(self.tokenizer)}-token "
-                              f"tokenizer's ids are folded into them (id mod {mconf.vocab_size})")
+            self.notes.append(
+                f"random preset with {mconf.vocab_size} embeddings: the {len(self.tokenizer)}-token "
+                f"tokenizer's ids are folded into them (id mod {mconf.vocab_size})"
+            )
         self.source, self.mconf = source, mconf
         train_ds, eval_ds = split(dataset, cfg.data.eval_fraction)
         self.train_ds, self.eval = train_ds, eval_batches(eval_ds, t.micro_batch_size, t.eval_batches)
@@ -162,8 +165,15 @@ class Trainer:
                 self.notes.append(f"planner failed ({type(e).__name__}: {e}); running without the fit check")
         self.baseline_rss_bytes = process_rss_bytes()
         self.notes += apply_device_limits(cfg.allocator, self.device)
-        self.watch = AllocatorWatch(self.device, self.run.root, ctx.rank, ctx.world_size, t.frag_every,
-                                    t.record_memory_history, t.snapshot_at_step)
+        self.watch = AllocatorWatch(
+            self.device,
+            self.run.root,
+            ctx.rank,
+            ctx.world_size,
+            t.frag_every,
+            t.record_memory_history,
+            t.snapshot_at_step,
+        )
         self.watch.start()  # before the weights arrive: a whole-run trace
         if not self.watch.on and (t.record_memory_history or t.snapshot_at_step is not None):
             self.notes.append("train.record_memory_history / snapshot_at_step apply to CUDA/ROCm devices only")
@@ -180,8 +190,17 @@ class Trainer:
                 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
                 self.scaler = ShardedGradScaler() if self.kind == "fsdp2" else torch.amp.GradScaler(self.device.type)
-            self.runner = StepRunner(self.par.model, self.par.params, self.par.optimizer, self.par.precision,
-                                     self.device, cfg.optimizer.grad_clip, self.scaler, ctx, self.par.grad_sync)
+            self.runner = StepRunner(
+                self.par.model,
+                self.par.params,
+                self.par.optimizer,
+                self.par.precision,
+                self.device,
+                cfg.optimizer.grad_clip,
+                self.scaler,
+                ctx,
+                self.par.grad_sync,
+            )
         self.runner: StepEngine
         self.model, self.optimizer, self.params = self.par.module, self.par.optimizer, self.par.params
         self.scheduler = build_scheduler(self.optimizer, t.max_steps, cfg.optimizer)
@@ -198,14 +217,21 @@ class Trainer:
 
     def _deepspeed(self, model):
 
-        ds_config = reconcile(resolve_ds_path(self.cfg.distributed.deepspeed_config), self.cfg, self.precision,
-                              self.ctx.world_size, self.accum)
+        ds_config = reconcile(
+            resolve_ds_path(self.cfg.distributed.deepspeed_config),
+            self.cfg,
+            self.precision,
+            self.ctx.world_size,
+            self.accum,
+        )
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, self.cfg.optimizer, self.device)
         engine = initialize(model, optimizer, ds_config)
         self.scaler = None
         no_autocast = Precision(self.precision.name, self.precision.param_dtype, None, False)
-        return Parallel("deepspeed", engine, engine.module, optimizer, params, no_autocast), DeepSpeedRunner(engine, self.ctx, self.device)
+        return Parallel("deepspeed", engine, engine.module, optimizer, params, no_autocast), DeepSpeedRunner(
+            engine, self.ctx, self.device
+        )
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
         """One optimizer step; returns (mean token loss, gradient norm before clipping)."""
@@ -223,8 +249,9 @@ class Trainer:
         sharding = None
         if self.ctx.distributed:
             engine = "deepspeed" if self.kind == "deepspeed" else "fsdp2"
-            sharding = ShardingSpec.for_model(cfg.distributed.zero_stage, self.ctx.world_size, engine, mconf,
-                                              cfg.lora.enabled)
+            sharding = ShardingSpec.for_model(
+                cfg.distributed.zero_stage, self.ctx.world_size, engine, mconf, cfg.lora.enabled
+            )
         step = predict_run(mconf, cfg.data.seq_len, self.strategy, lora, on_gpu=gpu, sharding=sharding)
         if gpu:
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -263,7 +290,6 @@ class Trainer:
     def _shard_io(self):
         """The engine's collective (writer, reader) of a multi-rank checkpoint."""
         if self.kind == "deepspeed":
-
             return ds_writer(self.par.model), ds_reader(self.par.model)
         return dcp_writer(self.ctx, self.par), dcp_reader(self.ctx, self.par)
 
@@ -307,8 +333,10 @@ class Trainer:
                 buckets, DeepSpeed's flat buffers are allocated at start-up and not visible to it).
         """
         if self.kind not in ("single", "fsdp2"):
-            raise UserError(f"train.profile_step: engine {self.kind} keeps buffers the profiler cannot see "
-                            "(allocated before the step); use it with one process or distributed.zero_stage 2/3")
+            raise UserError(
+                f"train.profile_step: engine {self.kind} keeps buffers the profiler cannot see "
+                "(allocated before the step); use it with one process or distributed.zero_stage 2/3"
+            )
         box: list[tuple[float, float]] = []
         if self.device.type == "cuda":
             # torch.profiler drops the releases made on the autograd engine's device thread (3,083 of
@@ -327,8 +355,11 @@ class Trainer:
             peak = profiled_peak_bytes(lambda: box.append(self.train_step(batches)), live, "CPU")
             how = "torch.profiler"
         per_rank = [int(r[0]) for r in self.ctx.gather_numbers([float(peak)])]
-        out: dict[str, Any] = {"profiled_peak_bytes": max(per_rank), "rank_profiled_peak_bytes": per_rank,
-                               "profiled_with": how}
+        out: dict[str, Any] = {
+            "profiled_peak_bytes": max(per_rank),
+            "rank_profiled_peak_bytes": per_rank,
+            "profiled_with": how,
+        }
         if self.predicted is not None:
             out["predicted_peak_bytes"] = self.predicted.peak_bytes
         return box[0], out
@@ -360,8 +391,9 @@ class Trainer:
         try:
             self.metrics_port = self.metrics.serve(port, t.metrics_host)
         except OSError as e:
-            raise UserError(f"train.metrics_port {port}: cannot listen on {t.metrics_host} ({e.strerror}); "
-                            "pick a free port or 0") from None
+            raise UserError(
+                f"train.metrics_port {port}: cannot listen on {t.metrics_host} ({e.strerror}); pick a free port or 0"
+            ) from None
         where = f"rank {self.ctx.rank} " if self.ctx.distributed else ""
         display.log(f"metrics: {where}http://{t.metrics_host}:{self.metrics_port}/metrics", everywhere=True)
 
@@ -385,17 +417,22 @@ class Trainer:
             f"memfit train: {cfg.model.source} on {label}{ranks}, "
             f"{'LoRA r=' + str(cfg.lora.rank) if cfg.lora.enabled else 'full fine-tune'}, "
             f"AdamW {self.strategy.optimizer}, "
-            f"{len(self.train_ds)} train / {sum(len(b[0]) for b in self.eval)} eval sequences of {cfg.data.seq_len} tokens, "
+            f"{len(self.train_ds)} train / {sum(len(b[0]) for b in self.eval)} eval sequences of "
+            f"{cfg.data.seq_len} tokens, "
             f"global batch {ctx.world_size * t.micro_batch_size * self.accum}"
         )
         if self.resume_from:
             display.log(f"resuming from {self.resume_from.name}")
         if self.predicted is not None:
-            display.log(f"planner: predicted step peak {self.predicted.peak_bytes / GIB:.3f} GiB of tensors "
-                        f"{'per rank ' if ctx.distributed else ''}(in {self.predicted.peak_phase})")
+            display.log(
+                f"planner: predicted step peak {self.predicted.peak_bytes / GIB:.3f} GiB of tensors "
+                f"{'per rank ' if ctx.distributed else ''}(in {self.predicted.peak_phase})"
+            )
         if self.replayed is not None:
-            display.log(f"allocator model: peak reserved {self.replayed.peak_reserved_bytes / GIB:.3f} GiB under "
-                        f"{self.replayed.settings.label()} settings (the planned first two steps replayed)")
+            display.log(
+                f"allocator model: peak reserved {self.replayed.peak_reserved_bytes / GIB:.3f} GiB under "
+                f"{self.replayed.settings.label()} settings (the planned first two steps replayed)"
+            )
         for note in self.notes:
             display.log(f"note: {note}")
         self._start_metrics(display)
@@ -406,8 +443,18 @@ class Trainer:
             result.evals.append(rec)
             display.log(f"step {step:>5}  eval loss {rec['eval_loss']:.4f}")
 
-        loader = iter(train_loader(self.train_ds, cfg.data, t.micro_batch_size, t.seed, state.micro_batches,
-                                   self.device, ctx.rank, ctx.world_size))
+        loader = iter(
+            train_loader(
+                self.train_ds,
+                cfg.data,
+                t.micro_batch_size,
+                t.seed,
+                state.micro_batches,
+                self.device,
+                ctx.rank,
+                ctx.world_size,
+            )
+        )
         states_at_step = None
         self.par.model.train()
         try:
@@ -441,9 +488,15 @@ class Trainer:
                         engine=self.kind,
                     )
                     rec = {
-                        "kind": "step", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                        "step_time_s": step_time_s, "tokens_per_s": n_in / step_time_s,
-                        "tokens_seen": state.tokens_seen, **self._memory(),
+                        "kind": "step",
+                        "step": step,
+                        "loss": loss,
+                        "lr": lr,
+                        "grad_norm": grad_norm,
+                        "step_time_s": step_time_s,
+                        "tokens_per_s": n_in / step_time_s,
+                        "tokens_seen": state.tokens_seen,
+                        **self._memory(),
                     }
                     if step == t.profile_step:
                         rec.update(profiled)
@@ -457,7 +510,9 @@ class Trainer:
                     maybe_release_cache(cfg.allocator, self.device, step)
                     if t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
                         do_eval(step)
-                    if t.keep_checkpoints and ((t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.max_steps):
+                    if t.keep_checkpoints and (
+                        (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.max_steps
+                    ):
                         self._checkpoint(state)
                 if not result.evals or result.evals[-1]["step"] != t.max_steps:
                     do_eval(t.max_steps)
@@ -471,15 +526,22 @@ class Trainer:
         states = states_at_step or state_bytes(self.model, self.par.local_optimizer())
         where = device_name(self.device) + (f"; model states of rank 0 of {ctx.world_size}" if ctx.distributed else "")
         run_table, mem_table, summary = summary_tables(
-            result.steps, result.evals, states, self.baseline_rss_bytes, where,
+            result.steps,
+            result.evals,
+            states,
+            self.baseline_rss_bytes,
+            where,
             self.predicted.peak_bytes if self.predicted else None,
             self.replayed.peak_reserved_bytes if self.replayed else None,
         )
         if ctx.distributed:
             held = ctx.gather_numbers([states.params_bytes, states.grads_bytes, states.optimizer_bytes])
-            summary.update(world_size=ctx.world_size, engine=self.kind, zero_stage=cfg.distributed.zero_stage,
-                           rank_states=[dict(zip(("params_bytes", "grads_bytes", "optimizer_bytes"), map(int, r)))
-                                        for r in held])
+            summary.update(
+                world_size=ctx.world_size,
+                engine=self.kind,
+                zero_stage=cfg.distributed.zero_stage,
+                rank_states=[dict(zip(("params_bytes", "grads_bytes", "optimizer_bytes"), map(int, r))) for r in held],
+            )
         log.write(summary)
         log.close()
         display.print(run_table)
@@ -495,7 +557,10 @@ class Trainer:
         predicted = ""
         if self.predicted is not None:
             parts = ", ".join(f"{c.value} {v / GIB:.2f}" for c, v in self.predicted.peak.bytes_by_category.items() if v)
-            predicted = f"; planner predicted a {self.predicted.peak_bytes / GIB:.2f} GiB peak in {self.predicted.peak_phase} ({parts})"
+            predicted = (
+                f"; planner predicted a {self.predicted.peak_bytes / GIB:.2f} GiB peak in "
+                f"{self.predicted.peak_phase} ({parts})"
+            )
         return OutOfMemoryExit(
             f"out of memory at step {step}: an allocation of {requested / GIB:.2f} GiB ({requested} bytes) failed"
             f"{predicted}{where}; try `memfit plan --config {self.run.config_path}` for a configuration that fits"

@@ -22,8 +22,15 @@ from memfit.train.loop import Trainer
 
 # what gloo and the c10d store say when the other end of a connection has gone away (gloo raises a
 # plain RuntimeError; nccl raises DistBackendError)
-PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
-             "Connection refused", "Failed to recv", "Timed out waiting")
+PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "Connection refused",
+    "Failed to recv",
+    "Timed out waiting",
+)
 
 
 def peer_lost(e: BaseException) -> bool:
@@ -63,8 +70,10 @@ def run_rank(cfg: RunConfig) -> NoReturn:
             _leave(1)
         # no teardown: destroying a process group whose peer is gone can block, and os._exit follows
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        err = RankFailedExit(f"rank {os.environ.get('RANK', '?')} lost contact with its peers ({first[:200]}); "
-                             "another rank has died or stopped: see its node's output")
+        err = RankFailedExit(
+            f"rank {os.environ.get('RANK', '?')} lost contact with its peers ({first[:200]}); "
+            "another rank has died or stopped: see its node's output"
+        )
         print_user_error(err)
         _leave(err.exit_code)
     _leave(0)

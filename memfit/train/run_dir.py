@@ -1,9 +1,9 @@
 """The run directory: its recorded config, metrics file and checkpoints, and the rules for reusing one.
 
-    config.yaml     the full config that ran (compared on restart)
-    metrics.jsonl   one JSON record per logged step / eval / summary
-    checkpoints/    atomic checkpoints (see ``checkpoint.py``)
-    export/         the final model or adapter in Hugging Face format
+config.yaml     the full config that ran (compared on restart)
+metrics.jsonl   one JSON record per logged step / eval / summary
+checkpoints/    atomic checkpoints (see ``checkpoint.py``)
+export/         the final model or adapter in Hugging Face format
 """
 
 from __future__ import annotations

@@ -47,8 +47,9 @@ from memfit.train.checkpoint import (
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
 
-def save_distributed(ctx: DistContext, root: Path, state: TrainerState, scheduler, keep: int,
-                     write_shards: Callable[[Path], None]) -> Path:
+def save_distributed(
+    ctx: DistContext, root: Path, state: TrainerState, scheduler, keep: int, write_shards: Callable[[Path], None]
+) -> Path:
     """Write one checkpoint from every rank (``write_shards(tmp)`` is the engine's collective save)."""
     target = checkpoint_dir(root, state.step)
     tmp = temp_dir_for(target)
@@ -127,8 +128,9 @@ def dcp_reader(ctx: DistContext, par: Parallel) -> Callable[[Path], None]:
         model_sd, optim_sd = get_state_dict(par.model, par.optimizer, options=_TRAINABLE)
         sd = {"model": model_sd, "optim": optim_sd}
         dcp.load(sd, checkpoint_id=path)
-        set_state_dict(par.model, par.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                       options=_TRAINABLE)
+        set_state_dict(
+            par.model, par.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=_TRAINABLE
+        )
 
     return read
 
