@@ -3,8 +3,11 @@ SmolLM2 one (converted once per machine into the memfit cache)."""
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
+from support.tiny import tiny_overrides
 
 from memfit.config.loader import load_config
 from memfit.config.shipped import shipped_configs
@@ -27,29 +30,19 @@ def embedded_dir():
     return embedded_checkpoint_dir()
 
 
-def tiny_overrides(out_dir, *extra: str) -> list[str]:
-    """Overrides for a seconds-long run of the tiny preset on two Shakespeare plays."""
-    return [
-        "model.source=random:tiny",
-        "data.source=shakespeare",
-        "data.seq_len=64",
-        "data.max_documents=2",
-        "strategy.precision=fp32",
-        "optimizer.lr=1e-3",
-        "optimizer.warmup_steps=2",
-        "train.device=cpu",
-        "train.max_steps=6",
-        "train.micro_batch_size=4",
-        "train.eval_every=3",
-        "train.eval_batches=2",
-        f"output.dir={out_dir}",
-        *extra,
-    ]
-
-
 @pytest.fixture
 def tiny_cfg(tmp_path, embedded_dir):
     def make(*extra: str):
         return load_config(shipped_configs()["tiny-cpu"], tiny_overrides(tmp_path / "run", *extra))
 
     return make
+
+
+def pytest_collection_modifyitems(items):
+    """Tests under tests/integration/ and tests/gpu/ carry their tier's marker (a bare pytest skips them)."""
+    for item in items:
+        parts = pathlib.Path(str(item.fspath)).parts
+        if "integration" in parts:
+            item.add_marker(pytest.mark.integration)
+        if "gpu" in parts:
+            item.add_marker(pytest.mark.gpu)

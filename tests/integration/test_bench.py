@@ -4,6 +4,7 @@ import csv
 import json
 
 import pytest
+from support.tiny import REPO
 
 from memfit.cli import main
 from memfit.config.strategy import CheckpointPolicy
@@ -143,9 +144,8 @@ def test_gpu_check_script_runs_its_parts_on_cpu(tmp_path, embedded_dir):
     the same parts on the tiny preset on CPU (the GPU-only replay part reports itself skipped)."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    script = REPO / "benchmarks" / "gpu_check.py"
     out = tmp_path / "gc"
     proc = subprocess.run(
         [sys.executable, str(script), "--smoke", "--out", str(out), "--parts", "doctor,replay,layout,bench-full"],
@@ -174,9 +174,8 @@ def test_gpu_check_script_runs_its_parts_on_cpu(tmp_path, embedded_dir):
 
 def _gpu_check_module():
     import importlib.util
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    script = REPO / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", script)
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
@@ -186,7 +185,7 @@ def _gpu_check_module():
 def test_gpu_check_layout_comparison_and_summary_from_a_snapshot():
     """The GPU layout part's comparison, fed the allocator model's workload with 'snapshot' entries
     where memory_snapshot() would have been called and the model's own numbers as the ground truth."""
-    from snapshot_fixtures import model_workload
+    from support.snapshots import model_workload
 
     from memfit.allocator.model import AllocatorSettings
 
@@ -219,7 +218,7 @@ def test_gpu_check_layout_comparison_and_summary_from_a_snapshot():
 def test_gpu_check_replay_row_and_summary_from_a_snapshot():
     """The GPU replay part's arithmetic and its summary line, fed a snapshot in PyTorch's format (the
     allocator model's own workload) and step records as the trainer writes them."""
-    from snapshot_fixtures import model_workload
+    from support.snapshots import model_workload
 
     from memfit.allocator.model import AllocatorSettings
 

@@ -5,7 +5,7 @@ snapshots: requested sizes in the trace, block sizes only in the final segments)
 import random
 
 import pytest
-from snapshot_fixtures import BASE, MIB, entry, fragmented, model_workload, segment, snapshot
+from support.snapshots import BASE, MIB, entry, fragmented, model_workload, segment, snapshot
 
 from memfit.allocator.layout import Rebuilt, settings_in
 from memfit.allocator.model import AllocatorSettings

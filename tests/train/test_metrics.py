@@ -4,18 +4,13 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from support.scrape import scrape
+from support.tiny import REPO
 
 from memfit.telemetry.prometheus import DeviceMemoryCollector, TrainerMetrics, serve_exporter
 from memfit.train.loop import Trainer
-
-
-def scrape(port: int, host: str = "127.0.0.1") -> dict[str, list]:
-    body = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10).read().decode()
-    return {f.name: f.samples for f in text_string_to_metric_families(body)}
 
 
 def test_trainer_metrics_endpoint_serves_every_gauge():
@@ -112,12 +107,11 @@ def test_memfit_exporter_command_serves_until_stopped():
 
 def test_grafana_dashboard_uses_only_metrics_we_serve():
     import json
-    import pathlib
     import re
 
     from memfit.telemetry.prometheus import TRAINER_METRICS
 
-    dash = json.loads((pathlib.Path(__file__).parent.parent / "deploy/grafana/memfit-dashboard.json").read_text())
+    dash = json.loads((REPO / "deploy/grafana/memfit-dashboard.json").read_text())
     served = {name for name, _ in TRAINER_METRICS.values()} | {
         "memfit_device_memory_used_bytes",
         "memfit_device_memory_total_bytes",

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.tiny import REPO
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")]
 
-REPO = Path(__file__).resolve().parent.parent
+
 GPU_CHECK = REPO / "benchmarks" / "gpu_check.py"
 SETTINGS = ["", "expandable_segments:True"]
 GIB = 1 << 30

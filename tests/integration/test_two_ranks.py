@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_overrides
 from safetensors.torch import load_file
-from test_prometheus import scrape
+from support.scrape import scrape
+from support.tiny import tiny_overrides
 
 from memfit.telemetry.metrics_file import read_metrics
 

@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from conftest import tiny_overrides
+from support.tiny import tiny_overrides
 
 from memfit.telemetry.metrics_file import read_metrics
 

@@ -4,7 +4,8 @@ import json
 import pickle
 
 import pytest
-from snapshot_fixtures import MIB, fragmented, segment, snapshot
+from support.snapshots import MIB, fragmented, segment, snapshot
+from support.tiny import FIXTURES
 
 from memfit.allocator.snapshot import analyze, load_snapshot
 from memfit.cli import main
@@ -103,7 +104,7 @@ def test_frag_command_writes_report_and_pngs(tmp_path, capsys):
 
 
 def test_simulate_compares_settings_and_recommends(tmp_path, capsys):
-    from snapshot_fixtures import sawtooth
+    from support.snapshots import sawtooth
 
     p = _write(tmp_path, sawtooth())
     assert main(["frag", str(p), "--out", str(tmp_path / "o"), "--simulate", "--hip-version", "5.7.31921"]) == 0
@@ -128,7 +129,7 @@ def test_simulate_compares_settings_and_recommends(tmp_path, capsys):
 
 
 def test_whatif_replay_numbers_follow_the_model():
-    from snapshot_fixtures import sawtooth
+    from support.snapshots import sawtooth
 
     from memfit.allocator.model import AllocatorSettings
     from memfit.allocator.whatif import compare, replay
@@ -164,7 +165,7 @@ def test_replay_check_sets_the_model_beside_the_snapshot():
     """5 MiB then 3 MiB, then the 5 MiB freed: both fit one 20 MiB large-pool segment (requests between
     1 and 10 MiB get kLargeBuffer segments; each split leaves > 1 MiB), so the allocator's own state
     at the dump is that segment: 5 MiB free, 3 MiB allocated, 12 MiB free."""
-    from snapshot_fixtures import segment, snapshot
+    from support.snapshots import segment, snapshot
 
     from memfit.allocator.model import AllocatorSettings
     from memfit.allocator.whatif import replay_check
@@ -199,14 +200,13 @@ def test_a_step_trace_from_an_h200_replays_with_the_blocks_alive_at_its_start(tm
     blocks alive at the start (12.8 GiB of weights and optimizer state) allocated first it gives the
     trace's 529 segments and its peak reserved within 0.5%."""
     import gzip
-    from pathlib import Path
 
     from memfit.allocator.layout import Rebuilt
     from memfit.allocator.model import AllocatorSettings
     from memfit.allocator.whatif import live_at_start, replay_check
 
     path = tmp_path / "step3.pickle"
-    path.write_bytes(gzip.decompress((Path(__file__).parent / "fixtures" / FIXTURE_H200).read_bytes()))
+    path.write_bytes(gzip.decompress((FIXTURES / FIXTURE_H200).read_bytes()))
     snap = load_snapshot(path)
     rebuilt = Rebuilt(snap, 0)
     prefix = live_at_start(rebuilt)
@@ -221,7 +221,7 @@ def test_a_step_trace_from_an_h200_replays_with_the_blocks_alive_at_its_start(tm
 def test_replaying_the_models_own_trace_ends_where_the_model_ended(expandable):
     """A random workload with empty_cache() calls, written out as PyTorch writes it: the replay (which
     empties its cache where the trace released segments without mapping new ones) reproduces it."""
-    from snapshot_fixtures import model_workload
+    from support.snapshots import model_workload
 
     from memfit.allocator.model import AllocatorSettings
     from memfit.allocator.whatif import replay_check
@@ -286,7 +286,7 @@ def test_long_replays_keep_a_bounded_series_with_every_change_of_reserved():
 def test_an_oom_with_enough_free_memory_in_pieces_is_blamed_on_fragmentation(tmp_path, capsys):
     """Five 20 MiB blocks in one 100 MiB segment, the 2nd and 4th freed: 40 MiB free, no piece over
     20 MiB; a 30 MiB request fails with 1 MiB left on the device."""
-    from snapshot_fixtures import BASE, entry
+    from support.snapshots import BASE, entry
 
     trace = [entry("segment_alloc", BASE, 100 * MIB, 0)]
     trace += [entry("alloc", BASE + i * 20 * MIB, 20 * MIB, 1 + i) for i in range(5)]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_overrides
+from support.tiny import tiny_overrides
 
 from memfit.cli import main
 from memfit.models.load import ModelSource, build_model

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: tiny-run overrides, synthetic and recorded snapshots, paths."""
