@@ -11,7 +11,7 @@ Parts, each in its own subprocess(es) with its own time limit, so one failure le
    allocator model and its peak reserved and segment count set beside what the allocator reported
    (target within 2%), for default settings and for expandable segments. Also the cost of one
    fragmentation reading against the step time, and the layout rebuilt from the trace
-   (``memory/layout.py``): how many blocks live at the dump its size rule reproduces, and the
+   (``memfit/allocator/layout.py``): how many blocks live at the dump its size rule reproduces, and the
    fragmentation at the trace's peak.
 3. ``layout`` (fragmentation issue): a random alloc/free workload on the GPU (with ``empty_cache`` calls),
    in a fresh process per allocator setting (default, expandable segments), takes
@@ -57,6 +57,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from memfit.allocator.validation import compare_moments, layout_line, replay_line, replay_row  # noqa: E402
+from memfit.telemetry.bench import run_in_group  # noqa: E402
+
 GIB = 1 << 30
 DEADLINE = [float("inf")]  # perf_counter time by which every part must be done (--budget-s)
 
@@ -67,26 +70,18 @@ def _left(timeout_s: float) -> int:
 
 
 def _run(cmd: list[str], timeout_s: int, log) -> subprocess.CompletedProcess | None:
-    """Run ``cmd`` in its own process group; past ``timeout_s`` the whole group is killed (a bench's
+    """Run ``cmd`` in its own process group, logged; past ``timeout_s`` the whole group is killed (a bench's
     cell subprocesses too, so they do not hold the GPU into the next part)."""
-    import signal
-
     timeout_s = _left(timeout_s)
     log.write(f"$ {' '.join(cmd)}  (limit {timeout_s} s)\n")
     log.flush()
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        log.write(f"timed out after {timeout_s} s\n{(err or '')[-4000:]}\n")
+    proc = run_in_group(cmd, timeout_s, REPO)
+    if proc is None:
+        log.write(f"timed out after {timeout_s} s\n")
         return None
-    log.write(out[-6000:] + err[-6000:] + f"\n(exit {proc.returncode})\n")
+    log.write(proc.stdout[-6000:] + proc.stderr[-6000:] + f"\n(exit {proc.returncode})\n")
     log.flush()
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return proc
 
 
 def _train_args(s: argparse.Namespace, out: Path, *extra: str) -> list[str]:
@@ -154,74 +149,6 @@ def part_replay(s, out: Path, log) -> dict:
             rows.append({"settings": label, "status": f"error: {type(e).__name__}: {e}"})
         shutil.rmtree(run, ignore_errors=True)  # the snapshot is large; its numbers are in the summary
     return {"status": "ok" if all(r["status"] == "ok" for r in rows) else "partial", "rows": rows}
-
-
-def replay_row(label: str, settings, snap: dict, steps: list[dict]) -> dict:
-    """One setting's numbers: the model's replay of the snapshot's trace and the layout rebuilt from
-    it, beside what the allocator reported in the step records."""
-    from memfit.allocator.layout import Rebuilt
-    from memfit.allocator.whatif import replay_check
-
-    rebuilt = Rebuilt(snap, 0)
-    check = replay_check(snap, 0, settings, rebuilt)
-    peak = rebuilt.peak()
-    measured_peak = max(r["peak_reserved_bytes"] for r in steps)
-    return {
-        "settings": label,
-        "status": "ok",
-        "events": check.events,
-        "unmatched_frees": check.unmatched_frees,
-        "measured_peak_reserved_bytes": measured_peak,
-        "model_peak_reserved_bytes": check.model_peak_reserved_bytes,
-        "peak_reserved_error_pct": 100 * (check.model_peak_reserved_bytes - measured_peak) / measured_peak,
-        "trace_peak_reserved_bytes": check.trace_peak_reserved_bytes,
-        "peak_reserved_error_vs_trace_pct": 100 * check.peak_reserved_error,
-        "snapshot_reserved_bytes": check.snapshot_reserved_bytes,
-        "model_reserved_bytes": check.model_reserved_bytes,
-        "snapshot_segments": check.snapshot_segments,
-        "model_segments": check.model_segments,
-        "measured_peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in steps),
-        "model_peak_allocated_bytes": check.model_peak_allocated_bytes,
-        "frag_time_s": [r.get("frag_time_s") for r in steps],
-        "step_time_s": [r["step_time_s"] for r in steps],
-        "layout_blocks_checked": rebuilt.size_rule_checked,
-        "layout_size_misses": rebuilt.size_rule_misses,
-        "layout_settings": rebuilt.settings.label(),
-        "fragmentation_at_peak": peak.report.fragmentation_ratio if peak else None,
-        "allocated_at_peak_bytes": peak.report.allocated_bytes if peak else None,
-        "fragmentation_at_step3_peak": steps[-1].get("fragmentation_at_peak"),
-    }
-
-
-LAYOUT_FIELDS = (
-    "reserved_bytes",
-    "allocated_bytes",
-    "requested_bytes",
-    "external_free_bytes",
-    "largest_free_bytes",
-    "segments",
-)
-
-
-def compare_moments(snap: dict, truths: list[dict]) -> dict:
-    """The layout rebuilt from ``snap``'s trace at its first ``snapshot`` entries, field by field beside
-    ``truths`` (reports the allocator gave at those moments, in order; only the fields they hold)."""
-    from memfit.allocator.layout import Rebuilt
-
-    rebuilt = Rebuilt(snap, 0)
-    marks = [i for i, e in enumerate(rebuilt.entries) if e.get("action") == "snapshot"][: len(truths)]
-    moments = []
-    for index, truth in zip(marks, truths):
-        got = rebuilt.at(index).report.as_dict()
-        fields = {k: (got[k], truth[k]) for k in LAYOUT_FIELDS if k in truth}
-        moments.append({"trace_entry": index, "fields": fields, "exact": all(a == b for a, b in fields.values())})
-    return {
-        "status": "ok" if len(moments) == len(truths) else f"found {len(marks)} of {len(truths)} snapshot entries",
-        "moments": moments,
-        "blocks_checked": rebuilt.size_rule_checked,
-        "size_misses": rebuilt.size_rule_misses,
-        "events": len(rebuilt.entries),
-    }
 
 
 def layout_worker(path: str) -> None:
@@ -494,28 +421,12 @@ def summary_md(summary: dict) -> str:
             if r["status"] != "ok":
                 lines.append(f"- {r['settings']}: {r['status']}")
                 continue
-            lines.append(
-                f"- {r['settings']}: peak reserved measured {r['measured_peak_reserved_bytes'] / GIB:.3f} GiB, "
-                f"model {r['model_peak_reserved_bytes'] / GIB:.3f} GiB ({r['peak_reserved_error_pct']:+.2f}%; "
-                f"{r['peak_reserved_error_vs_trace_pct']:+.2f}% vs the whole trace's "
-                f"{r['trace_peak_reserved_bytes'] / GIB:.3f} GiB); "
-                f"at the dump {r['snapshot_reserved_bytes'] / GIB:.3f} vs {r['model_reserved_bytes'] / GIB:.3f} GiB, "
-                f"segments {r['snapshot_segments']} vs {r['model_segments']}; {r['events']} events, "
-                f"{r['unmatched_frees']} unmatched frees; layout rebuilt from the trace: block sizes "
-                f"{r['layout_blocks_checked'] - r['layout_size_misses']}/{r['layout_blocks_checked']} right, "
-                f"fragmentation at the peak {r['fragmentation_at_peak']}"
-            )
+            lines.append(replay_line(r))
         for r in part.get("layout_rows", []):
             if r["status"] != "ok":
                 lines.append(f"- layout, {r['settings']}: {r['status']}")
                 continue
-            exact = sum(m["exact"] for m in r["moments"])
-            worst = max((abs(a - b) for m in r["moments"] for a, b in m["fields"].values()), default=0)
-            lines.append(
-                f"- layout, {r['settings']}: rebuilt = memory_snapshot() at {exact} of {len(r['moments'])} moments "
-                f"(largest difference {worst} bytes); block sizes {r['blocks_checked'] - r['size_misses']}/"
-                f"{r['blocks_checked']} right; {r['events']} events"
-            )
+            lines.append(layout_line(r))
         if part.get("frag_time_vs_step"):
             worst = max(f / t for f, t in part["frag_time_vs_step"])
             lines.append(

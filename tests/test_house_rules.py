@@ -72,3 +72,11 @@ def test_nothing_below_commands_sees_argparse():
         if rel.parts[0] in ("commands", "cli.py"):
             continue
         assert "argparse" not in path.read_text(), rel
+
+
+def test_tests_never_import_from_benchmarks():
+    """Logic a test needs lives in the library; benchmarks are only run, as subprocesses."""
+    tests = Path(__file__).parent
+    for path in tests.rglob("*.py"):
+        text = path.read_text()
+        assert "spec_from_file_location" not in text and "from benchmarks" not in text, path.relative_to(tests)

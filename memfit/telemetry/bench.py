@@ -18,8 +18,9 @@ from __future__ import annotations
 import csv
 import itertools
 import json
-import re
+import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,13 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from memfit.config.strategy import Strategy, levers
-from memfit.errors import UserError
+from memfit.errors import EXIT_OUT_OF_MEMORY, UserError
 from memfit.telemetry.metrics_file import read_metrics
 from memfit.units import GIB
 
 LOSS_TOLERANCE = {"fp32": 1e-3}  # relative; others (bf16/fp16) use DEFAULT_TOLERANCE
 DEFAULT_TOLERANCE = 3e-2
-_OOM = re.compile(r"an allocation of [\d.]+ GiB \((\d+) bytes\) failed")
 
 
 BENCH_AXES = ("activation_checkpointing", "precision", "micro_batch_size")
@@ -157,16 +157,18 @@ def run_cell(
             resource.setrlimit(resource.RLIMIT_AS, (mem_limit, mem_limit))
 
     proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=cap)
-    if proc.returncode == 3:
-        m = _OOM.search(proc.stderr)
-        cell.status, cell.oom_request_bytes = "oom", int(m.group(1)) if m else None
+    metrics = out / "cells" / cell.name / "metrics.jsonl"
+    if proc.returncode == EXIT_OUT_OF_MEMORY:
+        ooms = [r for r in read_metrics(metrics) if r["kind"] == "oom"] if metrics.is_file() else []
+        cell.status = "oom"
+        cell.oom_request_bytes = ooms[-1]["requested_bytes"] if ooms else None
         cell.message = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
         return cell
     if proc.returncode != 0:
         cell.status = "failed"
         cell.message = (proc.stderr.strip().splitlines() or ["exit code %d" % proc.returncode])[-1]
         return cell
-    records = read_metrics(out / "cells" / cell.name / "metrics.jsonl")
+    records = read_metrics(metrics)
     measured = [r for r in records if r["kind"] == "step" and warmup < r["step"] <= warmup + steps]
     summary = next(r for r in records if r["kind"] == "summary")
     times = [r["step_time_s"] for r in measured]
@@ -299,3 +301,19 @@ def cells_summary(cells: list[Cell]) -> dict[str, Any]:
         "failed": sum(c.status == "failed" for c in cells),
         "loss_flags": sum(bool(c.loss_flag) for c in cells),
     }
+
+
+def run_in_group(cmd: list[str], timeout_s: float, cwd: Path | None = None) -> subprocess.CompletedProcess | None:
+    """Run ``cmd`` in its own process group and capture its output; past ``timeout_s`` the whole group is
+    killed (a bench's cell subprocesses and torchrun's ranks too, so none keeps holding a GPU), and None is
+    returned."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -47,3 +47,10 @@ class NullLog:
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """Append one record to ``path`` from any rank, beside rank 0's open log: one short ``O_APPEND`` write
+    (used for the ``oom`` record, written by whichever rank ran out of memory)."""
+    with Path(path).open("a") as fh:
+        fh.write(json.dumps(record) + "\n")

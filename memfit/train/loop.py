@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,7 @@ from memfit.strategies.optimizer import (
 from memfit.strategies.precision import Precision, resolve_precision
 from memfit.telemetry.allocator_watch import AllocatorWatch
 from memfit.telemetry.display import TrainDisplay, summary_tables
-from memfit.telemetry.metrics_file import MetricsLog, NullLog
+from memfit.telemetry.metrics_file import MetricsLog, NullLog, append_record
 from memfit.telemetry.oom import oom_request_bytes
 from memfit.telemetry.profiler import profiled_peak_bytes
 from memfit.telemetry.prometheus import TrainerMetrics
@@ -69,6 +69,7 @@ from memfit.telemetry.readings import (
     reset_peaks,
     state_bytes,
 )
+from memfit.telemetry.summary import RunSummary, summarize
 from memfit.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from memfit.train.data import eval_batches, load_dataset, split, train_loader
 from memfit.train.export import export_model
@@ -89,7 +90,7 @@ class TrainResult:
     run_dir: Path
     steps: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: RunSummary | None = None
 
 
 class Trainer:
@@ -525,7 +526,7 @@ class Trainer:
             self._export(display)
         states = states_at_step or state_bytes(self.model, self.par.local_optimizer())
         where = device_name(self.device) + (f"; model states of rank 0 of {ctx.world_size}" if ctx.distributed else "")
-        run_table, mem_table, summary = summary_tables(
+        summary = summarize(
             result.steps,
             result.evals,
             states,
@@ -536,21 +537,23 @@ class Trainer:
         )
         if ctx.distributed:
             held = ctx.gather_numbers([states.params_bytes, states.grads_bytes, states.optimizer_bytes])
-            summary.update(
+            summary = replace(
+                summary,
                 world_size=ctx.world_size,
                 engine=self.kind,
                 zero_stage=cfg.distributed.zero_stage,
                 rank_states=[dict(zip(("params_bytes", "grads_bytes", "optimizer_bytes"), map(int, r))) for r in held],
             )
-        log.write(summary)
+        log.write(summary.record())
         log.close()
-        display.print(run_table)
-        display.print(mem_table)
+        for table in summary_tables(summary):
+            display.print(table)
         result.summary = summary
         return result
 
     def _out_of_memory(self, step: int, requested: int) -> OutOfMemoryExit:
-        """Dump a snapshot on a GPU, and say what was asked, what was predicted and what to try."""
+        """Dump a snapshot on a GPU, record the failure as an ``oom`` record in ``metrics.jsonl``, and say what
+        was asked, what was predicted and what to try."""
         path, cause = self.watch.oom_snapshot(step)
         where = f"; snapshot {path} (memfit frag {path} --simulate)" if path else ""
         where += f"; {cause}" if cause else ""
@@ -561,6 +564,18 @@ class Trainer:
                 f"; planner predicted a {self.predicted.peak_bytes / GIB:.2f} GiB peak in "
                 f"{self.predicted.peak_phase} ({parts})"
             )
+        append_record(
+            self.run.metrics_path,
+            {
+                "kind": "oom",
+                "step": step,
+                "rank": self.ctx.rank,
+                "requested_bytes": requested,
+                "predicted_peak_bytes": self.predicted.peak_bytes if self.predicted is not None else None,
+                "snapshot": str(path) if path else None,
+                "cause": cause or None,
+            },
+        )
         return OutOfMemoryExit(
             f"out of memory at step {step}: an allocation of {requested / GIB:.2f} GiB ({requested} bytes) failed"
             f"{predicted}{where}; try `memfit plan --config {self.run.config_path}` for a configuration that fits"

@@ -172,79 +172,6 @@ def test_gpu_check_script_runs_its_parts_on_cpu(tmp_path, embedded_dir):
     ]
 
 
-def _gpu_check_module():
-    import importlib.util
-
-    script = REPO / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", script)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    return gpu_check
-
-
-def test_gpu_check_layout_comparison_and_summary_from_a_snapshot():
-    """The GPU layout part's comparison, fed the allocator model's workload with 'snapshot' entries
-    where memory_snapshot() would have been called and the model's own numbers as the ground truth."""
-    from support.snapshots import model_workload
-
-    from memfit.allocator.model import AllocatorSettings
-
-    gpu_check = _gpu_check_module()
-    snap, truth = model_workload(AllocatorSettings(expandable_segments=True), seed=2)
-    trace = snap["device_traces"][0]
-    picks = [i for i, t in enumerate(truth) if t[2] is not None][100::150][:3]
-    truths = [
-        dict(zip(("allocated_bytes", "reserved_bytes", "external_free_bytes", "largest_free_bytes"), truth[i]))
-        for i in picks
-    ]
-    for n, i in enumerate(picks):  # after entry i (shifted by the marks already inserted)
-        trace.insert(i + 1 + n, {"action": "snapshot", "addr": 0, "size": 0, "stream": 0})
-    result = gpu_check.compare_moments(snap, truths)
-    assert result["status"] == "ok" and [m["exact"] for m in result["moments"]] == [True, True, True]
-    assert result["size_misses"] == 0 and result["blocks_checked"] > 0
-    truths[1]["largest_free_bytes"] += 512
-    off = gpu_check.compare_moments(snap, truths)
-    assert [m["exact"] for m in off["moments"]] == [True, False, True]
-    md = gpu_check.summary_md(
-        {
-            "date": "d",
-            "device": "x",
-            "parts": {"layout": {"status": "ok", "layout_rows": [{"settings": "expandable_segments", **off}]}},
-        }
-    )
-    assert "rebuilt = memory_snapshot() at 2 of 3 moments (largest difference 512 bytes)" in md
-
-
-def test_gpu_check_replay_row_and_summary_from_a_snapshot():
-    """The GPU replay part's arithmetic and its summary line, fed a snapshot in PyTorch's format (the
-    allocator model's own workload) and step records as the trainer writes them."""
-    from support.snapshots import model_workload
-
-    from memfit.allocator.model import AllocatorSettings
-
-    gpu_check = _gpu_check_module()
-    snap, truth = model_workload(AllocatorSettings(), seed=5)
-    peak_reserved, peak_allocated = max(t[1] for t in truth), max(t[0] for t in truth)
-    steps = [
-        {
-            "peak_reserved_bytes": peak_reserved,
-            "peak_allocated_bytes": peak_allocated,
-            "step_time_s": 1.0,
-            "frag_time_s": 0.004,
-            "fragmentation_at_peak": 0.5,
-        }
-    ]
-    row = gpu_check.replay_row("default", AllocatorSettings(), snap, steps)
-    assert row["peak_reserved_error_pct"] == 0 and row["model_segments"] == row["snapshot_segments"]
-    assert row["layout_blocks_checked"] > 0 and row["layout_size_misses"] == 0
-    assert row["allocated_at_peak_bytes"] == peak_allocated and 0 <= row["fragmentation_at_peak"] <= 1
-    md = gpu_check.summary_md({"date": "d", "device": "x", "parts": {"replay": {"status": "ok", "rows": [row]}}})
-    assert (
-        "(+0.00%; +0.00% vs the whole trace" in md
-        and f"block sizes {row['layout_blocks_checked']}/{row['layout_blocks_checked']} right" in md
-    )
-
-
 def test_results_json_is_rewritten_after_each_cell(tmp_path):
     """An interrupted bench keeps the cells it finished: results.json holds them, the rest pending."""
     from memfit.telemetry.bench import matrix, write_progress
@@ -262,17 +189,3 @@ def test_results_json_is_rewritten_after_each_cell(tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [(c["name"], c["status"]) for c in saved] == [(cells[0].name, "ok"), (cells[1].name, "pending")]
     assert saved[0]["tokens_per_s"] == 123.0 and not (tmp_path / ".results.json.tmp").exists()
-
-
-def test_gpu_check_timeout_kills_the_whole_process_group(tmp_path):
-    """A part past its time limit must not leave a cell process holding the GPU for the next part."""
-    import time
-    from pathlib import Path
-
-    gpu_check = _gpu_check_module()
-    pidfile = tmp_path / "pid"
-    with open(tmp_path / "log", "w") as log:
-        assert gpu_check._run(["bash", "-c", f"sleep 60 & echo $! > {pidfile}; wait"], 2, log) is None
-    status = Path(f"/proc/{int(pidfile.read_text())}/status")
-    time.sleep(0.5)
-    assert not status.exists() or "State:\tZ" in status.read_text()  # gone, or a zombie awaiting its reaper

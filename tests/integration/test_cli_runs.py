@@ -130,3 +130,6 @@ def test_out_of_memory_exits_3_with_one_line_and_keeps_the_run_dir(tmp_path, emb
     assert "planner predicted" in lines[0]
     assert (out / "config.yaml").is_file() and (out / "metrics.jsonl").is_file()
     assert not (out / "checkpoints").exists() or not list((out / "checkpoints").glob(".tmp-*"))
+    ooms = [r for r in read_metrics(out / "metrics.jsonl") if r["kind"] == "oom"]  # the same failure, as data
+    assert len(ooms) == 1 and ooms[0]["step"] == 1 and f"({ooms[0]['requested_bytes']} bytes)" in lines[0]
+    assert ooms[0]["predicted_peak_bytes"] > 0 and ooms[0]["rank"] == 0

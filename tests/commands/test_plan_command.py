@@ -1,0 +1,165 @@
+"""`memfit plan` as a user runs it: flags, --config / --deepspeed pins, JSON, --explain, --simulate, one-line errors."""
+
+import json
+
+import pytest
+import yaml
+
+from memfit.cli import main
+from memfit.config.loader import load_config
+
+
+def _plan(capsys, *args):
+    code = main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "llama2-7bb", "--gpu", "mi210"], "did you mean 'llama2-7b'"),
+        (["--model", "llama2-7b", "--gpu", "mi211"], "unknown GPU 'mi211' (did you mean 'mi210'?)"),
+        (
+            ["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--zero", "2"],
+            "ZeRO stage 2 needs more than one GPU",
+        ),
+        (
+            ["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--gpus-per-node", "2", "--global-batch", "3"],
+            "not divisible by the 2 GPUs",
+        ),
+        (
+            ["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--global-batch", "8", "--micro-batch", "3"],
+            "does not divide the per-GPU batch 8",
+        ),
+        (["--model", "tiny", "--gpu", "t4", "--seq-len", "64", "--precision", "bf16-mixed"], "t4 has no bf16"),
+        (
+            ["--model", "tiny", "--gpu", "mi210", "--seq-len", "5000"],
+            "exceeds the model's max_position_embeddings 1024",
+        ),
+        (
+            ["--model", "llama2-70b", "--gpu", "rtx4090", "--seq-len", "512", "--global-batch", "1"],
+            "nothing fits on rtx4090: the closest candidate",
+        ),
+        (
+            ["--model", "tiny", "--gpu", "mi210", "--simulate"],
+            "--simulate replays one candidate's step: give --explain N too",
+        ),
+    ],
+)
+def test_plan_errors_are_one_line(capsys, args, message):
+    code, _, err = _plan(capsys, *args)
+    assert code == 2 and message in err and "\n" not in err
+
+
+def test_plan_reads_train_config_and_deepspeed_json(capsys, tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 1,
+                "gradient_accumulation_steps": 4,
+                "zero_optimization": {"stage": 2},
+                "bf16": {"enabled": True},
+            }
+        )
+    )
+    code, out, _ = _plan(
+        capsys,
+        "--model",
+        "tiny",
+        "--gpu",
+        "mi250x",
+        "--gpus-per-node",
+        "2",
+        "--deepspeed",
+        str(ds),
+        "--json",
+        "--seq-len",
+        "64",
+    )
+    assert code == 0
+    rows = json.loads(out)["fitting"] + json.loads(out)["pruned"]
+    assert {(r["zero_stage"], r["micro_batch_size"], r["grad_accum_steps"], r["precision"]) for r in rows} == {
+        (2, 1, 4, "bf16-mixed")
+    }
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"source": "random:tiny"},
+                "data": {"seq_len": 64},
+                "strategy": {"activation_checkpointing": "ffn", "precision": "bf16-pure"},
+                "train": {"micro_batch_size": 2, "grad_accum_steps": 2},
+            }
+        )
+    )
+    code, out, _ = _plan(capsys, "--config", str(cfg), "--gpu", "mi210", "--json")
+    rows = json.loads(out)["fitting"]
+    assert code == 0 and {(r["activation_checkpointing"], r["precision"], r["micro_batch_size"]) for r in rows} == {
+        ("ffn", "bf16-pure", 2)
+    }
+
+
+def test_plan_json_explain_and_written_configs(capsys, tmp_path):
+    run_yaml, ds_json = tmp_path / "run.yaml", tmp_path / "ds.json"
+    code, out, _ = _plan(
+        capsys, "--model", "tiny", "--gpu-mem", "1GiB", "--seq-len", "128", "--global-batch", "4", "--json"
+    )
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["fitting"] and plan["fitting"][0]["fits"] and "assumptions" in plan
+    code, out, _ = _plan(
+        capsys,
+        "--model",
+        "tiny",
+        "--gpu",
+        "h100",
+        "--gpus-per-node",
+        "2",
+        "--seq-len",
+        "128",
+        "--global-batch",
+        "8",
+        "--explain",
+        "1",
+        "--write-config",
+        str(run_yaml),
+        "--write-deepspeed",
+        str(ds_json),
+    )
+    assert code == 0 and "per phase peak" in out and "backward" in out
+    cfg = load_config(run_yaml)  # the written config is a valid memfit train config
+    assert cfg.model.source == "random:tiny" and cfg.data.seq_len == 128
+    ds = json.loads(ds_json.read_text())
+    assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 2 == 8
+
+
+def test_plan_simulate_replays_the_explained_step_under_allocator_settings(capsys):
+    code, out, _ = _plan(
+        capsys,
+        "--model",
+        "tiny",
+        "--gpu",
+        "mi210",
+        "--seq-len",
+        "128",
+        "--global-batch",
+        "4",
+        "--ac",
+        "none",
+        "--precision",
+        "bf16-mixed",
+        "--micro-batch",
+        "4",
+        "--explain",
+        "1",
+        "--simulate",
+    )
+    assert code == 0
+    text = " ".join(out.split())
+    assert "what-if: the two traced steps'" in text and "in mi210's 64 GiB less 512 MiB of runtime context" in text
+    for label in ("default", "expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"):
+        assert label in text
+    assert "recommendation:" in text and "give --hip-version to judge it" in text
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in text  # an AMD GPU: the HIP variable, when one is recommended
