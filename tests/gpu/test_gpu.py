@@ -7,7 +7,6 @@ The embedded tokenizer must be in MEMFIT_CACHE (``benchmarks/gpu_prepare.sh`` pu
 Each check runs in a fresh process: allocator settings apply only before the first CUDA allocation.
 """
 
-import importlib.util
 import json
 import os
 import random
@@ -18,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from support.tiny import REPO
+
+from memfit.allocator.validation import replay_row
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm device")]
 
@@ -102,14 +103,9 @@ def test_training_trace_replays_within_two_percent(tmp_path, conf):
         "train.snapshot_at_step=3",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     steps = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "step"]
     settings = AllocatorSettings(expandable_segments=bool(conf))
-    row = gpu_check.replay_row(
-        conf or "default", settings, load_snapshot(tmp_path / "run" / "snapshot_step3.pickle"), steps
-    )
+    row = replay_row(conf or "default", settings, load_snapshot(tmp_path / "run" / "snapshot_step3.pickle"), steps)
     assert row["unmatched_frees"] == 0
     assert abs(row["peak_reserved_error_pct"]) <= 2, row
     assert row["model_peak_allocated_bytes"] == row["measured_peak_allocated_bytes"], row
