@@ -39,7 +39,12 @@ def main() -> None:
                     spec = StepSpec(
                         config,
                         seq,
-                        Strategy(CheckpointPolicy.parse(ac), precision, "foreach", batch),
+                        Strategy(
+                            activation_checkpointing=CheckpointPolicy.parse(ac),
+                            precision=precision,
+                            optimizer="foreach",
+                            micro_batch_size=batch,
+                        ),
                         LoraConfig(enabled=True) if lora else None,
                     )
                     predicted = extrapolated_step(spec).peak

@@ -49,7 +49,15 @@ def main() -> None:
             }
         )
     spec = StepSpec(
-        preset_config("llama2-7b"), 4096, Strategy(CheckpointPolicy("ffn"), "bf16-mixed", "fused", 1), round_to=512
+        preset_config("llama2-7b"),
+        4096,
+        Strategy(
+            activation_checkpointing=CheckpointPolicy("ffn"),
+            precision="bf16-mixed",
+            optimizer="fused",
+            micro_batch_size=1,
+        ),
+        round_to=512,
     )
     t0 = time.perf_counter()
     trace_step(spec)

@@ -11,7 +11,9 @@ import importlib
 import sys
 
 from memfit.config.shipped import DEFAULT_CONFIG
+from memfit.config.strategy import levers
 from memfit.errors import UserError, print_user_error
+from memfit.telemetry.bench import BENCH_AXES
 
 
 def add_plan_parser(sub) -> None:
@@ -42,11 +44,10 @@ def add_plan_parser(sub) -> None:
     hw.add_argument("--nodes", type=int, default=1)
     hw.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free (default 0.05)")
     pin = plan.add_argument_group("pins (restrict the search)")
-    pin.add_argument("--ac", help="none | full | ffn | every_k:N")
-    pin.add_argument("--precision", help="fp32 | bf16-mixed | fp16-mixed | bf16-pure")
-    pin.add_argument("--zero", type=int, help="ZeRO stage 0-3")
-    pin.add_argument("--micro-batch", type=int)
-    pin.add_argument("--optimizer", help="fused | foreach | for-loop")
+    for lever in levers().values():  # one pin per strategy lever
+        if lever.flag:
+            searched = " | ".join(map(str, lever.searched)) or "divisors of the per-GPU batch"
+            pin.add_argument(lever.flag, help=f"pin {lever.config_key} (searched: {searched})")
     pin.add_argument("--engine", default="fsdp2", help="sharding semantics: fsdp2 (default) | deepspeed")
     out = plan.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="rows of the table")
@@ -104,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="run a matrix of strategies, each in its own process, and tabulate memory and speed"
     )
     bench.add_argument("config", nargs="?", help=f"base train config or shipped name (default {DEFAULT_CONFIG})")
-    bench.add_argument("--ac", default="none,full", help="comma-separated checkpointing policies")
-    bench.add_argument("--precision", default="fp32", help="comma-separated precisions")
-    bench.add_argument("--micro-batch", default="2", help="comma-separated micro-batch sizes")
+    for name, default in BENCH_AXES.items():  # one axis per benched strategy lever
+        lever = levers()[name]
+        bench.add_argument(lever.flag, default=default, help=f"comma-separated {lever.config_key} values ({default})")
     bench.add_argument("--lora", default="true", help="comma-separated true/false")
     bench.add_argument(
         "--zero", default="none", help="comma-separated ZeRO stages for multi-rank cells, or none (one process)"

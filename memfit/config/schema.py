@@ -7,11 +7,12 @@ name the dotted field the user typed, e.g. ``train.micro_batch_size must be > 0 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from memfit.config.strategy import OPTIMIZER_CHOICES, PRECISION_CHOICES, ZERO_STAGES, CheckpointPolicy, Strategy
+from memfit.config.strategy import OPTIMIZER_CHOICES, ZERO_STAGES, Strategy, levers
 from memfit.errors import UserError, did_you_mean
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
@@ -58,18 +59,23 @@ class DataConfig:
     prefetch_factor: Optional[int] = _f(None, "batches each worker prefetches (None = 2; needs workers)")
 
 
-@dataclass
-class StrategyConfig:
-    activation_checkpointing: CheckpointPolicy = _f(
-        CheckpointPolicy(),
-        "none | full (every decoder layer) | ffn (MLP blocks only) | every_k:N (every N-th layer); "
-        "always non-reentrant",
-    )
-    precision: str = _f(
-        "auto",
-        "auto (by device) | fp32 | bf16-mixed (fp32 master, bf16 autocast) | fp16-mixed (GradScaler) "
-        "| bf16-pure; the loss is always computed in fp32",
-    )
+def _strategy_section() -> type:
+    """The ``strategy`` section, generated from the ``Strategy`` levers whose config key is ``strategy.*``:
+    a new lever of that section is one field of ``Strategy`` (with its help) and nothing here."""
+    fields = []
+    for f in dataclasses.fields(Strategy):
+        lever = f.metadata["lever"]
+        section, key = lever.config_key.split(".")
+        if section == "strategy":
+            default = f.default if lever.config_default is None else lever.config_default
+            fields.append((key, type(default), _f(default, lever.help)))
+    cls = dataclasses.make_dataclass("StrategyConfig", fields)
+    cls.__module__ = __name__
+    cls.__doc__ = "The memory levers of the ``strategy`` section (``memfit.config.strategy.Strategy``)."
+    return cls
+
+
+StrategyConfig = _strategy_section()
 
 
 @dataclass
@@ -209,7 +215,10 @@ def check(cfg: RunConfig) -> RunConfig:
     d, t, o, lo, a = cfg.data, cfg.train, cfg.optimizer, cfg.lora, cfg.allocator
     _choice("model.attn_implementation", cfg.model.attn_implementation, ATTN_IMPLS)
     _choice("data.format", d.format, DATA_FORMATS)
-    _choice("strategy.precision", cfg.strategy.precision, PRECISION_CHOICES)
+    for name, lever in levers().items():
+        section, key = lever.config_key.split(".")
+        if section == "strategy":
+            (lever.config_parse or lever.parse)(getattr(cfg.strategy, key), lever.config_key)
     _choice("optimizer.implementation", o.implementation, OPTIMIZER_CHOICES)
     _choice("distributed.engine", cfg.distributed.engine, DIST_ENGINES)
     _choice("distributed.backend", cfg.distributed.backend, DIST_BACKENDS)
@@ -315,12 +324,16 @@ def grad_accum_steps(cfg: RunConfig, world_size: int) -> int:
 
 def run_strategy(cfg: RunConfig, precision: str, optimizer: str, world_size: int) -> Strategy:
     """The ``Strategy`` a run of ``cfg`` uses on ``world_size`` ranks, with ``auto`` precision and
-    optimizer already resolved for its device (``precision``, ``optimizer``)."""
-    return Strategy(
-        activation_checkpointing=cfg.strategy.activation_checkpointing,
-        precision=precision,
-        optimizer=optimizer,
-        micro_batch_size=cfg.train.micro_batch_size,
-        zero_stage=cfg.distributed.zero_stage if world_size > 1 else 0,
-        grad_accum_steps=grad_accum_steps(cfg, world_size),
-    )
+    optimizer already resolved for its device (``precision``, ``optimizer``): every other lever is read
+    from its config key."""
+    resolved = {
+        "precision": precision,
+        "optimizer": optimizer,
+        "zero_stage": cfg.distributed.zero_stage if world_size > 1 else 0,
+        "grad_accum_steps": grad_accum_steps(cfg, world_size),
+    }
+    values = {}
+    for name, lever in levers().items():
+        section, key = lever.config_key.split(".")
+        values[name] = resolved[name] if name in resolved else getattr(getattr(cfg, section), key)
+    return Strategy(**values)

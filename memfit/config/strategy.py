@@ -96,28 +96,58 @@ class Lever:
     """What memfit knows about one field of ``Strategy``.
 
     Attributes:
-        config_key: ``section.key`` of the run config that sets it.
+        config_key: ``section.key`` of the run config that sets it. Levers of the ``strategy`` section
+            *are* that section: ``memfit.config.schema.StrategyConfig`` is generated from them.
         flag: the ``memfit plan`` / ``memfit bench`` flag that pins it (None: derived, not pinned).
         searched: the values ``memfit plan`` tries when it is not pinned (the planner narrows some by
             hardware: precisions by bf16 support, ZeRO stages by world size, micro-batches by batch).
         parse: ``(text, name) -> value``, raising a UserError that names ``name``.
+        help: the config key's help text (``memfit train --help-config``), for ``strategy`` levers.
+        config_default: the config's default where it differs from the concrete one (``auto``).
+        config_parse: validates the config's value where it admits more than ``parse`` (``auto``).
     """
 
     config_key: str
     flag: str | None
     searched: tuple
     parse: Callable[[Any, str], Any]
+    help: str = ""
+    config_default: Any = None
+    config_parse: Callable[[Any, str], Any] | None = None
 
 
-def _lever(default: Any, config_key: str, flag: str | None, searched: tuple, parse: Callable[[Any, str], Any]):
-    return field(default=default, metadata={"lever": Lever(config_key, flag, searched, parse)})
+def _lever(
+    default: Any, config_key: str, flag: str | None, searched: tuple, parse: Callable[[Any, str], Any], **more: Any
+):
+    return field(default=default, metadata={"lever": Lever(config_key, flag, searched, parse, **more)})
 
 
-@dataclass(frozen=True)
+def _at_least(low: int) -> Callable[[Any, str], int]:
+    def parse(text: Any, name: str) -> int:
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise UserError(f"{name} must be an integer (got '{text}')") from None
+        if value < low:
+            raise UserError(f"{name} must be >= {low} (got {value})")
+        return value
+
+    return parse
+
+
+def _loss_chunks(text: Any, name: str) -> int:
+    value = _at_least(0)(text, name)
+    if value == 1:
+        raise UserError(f"{name} must be 0 (the whole logits) or >= 2 chunks (got 1)")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
 class Strategy:
     """One choice of every memory lever, concrete (no ``auto``): per rank, per optimizer step.
 
-    Field order is the planner's enumeration order (the last varies fastest).
+    Field order is the planner's enumeration order (the last varies fastest); fields are keyword-only, so
+    a new lever never shifts anyone's arguments.
     """
 
     activation_checkpointing: CheckpointPolicy = _lever(
@@ -126,8 +156,29 @@ class Strategy:
         "--ac",
         (CheckpointPolicy("none"), CheckpointPolicy("every_k", 2), CheckpointPolicy("ffn"), CheckpointPolicy("full")),
         CheckpointPolicy.parse,
+        help="none | full (every decoder layer) | ffn (MLP blocks only) | every_k:N (every N-th layer); "
+        "always non-reentrant",
     )
-    precision: str = _lever("fp32", "strategy.precision", "--precision", PRECISIONS, _choice(PRECISIONS))
+    precision: str = _lever(
+        "fp32",
+        "strategy.precision",
+        "--precision",
+        PRECISIONS,
+        _choice(PRECISIONS),
+        help="auto (by device) | fp32 | bf16-mixed (fp32 master, bf16 autocast) | fp16-mixed (GradScaler) "
+        "| bf16-pure; the loss is always computed in fp32",
+        config_default="auto",
+        config_parse=_choice(PRECISION_CHOICES),
+    )
+    loss_chunks: int = _lever(
+        0,
+        "strategy.loss_chunks",
+        "--loss-chunks",
+        (0, 8),
+        _loss_chunks,
+        help="0: the output projection and fp32 cross-entropy over the whole (B, T, V) logits | N >= 2: over "
+        "N chunks of the sequence, each chunk's logits recomputed in backward (the logits never exist whole)",
+    )
     optimizer: str = _lever(
         "foreach",
         "optimizer.implementation",
@@ -151,9 +202,10 @@ class Strategy:
         return {name: _plain(getattr(self, name)) for name in levers()}
 
     def label(self) -> str:
-        """The strategy in one line, as tables and messages print it."""
+        """The strategy in one line, as tables and messages print it (the loss chunks only when on)."""
+        chunks = f", loss in {self.loss_chunks} chunks" if self.loss_chunks else ""
         return (
-            f"AC {self.activation_checkpointing}, {self.precision}, ZeRO-{self.zero_stage}, micro-batch "
+            f"AC {self.activation_checkpointing}, {self.precision}{chunks}, ZeRO-{self.zero_stage}, micro-batch "
             f"{self.micro_batch_size} x accum {self.grad_accum_steps}, AdamW {self.optimizer}"
         )
 

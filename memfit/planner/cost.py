@@ -3,7 +3,8 @@
     FLOPs per token, forward = 2 x (weights of every matmul, lm_head included) + 2 x layers x T x hidden
                                (causal attention: QK^T and AV, half the square each)
     training = forward x (3 for a full fine-tune: backward is twice the forward; 2 with LoRA: frozen
-               weights need no weight gradients) + the recomputed forward of checkpointed modules.
+               weights need no weight gradients) + the recomputed forward of checkpointed modules
+               (and of the output projection when the loss is chunked).
     time     = FLOPs / (peak rate x MFU) + bytes communicated / link bandwidth (no overlap assumed).
 
 The numbers are for ranking candidates against each other; the assumptions are printed with every
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.config.strategy import CheckpointPolicy
+from memfit.config.strategy import Strategy
 
 MFU = 0.40  # assumed model-FLOPs utilisation at bf16/fp16
 FP32_SLOWDOWN = 4.0  # fp32 matmuls vs the bf16 peak (TF32 on NVIDIA is ~2x, MI200 fp32 matrix ~4x)
@@ -56,8 +57,10 @@ class Shape:
         return self.layers * (self.attn_weights + self.mlp_weights) + self.vocab * self.hidden
 
 
-def step_flops(shape: Shape, tokens: int, seq_len: int, lora: bool, ac: CheckpointPolicy) -> float:
-    """Training FLOPs for ``tokens`` tokens (one optimizer step on one rank)."""
+def step_flops(shape: Shape, tokens: int, seq_len: int, lora: bool, strategy: Strategy) -> float:
+    """Training FLOPs for ``tokens`` tokens (one optimizer step on one rank): forward, backward and what
+    checkpointing and a chunked loss recompute (each chunk's output projection runs again in backward)."""
+    ac = strategy.activation_checkpointing
     attn_core = 2 * seq_len * shape.hidden  # per token per layer
     layer_fwd = 2 * (shape.attn_weights + shape.mlp_weights) + attn_core
     mlp_fwd = 2 * shape.mlp_weights
@@ -69,6 +72,8 @@ def step_flops(shape: Shape, tokens: int, seq_len: int, lora: bool, ac: Checkpoi
         "ffn": shape.layers * mlp_fwd,
         "every_k": -(-shape.layers // k) * layer_fwd,
     }[kind]
+    if strategy.loss_chunks:
+        recompute += 2 * shape.vocab * shape.hidden
     return tokens * (fwd * (2 if lora else 3) + recompute)
 
 

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from memfit.config.schema import OptimizerConfig
 from memfit.planner.categories import Breakdown, Category
+from memfit.step.loss import ChunkedLoss
 from memfit.step.runner import StepRunner
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora
@@ -91,7 +92,8 @@ def measured_steady_step(spec, model=None) -> Breakdown:
     apply_activation_checkpointing(model, strategy.activation_checkpointing)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, OptimizerConfig(implementation=strategy.optimizer), torch.device("cpu"))
-    runner = StepRunner(model, params, opt, precision, torch.device("cpu"), grad_clip=1.0)
+    chunked = ChunkedLoss.attach(model, strategy.loss_chunks)
+    runner = StepRunner(model, params, opt, precision, torch.device("cpu"), grad_clip=1.0, chunked=chunked)
     vocab = spec.model_config.vocab_size
     tokens = torch.randint(
         0, vocab, (strategy.micro_batch_size, spec.seq_len + 1), generator=torch.Generator().manual_seed(0)

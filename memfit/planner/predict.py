@@ -28,6 +28,8 @@ from memfit.planner.trace import (
 )
 from memfit.planner.tracker import Timeline, collapse_regions
 
+LOSS_DELTA_DEPTH = 2  # decoder layers of the traces that measure what a chunked loss changes
+
 
 class Predictor:
     """Predict one device's (or rank's) steady-state step memory for any ``Strategy``.
@@ -47,8 +49,7 @@ class Predictor:
 
     @staticmethod
     def _key(spec: StepSpec, layers: int) -> tuple:
-        st = spec.strategy
-        return (st.precision, st.activation_checkpointing, st.optimizer, st.micro_batch_size, layers)
+        return (spec.strategy, layers)
 
     def _trace(self, spec: StepSpec, layers: int) -> Timeline:
         key = self._key(spec, layers)
@@ -58,19 +59,18 @@ class Predictor:
         return self._cache[key]
 
     def _step_spec(self, strategy: Strategy) -> StepSpec:
-        """Forward and backward depend on checkpointing and precision only (not on the optimizer, the
-        accumulation or the ZeRO stage, applied afterwards): one spec traces them for all others."""
+        """Forward and backward do not depend on the optimizer, the accumulation or the ZeRO stage (applied
+        afterwards), nor on the micro-batch (extrapolated): one spec per remaining levers traces them all."""
         return replace(
             self.base,
-            strategy=Strategy(
-                activation_checkpointing=strategy.activation_checkpointing,
-                precision=strategy.precision,
-                optimizer="for-loop",
-            ),
+            strategy=strategy.replace(optimizer="for-loop", micro_batch_size=1, grad_accum_steps=1, zero_stage=0),
         )
 
     def _optimizer_spec(self, spec: StepSpec, optimizer: str) -> StepSpec:
-        return spec.with_strategy(activation_checkpointing=CheckpointPolicy(), optimizer=optimizer, micro_batch_size=2)
+        """Clipping and the optimizer step depend on the precision and the optimizer only."""
+        return replace(
+            spec, strategy=Strategy(precision=spec.strategy.precision, optimizer=optimizer, micro_batch_size=2)
+        )
 
     def _optimizer_depths(self) -> tuple[int, ...]:
         return (2, 3) if self.depth > 3 else (self.depth,)
@@ -83,8 +83,45 @@ class Predictor:
     def _requests(self, strategy: Strategy) -> list[tuple[StepSpec, int]]:
         """The traces ``predict(strategy)`` reads, for any micro-batch, accumulation and ZeRO stage."""
         spec = self._step_spec(strategy)
-        out = [(spec.with_strategy(micro_batch_size=b), n) for n in self._step_depths(spec) for b in (2, 3)]
+        depths = self._step_depths(spec)
+        layers = spec if len(depths) == 1 else spec.with_strategy(loss_chunks=0)
+        out = [(layers.with_strategy(micro_batch_size=b), n) for n in depths for b in (2, 3)]
+        if len(depths) == 2 and strategy.loss_chunks:
+            chunked, plain = self._loss_delta_specs(spec)
+            out += [(s.with_strategy(micro_batch_size=b), LOSS_DELTA_DEPTH) for s in (chunked, plain) for b in (2, 3)]
         return out + [(self._optimizer_spec(spec, strategy.optimizer), n) for n in self._optimizer_depths()]
+
+    def _loss_delta_specs(self, spec: StepSpec) -> tuple[StepSpec, StepSpec]:
+        """(chunked, plain) specs of the shallow traces ``_with_chunked_loss`` reads."""
+        chunked = spec.with_strategy(activation_checkpointing=CheckpointPolicy())
+        return chunked, chunked.with_strategy(loss_chunks=0)
+
+    def _with_chunked_loss(
+        self, regions: dict[str, tuple[int, ...]], spec: StepSpec, micro_batch: int
+    ) -> dict[str, tuple[int, ...]]:
+        """The unchunked moments at full depth (``regions``) with the loss's moments replaced by chunked ones.
+
+        The output projection and the loss run after the decoder layers in forward and before them in
+        backward, in segments of their own ("forward:outer#1", "backward:outer#0"). Inside such a segment,
+        what depth and checkpointing change (the layers' parameters, gradients and saved activations) is
+        the same at every moment, and what chunking changes does not depend on them. So the chunked
+        segments are traced once per precision and chunk count, at ``LOSS_DELTA_DEPTH`` layers without
+        checkpointing, and shifted by what the full-depth unchunked segment holds beyond the shallow one
+        at its first moment. ``test_predicted_chunked_loss_equals_direct_traces_per_category`` holds it
+        to direct traces.
+        """
+        chunked_spec, plain_spec = self._loss_delta_specs(spec)
+        c = self._at_batch(chunked_spec, LOSS_DELTA_DEPTH, micro_batch)
+        p = self._at_batch(plain_spec, LOSS_DELTA_DEPTH, micro_batch)
+        cs, ps = _segments(c), _segments(p)
+        changed = {name for name in cs.keys() | ps.keys() if cs.get(name) != ps.get(name)}
+        out = {k: v for k, v in regions.items() if _segment(k) not in changed}
+        for name in changed:
+            first = ps[name][0]  # the segment's first moment, unchunked
+            shift = tuple(a - b for a, b in zip(regions[first], p[first]))
+            for key in cs[name]:
+                out[key] = tuple(x + d for x, d in zip(c[key], shift))
+        return out
 
     def prefetch(self, strategies: Iterable[Strategy], workers: int | None = None) -> None:
         """Trace, in parallel worker processes, everything ``predict`` will read for these strategies.
@@ -116,8 +153,7 @@ class Predictor:
         B = 1 lies on that line too, but for a couple of ops (size-1 dimensions turn copies into
         views): measured over presets tiny..llama2-7b the peak differs by <= 0.003%.
         """
-        st = spec.strategy
-        key = (st.precision, st.activation_checkpointing, st.optimizer, layers, micro_batch)
+        key = (spec.strategy, layers, micro_batch)
         if key not in self._moments:
             two = self._trace(spec.with_strategy(micro_batch_size=2), layers)
             three = self._trace(spec.with_strategy(micro_batch_size=3), layers)
@@ -156,13 +192,18 @@ class Predictor:
             regions = dict(self._at_batch(spec, self.depth, micro_batch))
         else:
             la, lb = depths
-            ra, rb = self._at_batch(spec, la, micro_batch), self._at_batch(spec, lb, micro_batch)
+            plain = spec.with_strategy(loss_chunks=0)
+            ra, rb = self._at_batch(plain, la, micro_batch), self._at_batch(plain, lb, micro_batch)
             regions = extrapolate_regions(ra, rb, la, lb, self.depth)
+            if strategy.loss_chunks:
+                regions = self._with_chunked_loss(regions, spec, micro_batch)
         regions = {k: v for k, v in regions.items() if k.startswith(("forward", "backward"))}
         regions.update(self._optimizer_moments(self._optimizer_spec(spec, strategy.optimizer)))
         cats = list(Category)
         gi, oi = cats.index(Category.GRADS), cats.index(Category.OPTIMIZER)
-        g_total = max(row[gi] for row in regions.values())
+        # every gradient, as held from the end of backward on (not a backward moment's max: there the tracker
+        # may see a summed gradient beside the buffer real tensors sum into in place)
+        g_total = regions["clip"][gi] if "clip" in regions else max(row[gi] for row in regions.values())
         grads_done = {k: (row[gi] / g_total if g_total else 0.0) for k, row in regions.items()}
         state = max(row[oi] for row in regions.values())  # created lazily in step 1, whole afterwards
         steady = {}
@@ -175,6 +216,21 @@ class Predictor:
         if sharding is not None:
             return per_rank_moments(steady, sharding, grads_done, accumulated=grad_accum > 1)
         return collapse_regions(steady)
+
+
+def _segment(key: str) -> str:
+    """``backward:outer#0+12`` -> ``backward:outer#0``: the run of moments a moment belongs to."""
+    return key.rsplit("+", 1)[0]
+
+
+def _segments(regions: dict[str, tuple[int, ...]]) -> dict[str, list[str]]:
+    """Moment keys by segment, in op order."""
+    out: dict[str, list[str]] = {}
+    for key in regions:
+        out.setdefault(_segment(key), []).append(key)
+    for keys in out.values():
+        keys.sort(key=lambda k: int(k.rsplit("+", 1)[1]) if "+" in k else -1)
+    return out
 
 
 def plan_workers() -> int:

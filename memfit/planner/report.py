@@ -68,6 +68,7 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
         "#",
         "AC",
         "precision",
+        "CE chunks",
         "ZeRO",
         "mb x acc",
         "AdamW",
@@ -89,6 +90,7 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
             str(i),
             str(s.activation_checkpointing),
             s.precision,
+            str(s.loss_chunks or "-"),
             str(s.zero_stage),
             f"{s.micro_batch_size}x{s.grad_accum_steps}",
             s.optimizer,
@@ -152,7 +154,11 @@ def write_train_config(
     cfg: dict = {
         "model": {"source": source},
         "data": {"seq_len": w.seq_len},
-        "strategy": {"activation_checkpointing": str(s.activation_checkpointing), "precision": s.precision},
+        "strategy": {
+            "activation_checkpointing": str(s.activation_checkpointing),
+            "precision": s.precision,
+            "loss_chunks": s.loss_chunks,
+        },
         "lora": {"enabled": w.lora is not None, **({"rank": w.lora.rank, "alpha": w.lora.alpha} if w.lora else {})},
         "optimizer": {"implementation": s.optimizer},
         "train": {

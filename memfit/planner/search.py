@@ -191,7 +191,7 @@ def search(
     for strategy in strategies:
         lowp_param_bytes = shape.matmul_weights * (4 if strategy.precision == "fp32" else 2)
         tokens = strategy.micro_batch_size * strategy.grad_accum_steps * w.seq_len
-        flops = step_flops(shape, tokens, w.seq_len, w.lora is not None, strategy.activation_checkpointing)
+        flops = step_flops(shape, tokens, w.seq_len, w.lora is not None, strategy)
         sharding = None
         if c.world_size > 1:
             sharding = ShardingSpec.for_model(

@@ -36,6 +36,7 @@ from memfit.config.schema import LoraConfig, OptimizerConfig
 from memfit.config.strategy import Strategy
 from memfit.planner.categories import Breakdown, Category, StepMemory
 from memfit.planner.tracker import StepTracker, Timeline, collapse_regions
+from memfit.step.loss import ChunkedLoss
 from memfit.step.runner import StepRunner
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora
@@ -80,7 +81,7 @@ def _build_fake_model(spec: StepSpec, num_layers: int, fake_mode: FakeTensorMode
         model.to_empty(device=CPU)
     if getattr(config, "tie_word_embeddings", False):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight  # to_empty untied them
-    return model, precision
+    return model, precision, ChunkedLoss.attach(model, spec.strategy.loss_chunks)
 
 
 def trace_step(spec: StepSpec, num_layers: int | None = None) -> StepMemory:
@@ -108,12 +109,12 @@ def _traced(spec: StepSpec, num_layers: int | None, steps: int = 1) -> StepTrack
 
     depth = num_layers or spec.model_config.num_hidden_layers
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model, precision = _build_fake_model(spec, depth, fake_mode)
+    model, precision, chunked = _build_fake_model(spec, depth, fake_mode)
     model.train()
     with fake_mode:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, OptimizerConfig(implementation=spec.strategy.optimizer), CPU)
-        runner = StepRunner(model, params, optimizer, precision, CPU, grad_clip=1.0)
+        runner = StepRunner(model, params, optimizer, precision, CPU, grad_clip=1.0, chunked=chunked)
         shape = (spec.strategy.micro_batch_size, spec.seq_len + 1)  # (B, T+1)
         batches = [(torch.zeros(shape, dtype=torch.long),) * 2 for _ in range(spec.strategy.grad_accum_steps)]
         tracker = StepTracker(model, optimizer, spec.round_to)

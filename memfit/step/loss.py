@@ -1,9 +1,26 @@
-"""The token loss every step, evaluation and trace computes, and the token count it is normalised by."""
+"""The token loss every step, evaluation and trace computes, and the token count it is normalised by.
+
+The loss is taken from fp32 logits, either whole or chunked (``strategy.loss_chunks``, ``ChunkedLoss``):
+the output projection and the fp32 cross-entropy run per chunk of the sequence inside the model's own
+forward, and each chunk's logits are recomputed in backward (non-reentrant checkpoint), so the (B, T, V)
+logits, their fp32 copy, the log-softmax and the logits' gradient never exist whole. Running inside the
+model's forward keeps every engine's hooks in charge of the projection's weights (FSDP2's root group,
+DeepSpeed's parameter gathering); tied embeddings stay tied (the projection module is not replaced).
+
+Known limitations:
+    - Chunks split the sequence dimension: T not divisible by N gives a shorter last chunk.
+    - A chunk's backward keeps its recomputed (B, T/N, V) logits and their gradient alive together: the
+      saving is at most a factor N on the loss's temporaries, not on the rest of the step.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from memfit.distributed.runtime import DistContext
 
@@ -11,13 +28,71 @@ IGNORE_INDEX = -100
 """Label of a position that takes no loss (prompt tokens, padding)."""
 
 
-def token_loss_sum(model, tokens: torch.Tensor, labels: torch.Tensor, precision, device) -> torch.Tensor:
+class ChunkedLoss:
+    """The summed token loss computed chunk by chunk inside the model's output projection.
+
+    ``attach`` swaps the projection module's ``forward`` for one that, while ``targets`` are set, returns
+    the summed fp32 cross-entropy (a 0-d tensor) instead of the logits; with no targets it is the
+    projection as before (generation, export).
+    """
+
+    def __init__(self, head: torch.nn.Module, chunks: int):
+        self.head, self.chunks = head, chunks
+        self._project = head.forward  # the projection's own forward (a LoRA wrapper's too)
+        self._targets: torch.Tensor | None = None
+        head.forward = self._forward  # an instance attribute: nn.Module.__call__ and its hooks call it
+
+    @classmethod
+    def attach(cls, model: torch.nn.Module, chunks: int) -> ChunkedLoss | None:
+        """Chunk ``model``'s loss into ``chunks`` pieces (None, and the model untouched, for 0)."""
+        if not chunks:
+            return None
+        return cls(model.get_output_embeddings(), chunks)
+
+    @contextlib.contextmanager
+    def targets(self, labels: torch.Tensor) -> Iterator[None]:
+        """While open, the projection returns the summed loss against ``labels`` (B, T): the target of
+        every position the model reads, IGNORE_INDEX where none."""
+        self._targets = labels
+        try:
+            yield
+        finally:
+            self._targets = None
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._targets is None:
+            return self._project(hidden)
+        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        for h, y in zip(hidden.chunk(self.chunks, dim=1), self._targets.chunk(self.chunks, dim=1)):
+            total = total + checkpoint(self._chunk_loss, h, y, use_reentrant=False)  # (B, T/N, C), (B, T/N)
+        return total
+
+    def _chunk_loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # through the module's __call__, so engines that hook it (DeepSpeed ZeRO-3 gathers its weight) do so
+        # for each chunk, in forward and in the recomputation in backward; targets are hidden meanwhile
+        held, self._targets = self._targets, None
+        try:
+            logits = self.head(hidden)  # (B, T/N, V)
+        finally:
+            self._targets = held
+        return F.cross_entropy(
+            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+
+
+def token_loss_sum(
+    model, tokens: torch.Tensor, labels: torch.Tensor, precision, device, chunked: ChunkedLoss | None = None
+) -> torch.Tensor:
     """Summed next-token cross-entropy over supervised positions, from fp32 logits.
 
     Args:
         tokens: (B, T+1) token ids; the model reads tokens[:, :-1].
         labels: (B, T+1) targets with IGNORE_INDEX where no loss is taken; scored on labels[:, 1:].
+        chunked: the model's ``ChunkedLoss`` when ``strategy.loss_chunks`` is on.
     """
+    if chunked is not None:
+        with precision.autocast(device), chunked.targets(labels[:, 1:]):
+            return model(input_ids=tokens[:, :-1]).logits  # the summed loss, chunk by chunk
     with precision.autocast(device):
         logits = model(input_ids=tokens[:, :-1]).logits  # (B, T, V)
     return F.cross_entropy(

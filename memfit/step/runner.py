@@ -13,7 +13,7 @@ import torch
 
 from memfit.distributed.engines import clip_grad_norm
 from memfit.distributed.runtime import DistContext
-from memfit.step.loss import global_token_count, token_loss_sum
+from memfit.step.loss import ChunkedLoss, global_token_count, token_loss_sum
 from memfit.strategies.precision import Precision
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), each (B, T+1)
@@ -52,6 +52,7 @@ class StepRunner:
     scaler: torch.amp.GradScaler | None = None
     ctx: DistContext = field(default_factory=DistContext)
     grad_sync: Callable[[bool], Any] = _no_sync_needed
+    chunked: ChunkedLoss | None = None  # strategy.loss_chunks: the loss computed chunk by chunk
 
     def step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over ``batches`` (gradient accumulation), clip, optimizer step, free grads.
@@ -69,7 +70,7 @@ class StepRunner:
             tokens = tokens.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             with self.grad_sync(i == len(batches) - 1):
-                loss = token_loss_sum(self.model, tokens, labels, self.precision, self.device) / n_tokens
+                loss = token_loss_sum(self.model, tokens, labels, self.precision, self.device, self.chunked) / n_tokens
                 scaled = loss * world if world > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach()
@@ -91,8 +92,8 @@ class DeepSpeedRunner:
     """One optimizer step through a DeepSpeed engine: ``backward`` and ``step`` per micro-batch
     (DeepSpeed applies the optimizer at its accumulation boundary, clipping as configured)."""
 
-    def __init__(self, engine, ctx: DistContext, device: torch.device):
-        self.engine, self.ctx, self.device = engine, ctx, device
+    def __init__(self, engine, ctx: DistContext, device: torch.device, chunked: ChunkedLoss | None = None):
+        self.engine, self.ctx, self.device, self.chunked = engine, ctx, device, chunked
 
     def step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         n_tokens = global_token_count(batches, self.ctx, self.device)
@@ -101,7 +102,7 @@ class DeepSpeedRunner:
         no_autocast = Precision("deepspeed", torch.float32, None, False)  # DeepSpeed casts the module itself
         for tokens, labels in batches:
             tokens, labels = tokens.to(self.device), labels.to(self.device)
-            loss = token_loss_sum(self.engine, tokens, labels, no_autocast, self.device) / n_tokens
+            loss = token_loss_sum(self.engine, tokens, labels, no_autocast, self.device, self.chunked) / n_tokens
             # the loss is already normalised over the whole step: no division by accumulation steps
             self.engine.backward(loss * world, scale_wrt_gas=False)
             self.engine.step()

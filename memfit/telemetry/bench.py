@@ -37,8 +37,9 @@ LOSS_TOLERANCE = {"fp32": 1e-3}  # relative; others (bf16/fp16) use DEFAULT_TOLE
 DEFAULT_TOLERANCE = 3e-2
 
 
-BENCH_AXES = ("activation_checkpointing", "precision", "micro_batch_size")
-"""Levers every cell sets explicitly (the others follow the base config, except a multi-rank cell's ZeRO stage)."""
+BENCH_AXES = {"activation_checkpointing": "none,full", "precision": "fp32", "loss_chunks": "0", "micro_batch_size": "2"}
+"""Levers every cell sets explicitly, with the command's default values (the others follow the base config,
+except a multi-rank cell's ZeRO stage)."""
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Cell:
     strategy: Strategy  # grad_accum_steps is derived from the global batch when the cell's command is built
     lora: bool
     nproc: int = 1  # ranks: 1 runs one process, more run torchrun with strategy.zero_stage
-    axes: tuple[str, ...] = BENCH_AXES  # the levers this cell passes to memfit train
+    axes: tuple[str, ...] = tuple(BENCH_AXES)  # the levers this cell passes to memfit train
     status: str = "pending"  # ok | oom | failed
     median_step_time_s: float | None = None
     step_time_spread_s: float | None = None
@@ -72,7 +73,8 @@ class Cell:
         s = self.strategy
         ranks = "" if self.nproc == 1 else f"_zero{s.zero_stage}x{self.nproc}"
         ac = str(s.activation_checkpointing).replace(":", "")
-        return f"ac-{ac}_{s.precision}_mb{s.micro_batch_size}_{'lora' if self.lora else 'full'}{ranks}"
+        chunks = f"_ce{s.loss_chunks}" if s.loss_chunks else ""
+        return f"ac-{ac}_{s.precision}{chunks}_mb{s.micro_batch_size}_{'lora' if self.lora else 'full'}{ranks}"
 
     def as_dict(self) -> dict[str, Any]:
         """The cell for ``results.json``: its levers by name beside what was measured."""

@@ -40,7 +40,7 @@ from memfit.planner.search import (
     step_allocations,
 )
 from memfit.planner.sharding import ShardingSpec
-from memfit.step.loss import supervised_tokens, token_loss_sum
+from memfit.step.loss import ChunkedLoss, supervised_tokens, token_loss_sum
 from memfit.step.runner import DeepSpeedRunner, StepEngine, StepRunner
 from memfit.strategies.allocator import (
     apply_allocator_env,
@@ -180,6 +180,7 @@ class Trainer:
             self.notes.append("train.record_memory_history / snapshot_at_step apply to CUDA/ROCm devices only")
         model = self._plain_model()
         self.wrapped = apply_activation_checkpointing(model, cfg.strategy.activation_checkpointing)
+        self.chunked = ChunkedLoss.attach(model, self.strategy.loss_chunks)  # before any engine wraps the model
         model = model.to(self.device)
 
         if self.kind == "deepspeed":
@@ -201,6 +202,7 @@ class Trainer:
                 self.scaler,
                 ctx,
                 self.par.grad_sync,
+                self.chunked,
             )
         self.runner: StepEngine
         self.model, self.optimizer, self.params = self.par.module, self.par.optimizer, self.par.params
@@ -231,7 +233,7 @@ class Trainer:
         self.scaler = None
         no_autocast = Precision(self.precision.name, self.precision.param_dtype, None, False)
         return Parallel("deepspeed", engine, engine.module, optimizer, params, no_autocast), DeepSpeedRunner(
-            engine, self.ctx, self.device
+            engine, self.ctx, self.device, self.chunked
         )
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
@@ -283,7 +285,7 @@ class Trainer:
         total, count = 0.0, 0
         for tokens, labels in self.eval:
             tokens, labels = tokens.to(self.device), labels.to(self.device)
-            total += float(token_loss_sum(model, tokens, labels, self.par.precision, self.device))
+            total += float(token_loss_sum(model, tokens, labels, self.par.precision, self.device, self.chunked))
             count += int(supervised_tokens(labels))
         model.train()
         return total / max(1, count)
@@ -411,6 +413,8 @@ class Trainer:
         result = TrainResult(self.run.root)
         display = TrainDisplay(t.max_steps, state.step, self.display_console, enabled=ctx.is_main)
         label = f"{device_name(self.device)}, {self.precision.name}, AC {cfg.strategy.activation_checkpointing}"
+        if self.chunked is not None:
+            label += f", loss in {self.chunked.chunks} chunks"
         ranks = ""
         if ctx.distributed:
             ranks = f" x {ctx.world_size} ranks ({self.kind}, ZeRO-{cfg.distributed.zero_stage}, {ctx.backend})"

@@ -23,7 +23,15 @@ def test_every_strategy_field_is_a_lever_whose_config_key_exists():
 
 
 def test_a_strategy_round_trips_through_train_overrides():
-    strategy = Strategy(CheckpointPolicy("every_k", 3), "bf16-pure", "for-loop", 4, 2, 3)
+    strategy = Strategy(
+        activation_checkpointing=CheckpointPolicy("every_k", 3),
+        precision="bf16-pure",
+        loss_chunks=8,
+        optimizer="for-loop",
+        micro_batch_size=4,
+        zero_stage=2,
+        grad_accum_steps=3,
+    )
     cfg = load_config(None, strategy.overrides())
     assert run_strategy(cfg, cfg.strategy.precision, cfg.optimizer.implementation, world_size=2) == strategy
 
@@ -51,8 +59,8 @@ def test_each_lever_parses_user_text_and_names_the_flag_on_error(name, bad):
 
 def test_candidates_walk_searched_levers_in_field_order_last_fastest():
     combos = list(candidates({"precision": "fp32"}, {"micro_batch_size": (1, 2), "zero_stage": (0,)}))
-    searched_ac = levers()["activation_checkpointing"].searched
-    assert len(combos) == len(searched_ac) * 1 * 3 * 2 * 1
+    n_ac, n_chunks = (len(levers()[name].searched) for name in ("activation_checkpointing", "loss_chunks"))
+    assert len(combos) == n_ac * 1 * n_chunks * 3 * 2 * 1  # ac x precision x chunks x optimizer x micro x zero
     assert [c["micro_batch_size"] for c in combos[:2]] == [1, 2]
     assert {c["precision"] for c in combos} == {"fp32"}
 

@@ -30,7 +30,12 @@ def test_trace_matches_profiler_on_tiny(ac, precision, lora):
     spec = StepSpec(
         preset_config("tiny"),
         128,
-        Strategy(CheckpointPolicy.parse(ac), precision, "foreach", 4),
+        Strategy(
+            activation_checkpointing=CheckpointPolicy.parse(ac),
+            precision=precision,
+            optimizer="foreach",
+            micro_batch_size=4,
+        ),
         LoraConfig(enabled=True) if lora else None,
     )
     assert_within_3pct_per_category(trace_step(spec).peak, measured_steady_step(spec))
@@ -41,6 +46,30 @@ def assert_within_3pct_per_category(predicted, measured):
     for c in Category:
         assert abs(predicted[c] - measured[c]) <= 0.03 * measured[c], (c, predicted.as_dict(), measured.as_dict())
     assert abs(predicted.total_bytes - measured.total_bytes) <= 0.03 * measured.total_bytes
+
+
+@pytest.mark.parametrize(
+    "ac, precision, lora", [("none", "fp32", False), ("ffn", "bf16-mixed", True), ("full", "bf16-pure", False)]
+)
+def test_planner_predicts_a_chunked_loss_as_the_profiler_measures_it(ac, precision, lora):
+    """strategy.loss_chunks=4 on a 6-layer model: the planner's prediction (unchunked extrapolation with the
+    chunked loss segments shifted in) against torch.profiler on a real step, per category within 3%; and
+    the lever saves what the measurement says it saves."""
+    cfg = copy.deepcopy(preset_config("tiny"))
+    cfg.num_hidden_layers = 6
+    strategy = Strategy(
+        activation_checkpointing=CheckpointPolicy.parse(ac),
+        precision=precision,
+        optimizer="foreach",
+        micro_batch_size=2,
+        loss_chunks=4,
+    )
+    lora_cfg = LoraConfig(enabled=True) if lora else None
+    predicted = Predictor(StepSpec(cfg, 256, lora=lora_cfg)).predict(strategy).peak
+    measured = measured_steady_step(StepSpec(cfg, 256, strategy, lora_cfg))
+    assert_within_3pct_per_category(predicted, measured)
+    plain = measured_steady_step(StepSpec(cfg, 256, strategy.replace(loss_chunks=0), lora_cfg))
+    assert measured.total_bytes < plain.total_bytes
 
 
 @pytest.mark.parametrize("follow_real_path", [True, False], ids=["as-on-real-tensors", "fake-only-path"])
@@ -88,7 +117,12 @@ def test_extrapolation_equals_full_trace_on_8_layers(ac, lora):
         spec = StepSpec(
             cfg,
             64,
-            Strategy(CheckpointPolicy.parse(ac), precision, "foreach", 2),
+            Strategy(
+                activation_checkpointing=CheckpointPolicy.parse(ac),
+                precision=precision,
+                optimizer="foreach",
+                micro_batch_size=2,
+            ),
             LoraConfig(enabled=True) if lora else None,
         )
         full, extrapolated = trace_step(spec), extrapolated_step(spec)
@@ -116,7 +150,17 @@ def test_backward_visits_each_layer_region_once_in_order(ac):
     cfg._attn_implementation = "sdpa"
     for lora in (LoraConfig(enabled=True), None):
         phases = trace_timeline(
-            StepSpec(cfg, 128, Strategy(CheckpointPolicy.parse(ac), "bf16-pure", "foreach", 2), lora)
+            StepSpec(
+                cfg,
+                128,
+                Strategy(
+                    activation_checkpointing=CheckpointPolicy.parse(ac),
+                    precision="bf16-pure",
+                    optimizer="foreach",
+                    micro_batch_size=2,
+                ),
+                lora,
+            )
         ).phases
         runs = [p for i, p in enumerate(phases) if p.startswith("backward:") and (i == 0 or phases[i - 1] != p)]
         assert runs == ["backward:outer", "backward:last", "backward:mid", "backward:first"], runs
@@ -127,10 +171,39 @@ def test_predictor_over_batch_sizes_and_accumulation_equals_direct_traces():
     cfg.num_hidden_layers = 6
     predictor = Predictor(StepSpec(cfg, 64))
     for ac, mb, accum in (("none", 1, 1), ("ffn", 4, 1), ("full", 5, 2), ("every_k:2", 3, 1)):
-        strategy = Strategy(CheckpointPolicy.parse(ac), "bf16-mixed", "foreach", mb, grad_accum_steps=accum)
+        strategy = Strategy(
+            activation_checkpointing=CheckpointPolicy.parse(ac),
+            precision="bf16-mixed",
+            optimizer="foreach",
+            micro_batch_size=mb,
+            grad_accum_steps=accum,
+        )
         predicted = predictor.predict(strategy).peak_bytes
         direct = trace_step(StepSpec(cfg, 64, strategy)).peak_bytes
         assert abs(predicted - direct) / direct <= 0.005, (ac, mb, accum, predicted, direct)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_predicted_chunked_loss_equals_direct_traces_per_category(precision):
+    """A chunked loss is predicted as the unchunked extrapolation plus what chunking changes, traced once
+    at two layers without checkpointing; it holds at 8 layers, for every policy, micro-batch and chunk count."""
+    cfg = copy.deepcopy(preset_config("tiny"))
+    cfg.num_hidden_layers = 8
+    predictor = Predictor(StepSpec(cfg, 128))
+    for ac, mb, chunks in (("none", 2, 4), ("ffn", 3, 8), ("full", 4, 4), ("every_k:2", 1, 2)):
+        strategy = Strategy(
+            activation_checkpointing=CheckpointPolicy.parse(ac),
+            precision=precision,
+            optimizer="foreach",
+            micro_batch_size=mb,
+            loss_chunks=chunks,
+        )
+        predicted, direct = predictor.predict(strategy), trace_step(StepSpec(cfg, 128, strategy))
+        plain = trace_step(StepSpec(cfg, 128, strategy.replace(loss_chunks=0)))
+        assert direct.peak_bytes < plain.peak_bytes, (ac, mb)  # it saves memory at all
+        for c in Category:
+            assert abs(predicted.peak[c] - direct.peak[c]) <= 0.005 * direct.peak_bytes, (ac, mb, c)
+        assert abs(predicted.peak_bytes - direct.peak_bytes) <= 0.005 * direct.peak_bytes, (ac, mb, chunks)
 
 
 def test_zero_model_states_follow_the_paper():
@@ -200,7 +273,9 @@ def test_parallel_traces_give_the_same_plan_as_serial(monkeypatch):
         monkeypatch.setenv("MEMFIT_PLAN_WORKERS", workers)
         r = search(w, Cluster(gpu_preset("a100-40g"), 2), Pins({"precision": "bf16-mixed", "optimizer": "fused"}))
         plans.append([(c.strategy, c.memory, c.reserved_bytes) for c in r.fitting + r.pruned])
-        assert r.traces == 4 * 4 + 2  # 4 AC policies x (2 depths x 2 batch sizes) + the fused optimizer at 2 depths
+        # 4 AC policies x (2 depths x 2 batch sizes) + the fused optimizer at 2 depths + the chunked loss
+        # at 2 layers, chunked and not, without checkpointing (the unchunked one is also AC none's shallow trace)
+        assert r.traces == 4 * 4 + 2 + 2
     assert plans[0] == plans[1]
 
 
@@ -254,7 +329,12 @@ def test_planner_matches_profiler_on_real_smollm2(embedded_dir, ac, precision, l
     spec = StepSpec(
         model_config(source, ModelConfig()),
         64,
-        Strategy(CheckpointPolicy.parse(ac), precision, "foreach", 1),
+        Strategy(
+            activation_checkpointing=CheckpointPolicy.parse(ac),
+            precision=precision,
+            optimizer="foreach",
+            micro_batch_size=1,
+        ),
         LoraConfig(enabled=True) if lora else None,
     )
     model = build_model(source, ModelConfig(), precision_policy(precision).param_dtype, seed=0)
@@ -329,7 +409,14 @@ def test_traced_step_replays_through_the_allocator_model():
     from memfit.allocator.whatif import replay_allocations
     from memfit.planner.trace import trace_allocations, trace_timeline
 
-    spec = StepSpec(preset_config("tiny"), 64, Strategy(CheckpointPolicy("ffn"), "fp32", "foreach", 2), round_to=512)
+    spec = StepSpec(
+        preset_config("tiny"),
+        64,
+        Strategy(
+            activation_checkpointing=CheckpointPolicy("ffn"), precision="fp32", optimizer="foreach", micro_batch_size=2
+        ),
+        round_to=512,
+    )
     model = replay_allocations(trace_allocations(spec))
     first_step_peak = trace_timeline(spec).step_memory().peak_bytes
     assert model.peak_reserved >= model.peak_allocated >= first_step_peak
@@ -348,7 +435,12 @@ def test_second_traced_step_is_the_steady_state_of_the_allocator_model(lora):
     spec = StepSpec(
         preset_config("tiny"),
         64,
-        Strategy(CheckpointPolicy("ffn"), "bf16-mixed", "foreach", 2),
+        Strategy(
+            activation_checkpointing=CheckpointPolicy("ffn"),
+            precision="bf16-mixed",
+            optimizer="foreach",
+            micro_batch_size=2,
+        ),
         LoraConfig(enabled=True) if lora else None,
         round_to=512,
     )

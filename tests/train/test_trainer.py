@@ -59,6 +59,31 @@ def test_strategies_train(tiny_cfg, extra):
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in result.steps)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_chunked_loss_trains_the_same_losses_and_the_planner_sees_it_smaller(tiny_cfg, tmp_path, lora):
+    """strategy.loss_chunks=4 through the whole trainer (train steps, eval, plan check, banner): the same
+    losses as the whole-logits loss in fp32, and a smaller predicted peak."""
+    results, trainers = [], []
+    for chunks in (0, 4):
+        trainer = Trainer(
+            tiny_cfg(
+                "train.max_steps=3",
+                f"lora.enabled={str(lora).lower()}",
+                f"strategy.loss_chunks={chunks}",
+                f"output.dir={tmp_path}/c{chunks}",
+            )
+        )
+        assert trainer.strategy.loss_chunks == chunks and (trainer.chunked is not None) == bool(chunks)
+        trainers.append(trainer)
+        results.append(trainer.fit())
+    (plain, chunked), (tp, tc) = results, trainers
+    for a, b in zip(plain.steps, chunked.steps):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    for a, b in zip(plain.evals, chunked.evals):
+        assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-5)
+    assert tc.predicted.peak_bytes < tp.predicted.peak_bytes
+
+
 def test_grad_accumulation_equals_bigger_batch(tiny_cfg, tmp_path):
     """Two micro-batches of 2 accumulate to the same step as one batch of 4 (token-normalised)."""
     a = Trainer(
@@ -270,6 +295,7 @@ def test_summary_reports_fragmentation_readings_from_gpu_step_records():
 
     from memfit.telemetry.display import summary_tables
     from memfit.telemetry.readings import StateBytes
+    from memfit.telemetry.summary import summarize
 
     gib = 1 << 30
     base = {
@@ -286,9 +312,11 @@ def test_summary_reports_fragmentation_readings_from_gpu_step_records():
         {**base, "step": 2, "fragmentation_ratio": 0.35},
         {**base, "step": 3, "fragmentation_at_peak": 0.5},
     ]
-    run, mem, summary = summary_tables(
+    summarized = summarize(
         steps, [], StateBytes(gib, gib, 0, 0, 10, 10), 0, "cuda:0", modelled_reserved_bytes=int(3.3 * gib)
     )
+    run, mem = summary_tables(summarized)
+    summary = summarized.record()
     assert summary["max_fragmentation_ratio"] == 0.35 and summary["fragmentation_at_peak"] == 0.5
     assert summary["modelled_peak_reserved_bytes"] == int(3.3 * gib)
     console = Console(record=True, width=160)
