@@ -25,13 +25,16 @@ Parts, each in its own subprocess(es) with its own time limit, so one failure le
    ``max_memory_reserved()`` (the ``modelled reserved GiB`` column; each cell traces and replays its
    two steps on the machine's CPU before allocating).
 
+5. ``bench-chunks`` (levers issue): the same 7B-shaped LoRA cell, bf16-mixed, AC none and full, with the
+   loss whole and in 8 chunks (``strategy.loss_chunks``): what chunking saves on a GPU, beside the planner.
+
 Parts run only when named in ``--parts``:
 
-5. ``diag``: one bench cell (7B LoRA, ffn, bf16-pure) once more, its last step both profiled (torch.profiler's
+6. ``diag``: one bench cell (7B LoRA, ffn, bf16-pure) once more, its last step both profiled (torch.profiler's
    memory events, written to ``diag_events.json.gz``) and traced by the allocator (``diag_snapshot.pickle.gz``),
    then ``memfit frag --simulate`` on that snapshot (its plots come back as ``diag_*.png``).
-6. ``oom``: a cell under ``allocator.memory_fraction=0.25`` must exit 3 with the bytes requested and a snapshot.
-7. ``exporter``: ``memfit exporter`` on loopback, scraped and parsed with prometheus_client.
+7. ``oom``: a cell under ``allocator.memory_fraction=0.25`` must exit 3 with the bytes requested and a snapshot.
+8. ``exporter``: ``memfit exporter`` on loopback, scraped and parsed with prometheus_client.
 
 ``--budget-s`` bounds the whole run: each part's time limit is clipped to what is left, and a part with
 under 30 s left is skipped. Work files live in a temporary directory, so only the summaries, tables and
@@ -441,7 +444,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"))
     ap.add_argument("--smoke", action="store_true", help="tiny preset on CPU: checks this script, measures nothing")
-    ap.add_argument("--parts", default="doctor,replay,layout,bench-lora,bench-full")
+    ap.add_argument("--parts", default="doctor,replay,layout,bench-lora,bench-full,bench-chunks")
     ap.add_argument("--budget-s", type=float, default=480, help="all parts end within this many seconds")
     ap.add_argument("--layout-worker", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--diag-worker", metavar="JSON", help=argparse.SUPPRESS)
@@ -470,6 +473,18 @@ def main() -> int:
         ns.replay_cell = ["strategy.precision=fp32", "train.micro_batch_size=2"]
         ns.lora = ["--ac", "none,full", "--precision", "fp32", "--micro-batch", "2", "--lora", "true"]
         ns.full = ["--ac", "full", "--precision", "fp32", "--micro-batch", "2", "--lora", "false"]
+        ns.chunks = [
+            "--ac",
+            "none",
+            "--precision",
+            "fp32",
+            "--micro-batch",
+            "2",
+            "--lora",
+            "true",
+            "--loss-chunks",
+            "0,4",
+        ]
         ns.diag_cell = [
             "strategy.precision=fp32",
             "strategy.activation_checkpointing=ffn",
@@ -504,6 +519,18 @@ def main() -> int:
             "true",
         ]
         ns.full = ["--ac", "full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "false"]
+        ns.chunks = [
+            "--ac",
+            "none,full",
+            "--precision",
+            "bf16-mixed",
+            "--micro-batch",
+            "4",
+            "--lora",
+            "true",
+            "--loss-chunks",
+            "0,8",
+        ]
         ns.diag_cell = [
             "strategy.precision=bf16-pure",
             "strategy.activation_checkpointing=ffn",
@@ -534,6 +561,7 @@ def main() -> int:
         "layout": lambda log: part_layout(ns, out, log),
         "bench-lora": lambda log: part_bench(ns, out, log, "bench_lora", ns.lora),
         "bench-full": lambda log: part_bench(ns, out, log, "bench_full", ns.full),
+        "bench-chunks": lambda log: part_bench(ns, out, log, "bench_chunks", ns.chunks),
         "diag": lambda log: part_diag(ns, out, log),
         "oom": lambda log: part_oom(ns, out, log),
         "exporter": lambda log: part_exporter(ns, out, log),

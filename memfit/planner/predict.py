@@ -201,9 +201,7 @@ class Predictor:
         regions.update(self._optimizer_moments(self._optimizer_spec(spec, strategy.optimizer)))
         cats = list(Category)
         gi, oi = cats.index(Category.GRADS), cats.index(Category.OPTIMIZER)
-        # every gradient, as held from the end of backward on (not a backward moment's max: there the tracker
-        # may see a summed gradient beside the buffer real tensors sum into in place)
-        g_total = regions["clip"][gi] if "clip" in regions else max(row[gi] for row in regions.values())
+        g_total = max(row[gi] for row in regions.values())
         grads_done = {k: (row[gi] / g_total if g_total else 0.0) for k, row in regions.items()}
         state = max(row[oi] for row in regions.values())  # created lazily in step 1, whole afterwards
         steady = {}

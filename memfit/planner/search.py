@@ -1,7 +1,8 @@
 """Search: every candidate configuration's per-rank peak, whether it fits, and how fast it should be.
 
-Candidates are checkpointing policy x precision x ZeRO stage x micro-batch (with the gradient
-accumulation that keeps the global batch) x optimizer implementation. Memory comes from the
+Candidates are every combination of the ``Strategy`` levers (``memfit.config.strategy``): checkpointing
+policy x precision x loss chunks x optimizer implementation x micro-batch (with the gradient accumulation
+that keeps the global batch) x ZeRO stage. Memory comes from the
 ``Predictor`` (traces of the trainer's own step) and ``sharding.per_rank``; on top of the predicted
 allocated peak the allocator keeps cached blocks and the runtime its context, modelled in the
 table as ``reserved = peak x (1 + ALLOCATOR_MARGIN) + CONTEXT_BYTES`` (a full-depth replay through

@@ -40,6 +40,10 @@ ENGINES = {
     "deepspeed-zero2": ("distributed.engine=deepspeed", "distributed.zero_stage=2"),
     "deepspeed-zero3": ("distributed.engine=deepspeed", "distributed.zero_stage=3"),
 }
+CHUNKED = {  # strategy.loss_chunks under every kind of engine: the projection's weight is tied, sharded or gathered
+    f"{name}-chunked": (*ENGINES[name], "strategy.loss_chunks=4")
+    for name in ("fsdp2-zero3", "ddp-zero1", "deepspeed-zero3")
+}
 
 
 def _memfit(args, nproc=None, popen=False, timeout=300, extra_flags=()):
@@ -75,7 +79,7 @@ def runs(tmp_path_factory, embedded_dir):
     code, _, err = _memfit(tiny_overrides(root / "single", *COMMON, "output.export=true"))
     assert code == 0, err[-3000:]
     out["single"] = root / "single"
-    for name, extra in ENGINES.items():
+    for name, extra in {**ENGINES, **CHUNKED}.items():
         export = ("output.export=true",) if name == "deepspeed-zero3" else ()  # the consolidation test reads it
         args = tiny_overrides(root / name, *COMMON, *extra, f"distributed.deepspeed_config={ds_json}", *export)
         code, _, err = _memfit(args, nproc=2)
@@ -93,6 +97,13 @@ def test_two_ranks_reproduce_the_single_process_loss_curve(runs, engine):
     want_norm = [r["grad_norm"] for r in _steps(runs["single"])]
     if not engine.startswith("deepspeed"):  # DeepSpeed reports the norm of its flat fp32 partitions
         assert _close([r["grad_norm"] for r in _steps(runs[engine])], want_norm, 1e-3)
+
+
+@pytest.mark.parametrize("engine", list(CHUNKED))
+def test_a_chunked_loss_on_two_ranks_reproduces_the_single_process_loss_curve(runs, engine):
+    want = [r["loss"] for r in _steps(runs["single"])]
+    got = [r["loss"] for r in _steps(runs[engine])]
+    assert len(got) == STEPS and _close(got, want, 1e-4), f"{engine}: {got} vs {want}"
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))

@@ -53,8 +53,9 @@ def assert_within_3pct_per_category(predicted, measured):
 )
 def test_planner_predicts_a_chunked_loss_as_the_profiler_measures_it(ac, precision, lora):
     """strategy.loss_chunks=4 on a 6-layer model: the planner's prediction (unchunked extrapolation with the
-    chunked loss segments shifted in) against torch.profiler on a real step, per category within 3%; and
-    the lever saves what the measurement says it saves."""
+    chunked loss segments shifted in) against torch.profiler on a real step, per category within 3% (for a
+    full fine-tune gradients and temporaries together: the projection's gradient is summed over the chunks,
+    see the tracker's known limitations); and the lever saves what the measurement says it saves."""
     cfg = copy.deepcopy(preset_config("tiny"))
     cfg.num_hidden_layers = 6
     strategy = Strategy(
@@ -67,7 +68,20 @@ def test_planner_predicts_a_chunked_loss_as_the_profiler_measures_it(ac, precisi
     lora_cfg = LoraConfig(enabled=True) if lora else None
     predicted = Predictor(StepSpec(cfg, 256, lora=lora_cfg)).predict(strategy).peak
     measured = measured_steady_step(StepSpec(cfg, 256, strategy, lora_cfg))
-    assert_within_3pct_per_category(predicted, measured)
+    if lora:
+        assert_within_3pct_per_category(predicted, measured)
+    else:  # the projection's gradient, summed over the chunks: see the tracker's known limitations
+        merged = (Category.GRADS, Category.TEMPORARIES)
+        for c in Category:
+            if c not in merged:
+                assert abs(predicted[c] - measured[c]) <= 0.03 * measured[c], (
+                    c,
+                    predicted.as_dict(),
+                    measured.as_dict(),
+                )
+        both = sum(predicted[c] for c in merged), sum(measured[c] for c in merged)
+        assert abs(both[0] - both[1]) <= 0.03 * both[1]
+        assert abs(predicted.total_bytes - measured.total_bytes) <= 0.03 * measured.total_bytes
     plain = measured_steady_step(StepSpec(cfg, 256, strategy.replace(loss_chunks=0), lora_cfg))
     assert measured.total_bytes < plain.total_bytes
 
