@@ -44,14 +44,23 @@ def run(ns) -> int:
         raise UserError(
             f"--zero takes stages 0-3 (got '{ns.zero}') and --nproc-per-node >= 2 (got {ns.nproc_per_node})"
         )
+    if ns.steps < 1 or ns.warmup < 0:
+        raise UserError(f"--steps must be >= 1 and --warmup >= 0 (got {ns.steps}, {ns.warmup})")
     cells = matrix(axes(ns), loras, zeros, ns.nproc_per_node)
     micro = [c.strategy.micro_batch_size for c in cells]
     global_batch = ns.global_batch or max(micro) * max(c.nproc for c in cells)
+    for c in cells:  # every cell checked before anything is written
+        per_pass = c.strategy.micro_batch_size * c.nproc
+        if global_batch < 1 or global_batch % per_pass:
+            raise UserError(
+                f"--global-batch {global_batch} is not a positive multiple of micro-batch "
+                f"{c.strategy.micro_batch_size} x {c.nproc} rank(s) (cell {c.name}); pick a multiple of {per_pass}"
+            )
+    mem_limit = parse_memory(ns.mem_limit, "--mem-limit") if ns.mem_limit else None
     out = Path(ns.out or f"runs/bench-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out '{out}' is not empty; choose a new directory")
     out.mkdir(parents=True, exist_ok=True)
-    mem_limit = parse_memory(ns.mem_limit, "--mem-limit") if ns.mem_limit else None
     console = Console(stderr=True)
     for i, cell in enumerate(cells, 1):
         run_cell(config, cell, out, ns.warmup, ns.steps, global_batch, ns.set, mem_limit)

@@ -9,6 +9,8 @@ from memfit.telemetry.prometheus import serve_exporter
 
 
 def run(ns) -> int:
+    if not 0 <= ns.port <= 65535:
+        raise UserError(f"--port must be in 0..65535 (got {ns.port}); 0 picks a free port")
     try:
         server, backend = serve_exporter(ns.port, ns.host)
     except OSError as e:

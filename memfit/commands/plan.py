@@ -185,7 +185,7 @@ def run(ns) -> int:
     if req.global_batch is None:
         per_gpu = pinned.get("micro_batch_size", 4) * (req.grad_accum or 1)
         req.global_batch = per_gpu * cluster.world_size
-    seq_len = req.seq_len or 2048
+    seq_len = 2048 if req.seq_len is None else req.seq_len
     if seq_len <= 0 or req.global_batch <= 0:
         raise UserError(f"--seq-len and --global-batch must be > 0 (got {seq_len}, {req.global_batch})")
     workload = Workload(config_for_planning(req.model), req.model, seq_len, req.global_batch, req.lora)

@@ -8,6 +8,7 @@ name the dotted field the user typed, e.g. ``train.micro_batch_size must be > 0 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -259,7 +260,16 @@ def check(cfg: RunConfig) -> RunConfig:
     ):
         _need(value >= 0, f"{name} must be >= 0 (got {value})")
     _need(0 < d.eval_fraction < 0.5, f"data.eval_fraction must be in (0, 0.5) (got {d.eval_fraction})")
-    _need(o.lr > 0, f"optimizer.lr must be > 0 (got {o.lr})")
+    _need(math.isfinite(o.lr) and o.lr > 0, f"optimizer.lr must be a finite number > 0 (got {o.lr})")
+    for name, value in (
+        ("optimizer.weight_decay", o.weight_decay),
+        ("optimizer.eps", o.eps),
+        ("optimizer.grad_clip", o.grad_clip),
+        ("optimizer.min_lr_ratio", o.min_lr_ratio),
+        ("data.eval_fraction", d.eval_fraction),
+        ("lora.alpha", lo.alpha),
+    ):
+        _need(math.isfinite(value), f"{name} must be a finite number (got {value})")
     _need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optimizer.beta1/beta2 must be in [0, 1) (got {o.beta1}, {o.beta2})")
     _need(0 <= o.min_lr_ratio <= 1, f"optimizer.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
     _need(0 <= lo.dropout < 1, f"lora.dropout must be in [0, 1) (got {lo.dropout})")

@@ -8,6 +8,7 @@ model built in the precision's parameter dtype; LoRA adapters before activation-
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -476,6 +477,7 @@ class Trainer:
                         (loss, grad_norm), profiled = self._profiled_step(batches)
                     else:
                         loss, grad_norm = self.train_step(batches)
+                    self._check_finite(step, loss, grad_norm)
                     if states_at_step is None:
                         states_at_step = state_bytes(self.model, self.par.local_optimizer())  # grads still alive here
                     self.runner.zero_grad()
@@ -554,6 +556,22 @@ class Trainer:
             display.print(table)
         result.summary = summary
         return result
+
+    def _check_finite(self, step: int, loss: float, grad_norm: float) -> None:
+        """Stop before a non-finite step is checkpointed or exported (fp16 loss scaling skips overflowing
+        steps itself: there only the loss is checked).
+
+        Raises:
+            UserError: naming the step, the value and what to change.
+        """
+        scaled = self.precision.grad_scaler or self.kind == "deepspeed"
+        if math.isfinite(loss) and (scaled or math.isfinite(grad_norm)):
+            return
+        raise UserError(
+            f"step {step}: the loss is {loss} and the gradient norm {grad_norm}; training stopped, nothing of it "
+            f"is checkpointed or exported; lower optimizer.lr ({self.cfg.optimizer.lr:g}), keep "
+            "optimizer.grad_clip > 0, or use fp32/bf16-mixed precision"
+        )
 
     def _out_of_memory(self, step: int, requested: int) -> OutOfMemoryExit:
         """Dump a snapshot on a GPU, record the failure as an ``oom`` record in ``metrics.jsonl``, and say what
