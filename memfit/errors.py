@@ -56,4 +56,16 @@ def print_user_error(e: UserError) -> None:
     if getattr(e, "echo", True):
         rank = os.environ.get("RANK")
         where = f"[rank {rank}] " if rank not in (None, "0") else ""
-        print(f"memfit: error: {where}{e}", file=sys.stderr, flush=True)
+        print(f"memfit: error: {where}{one_line(str(e))}", file=sys.stderr, flush=True)
+
+
+MAX_MESSAGE_CHARS = 2000
+
+
+def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``message`` on one line, cut to ``limit`` characters (a value echoed back can be huge: a YAML alias
+    bomb expands to hundreds of MB)."""
+    message = " ".join(message.split("\n"))
+    if len(message) <= limit:
+        return message
+    return f"{message[:limit]}... ({len(message) - limit} more characters cut)"

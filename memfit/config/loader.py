@@ -18,6 +18,21 @@ from memfit.config.strategy import CheckpointPolicy
 from memfit.errors import UserError, did_you_mean
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise UserError(
+                    f"{self.name}:{key_node.start_mark.line + 1}: key '{key}' is given twice in one section; keep one"
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -119,7 +134,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not p.is_file():
             raise UserError(f"config file '{p}' does not exist; pass a YAML file (see configs/)")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            with p.open(encoding="utf-8") as fh:  # a named stream: errors carry the path
+                data = yaml.load(fh, Loader=_UniqueKeyLoader) or {}
+        except UnicodeDecodeError as e:
+            raise UserError(f"{p}: not UTF-8 text (byte {e.start}); save the config as UTF-8 YAML") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{p}:{mark.line + 1}" if mark else str(p)

@@ -123,6 +123,9 @@ class Trainer:
             cfg, self.precision.name, resolve_implementation(cfg.optimizer.implementation, self.device), ctx.world_size
         )
         self.run, self.resume_from = on_main(ctx, lambda: prepare_run_dir(cfg))
+        self.notes: list[str] = []
+        if t.resume and self.resume_from is None:
+            self.notes.append(f"train.resume=true but {self.run.root} holds no checkpoint yet: starting at step 0")
 
         # may convert the embedded GGUF (with its progress bar): rank 0 first, the others then hit the cache
         source = on_main(ctx, lambda: resolve_source(cfg.model.source))
@@ -136,7 +139,6 @@ class Trainer:
                 f"{mconf.max_position_embeddings}; lower data.seq_len"
             )
         self.tokenizer = load_tokenizer(source)
-        self.notes: list[str] = []
         dataset = load_dataset(cfg.data, self.tokenizer)
         if len(self.tokenizer) > mconf.vocab_size:
             if source.kind != "preset":

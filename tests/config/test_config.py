@@ -94,3 +94,31 @@ def test_ac_policy_is_parsed_once_at_config_load_into_a_typed_value():
     cfg = load_config(None, ["strategy.activation_checkpointing=every_k:2"])
     assert cfg.strategy.activation_checkpointing == CheckpointPolicy("every_k", 2)
     assert "activation_checkpointing: every_k:2" in dump_config(cfg)
+
+
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  max_steps: 5\n  micro_batch_size: 2\n  max_steps: 50\n")
+    with pytest.raises(UserError, match=rf"{path}:4: key 'max_steps' is given twice"):
+        load_config(path)
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"train:\n  max_steps: \xff\xfe\n")
+    with pytest.raises(UserError, match="not UTF-8 text"):
+        load_config(path)
+
+
+def test_a_huge_echoed_value_is_cut_in_the_printed_line(tmp_path, capsys):
+    """A YAML alias bomb expands to a value whose repr is hundreds of MB; the error line stays short."""
+    from memfit.cli import main
+
+    levels = ["&a [" + ",".join(["x"] * 9) + "]"]
+    for name, prev in zip("bcdef", "abcde"):
+        levels.append(f"&{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("train:\n  seed: [" + ", ".join(levels) + "]\n")  # 9**6 strings once expanded
+    assert main(["train", str(path), "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err) < 2200 and "more characters cut" in err

@@ -51,3 +51,11 @@ def test_plan_refuses_a_zero_sequence_length(capsys):
 def test_exporter_refuses_a_port_out_of_range(capsys):
     assert main(["exporter", "--port", "70000"]) == 2
     assert "--port must be in 0..65535 (got 70000)" in capsys.readouterr().err
+
+
+def test_resume_with_nothing_to_resume_says_so(tiny_cfg):
+    trainer = Trainer(tiny_cfg("train.resume=true", "train.max_steps=1"))
+    try:
+        assert any("train.resume=true but" in n and "holds no checkpoint yet" in n for n in trainer.notes)
+    finally:
+        trainer.close()
