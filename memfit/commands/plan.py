@@ -4,6 +4,7 @@ workload, a cluster and pins; search; print; write the winner."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,7 +122,19 @@ def plan_request(ns) -> PlanRequest:
     if ns.engine != "fsdp2":
         req.engine = ns.engine
     if ns.lora:
-        req.lora = LoraConfig(enabled=True, rank=ns.lora_rank, alpha=2.0 * ns.lora_rank)
+        lora = LoraConfig(enabled=True, rank=ns.lora_rank, alpha=2.0 * ns.lora_rank)
+        if ns.lora_alpha is not None:
+            lora.alpha = ns.lora_alpha
+        if ns.lora_targets is not None:
+            lora.target_modules = [t.strip() for t in ns.lora_targets.split(",") if t.strip()]
+        if lora.rank < 1 or not lora.target_modules or not math.isfinite(lora.alpha):
+            raise UserError(
+                f"--lora-rank must be >= 1, --lora-targets name at least one module and --lora-alpha be finite "
+                f"(got {lora.rank}, '{ns.lora_targets}', {lora.alpha})"
+            )
+        req.lora = lora
+    elif ns.lora_targets is not None or ns.lora_alpha is not None:
+        raise UserError("--lora-targets and --lora-alpha describe LoRA adapters: give --lora too")
     if req.model is None:
         raise UserError("memfit plan needs --model (a preset such as llama2-7b, a checkpoint directory) or --config")
     req.typed_pins()  # every pin checked before any model is read

@@ -11,6 +11,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from memfit.config.schema import LoraConfig
 from memfit.planner.categories import PHASES, Category
 from memfit.planner.cost import assumptions
 from memfit.planner.search import ALLOCATOR_MARGIN, CONTEXT_BYTES, Candidate, PlanResult
@@ -19,6 +20,20 @@ from memfit.units import GIB
 
 def _g(n: int) -> str:
     return f"{n / GIB:.2f}"
+
+
+def lora_label(lora: LoraConfig | None) -> str:
+    """`` + LoRA`` for the default adapters (every projection, alpha 2 x rank), else their rank, targets
+    and alpha."""
+    if lora is None:
+        return ""
+    if list(lora.target_modules) == LoraConfig().target_modules and lora.alpha == 2.0 * lora.rank:
+        return " + LoRA"
+    return f" + LoRA r={lora.rank} on {','.join(lora.target_modules)} (alpha {lora.alpha:g})"
+
+
+def _lora_dict(lora: LoraConfig) -> dict[str, Any]:
+    return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
 
 
 def candidate_dict(c: Candidate) -> dict[str, Any]:
@@ -43,6 +58,7 @@ def plan_dict(r: PlanResult) -> dict[str, Any]:
         "seq_len": w.seq_len,
         "global_batch": w.global_batch,
         "lora": w.lora is not None,
+        **({"lora_config": _lora_dict(w.lora)} if w.lora else {}),
         "gpu": cl.gpu.name,
         "gpu_memory_bytes": cl.gpu.memory_bytes,
         "gpus_per_node": cl.gpus_per_node,
@@ -60,7 +76,7 @@ def plan_dict(r: PlanResult) -> dict[str, Any]:
 def render_table(r: PlanResult, console: Console, top: int) -> None:
     w, cl = r.workload, r.cluster
     title = (
-        f"{w.model_name}{' + LoRA' if w.lora else ''}, seq {w.seq_len}, global batch {w.global_batch} on "
+        f"{w.model_name}{lora_label(w.lora)}, seq {w.seq_len}, global batch {w.global_batch} on "
         f"{cl.gpus_per_node * cl.nodes} x {cl.gpu.name} ({cl.gpu.memory_bytes / GIB:g} GiB); per-rank GiB"
     )
     t = Table(title=title)
@@ -159,7 +175,7 @@ def write_train_config(
             "precision": s.precision,
             "loss_chunks": s.loss_chunks,
         },
-        "lora": {"enabled": w.lora is not None, **({"rank": w.lora.rank, "alpha": w.lora.alpha} if w.lora else {})},
+        "lora": {"enabled": w.lora is not None, **(_lora_dict(w.lora) if w.lora else {})},
         "optimizer": {"implementation": s.optimizer},
         "train": {
             "device": "cuda",

@@ -163,3 +163,64 @@ def test_plan_simulate_replays_the_explained_step_under_allocator_settings(capsy
         assert label in text
     assert "recommendation:" in text and "give --hip-version to judge it" in text
     assert "PYTORCH_CUDA_ALLOC_CONF" not in text  # an AMD GPU: the HIP variable, when one is recommended
+
+
+def test_plan_takes_lora_targets_and_alpha_and_shows_them(capsys, tmp_path):
+    """Adapting q/v only holds fewer adapters than all seven projections: less optimizer state; the
+    title, the JSON and the written train config carry the targets and alpha."""
+    base = [
+        "--model",
+        "tiny",
+        "--gpu",
+        "mi210",
+        "--seq-len",
+        "64",
+        "--global-batch",
+        "4",
+        "--ac",
+        "none",
+        "--precision",
+        "bf16-mixed",
+        "--micro-batch",
+        "4",
+        "--optimizer",
+        "fused",
+        "--loss-chunks",
+        "0",
+    ]
+    code, out, _ = _plan(capsys, *base, "--lora", "--json")
+    every = json.loads(out)["fitting"][0]
+    run_yaml = tmp_path / "run.yaml"
+    code, out, _ = _plan(
+        capsys,
+        *base,
+        "--lora",
+        "--lora-targets",
+        "q_proj,v_proj",
+        "--lora-alpha",
+        "32",
+        "--json",
+        "--write-config",
+        str(run_yaml),
+    )
+    plan = json.loads(out.splitlines()[0])  # then "wrote run.yaml"
+    qv = plan["fitting"][0]
+    assert code == 0 and plan["lora_config"] == {"rank": 16, "alpha": 32.0, "target_modules": ["q_proj", "v_proj"]}
+    assert qv["peak_by_category_bytes"]["optimizer"] < every["peak_by_category_bytes"]["optimizer"]
+    cfg = load_config(run_yaml)
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"] and cfg.lora.alpha == 32.0
+    code, out, _ = _plan(capsys, *base, "--lora", "--lora-targets", "q_proj,v_proj", "--lora-alpha", "32")
+    assert "tiny + LoRA r=16 on q_proj,v_proj (alpha 32)" in " ".join(out.split())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--lora-targets", "q_proj"], "give --lora too"),
+        (["--lora", "--lora-targets", ","], "--lora-targets name at least one module"),
+        (["--lora", "--lora-targets", "qq_proj"], "'qq_proj' is not a Linear module of this model"),
+    ],
+)
+def test_plan_refuses_bad_lora_flags_in_one_line(capsys, args, message):
+    code, _, err = _plan(capsys, "--model", "tiny", "--gpu", "mi210", "--seq-len", "64", *args)
+    assert code == 2 and message in err and len(err.splitlines()) == 1
