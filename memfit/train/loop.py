@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from transformers.utils import logging as hf_logging
 
-from memfit.allocator.whatif import as_trace, replay, settings_from_conf
 from memfit.config.schema import RunConfig, grad_accum_steps, run_strategy
 from memfit.device import device_name, resolve_device
 from memfit.distributed.deepspeed_engine import (
@@ -33,20 +32,11 @@ from memfit.distributed.engines import Parallel, engine_name, parallelize
 from memfit.distributed.runtime import init_distributed, on_main, shutdown
 from memfit.errors import OutOfMemoryExit, UserError
 from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
-from memfit.planner.categories import StepMemory
-from memfit.planner.search import (
-    CONTEXT_BYTES,
-    check_fits,
-    predict_run,
-    step_allocations,
-)
-from memfit.planner.sharding import ShardingSpec
 from memfit.step.loss import ChunkedLoss, supervised_tokens, token_loss_sum
 from memfit.step.runner import DeepSpeedRunner, StepEngine, StepRunner
 from memfit.strategies.allocator import (
     apply_allocator_env,
     apply_device_limits,
-    conf_in_effect,
     maybe_release_cache,
 )
 from memfit.strategies.checkpointing import apply_activation_checkpointing
@@ -74,6 +64,7 @@ from memfit.telemetry.summary import RunSummary, summarize
 from memfit.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from memfit.train.data import eval_batches, load_dataset, split, train_loader
 from memfit.train.export import export_model
+from memfit.train.fit_check import planned_step
 from memfit.train.run_dir import prepare_run_dir, write_config
 from memfit.train.sharded_checkpoint import (
     check_compatible,
@@ -162,7 +153,7 @@ class Trainer:
                 # the planner's traces draw random numbers; forked, they leave the run's stream as seeded
                 # (adapters on a loaded checkpoint are initialised from it next)
                 with torch.random.fork_rng(devices=[]):
-                    self.predicted = self._plan_check(mconf)
+                    self.predicted, self.replayed = planned_step(cfg, self.strategy, mconf, self.device, ctx, self.kind)
             except UserError:
                 raise
             except Exception as e:  # the check is advice: a planner defect must not stop a run it cannot judge
@@ -243,39 +234,6 @@ class Trainer:
         """One optimizer step; returns (mean token loss, gradient norm before clipping)."""
         loss, grad_norm = self.runner.step(batches)
         return float(loss), float(grad_norm)
-
-    def _plan_check(self, mconf) -> StepMemory:
-        """Predict this rank's steady-state step peak (memfit plan's engine) before allocating anything.
-
-        Raises:
-            UserError: on a GPU, when the prediction does not fit its memory (or memory_fraction).
-        """
-        cfg, gpu = self.cfg, self.device.type == "cuda"
-        lora = cfg.lora if cfg.lora.enabled else None
-        sharding = None
-        if self.ctx.distributed:
-            engine = "deepspeed" if self.kind == "deepspeed" else "fsdp2"
-            sharding = ShardingSpec.for_model(
-                cfg.distributed.zero_stage, self.ctx.world_size, engine, mconf, cfg.lora.enabled
-            )
-        step = predict_run(mconf, cfg.data.seq_len, self.strategy, lora, on_gpu=gpu, sharding=sharding)
-        if gpu:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            capacity = int(total * (cfg.allocator.memory_fraction or 1.0))
-            if cfg.train.allocator_model and not self.ctx.distributed:
-                self.replayed = self._replay_steps(mconf, total)
-            check_fits(step, capacity, device_name(self.device), self.replayed)
-        return step
-
-    def _replay_steps(self, mconf, total_bytes: int):
-        """The planned first two steps replayed through the caching-allocator model under the settings
-        this process runs with, in the device's memory less the runtime context (and the memory
-        fraction, which the model applies): its peak reserved memory, and whether it runs out."""
-
-        cfg = self.cfg
-        settings = settings_from_conf(conf_in_effect(), cfg.allocator.memory_fraction, torch.version.hip)
-        events = step_allocations(mconf, cfg.data.seq_len, self.strategy, cfg.lora if cfg.lora.enabled else None)
-        return replay(as_trace(events), settings, total_bytes - CONTEXT_BYTES)
 
     # -- pieces -----------------------------------------------------------------------------------
 

@@ -271,12 +271,12 @@ def test_gpu_only_memory_recording_is_a_noted_no_op_on_cpu(tiny_cfg):
 
 def test_a_planner_defect_is_noted_and_the_run_goes_on(tiny_cfg, monkeypatch):
     """The fit check is advice: an internal planner error leaves the run without a prediction, not dead."""
-    import memfit.train.loop as loop
+    import memfit.train.fit_check as fit_check
 
     def broken(*args, **kwargs):
         raise RuntimeError("trace broke")
 
-    monkeypatch.setattr(loop, "predict_run", broken)
+    monkeypatch.setattr(fit_check, "predict_run", broken)
     trainer = Trainer(tiny_cfg("train.max_steps=1", "train.plan_check=true"))
     assert trainer.predicted is None
     assert "planner failed (RuntimeError: trace broke); running without the fit check" in trainer.notes
@@ -332,11 +332,12 @@ def test_trainer_replays_its_planned_steps_under_its_own_allocator_settings(tiny
     replayed through the allocator model under the settings the config puts in the environment."""
     from memfit.allocator.whatif import replay_allocations
     from memfit.planner.search import step_allocations
+    from memfit.train.fit_check import replay_planned_steps
 
     for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)  # restored after the test; the trainer writes one
     trainer = Trainer(tiny_cfg("allocator.expandable_segments=true", "allocator.max_split_size_mb=64"))
-    replayed = trainer._replay_steps(trainer.mconf, 8 << 30)
+    replayed = replay_planned_steps(trainer.cfg, trainer.strategy, trainer.mconf, 8 << 30)
     assert replayed.settings.expandable_segments and replayed.settings.max_split_size_mb == 64
     assert not replayed.oom and replayed.peak_reserved_bytes >= replayed.peak_allocated_bytes > 0
     cfg = trainer.cfg

@@ -1,0 +1,56 @@
+"""The trainer's fit check: the planner's prediction for the run it is about to start, and on one GPU the
+planned first two steps replayed through the caching-allocator model, before anything is allocated."""
+
+from __future__ import annotations
+
+import torch
+
+from memfit.allocator.whatif import Replay, as_trace, replay, settings_from_conf
+from memfit.config.schema import RunConfig
+from memfit.config.strategy import Strategy
+from memfit.device import device_name
+from memfit.distributed.runtime import DistContext
+from memfit.planner.categories import StepMemory
+from memfit.planner.search import CONTEXT_BYTES, check_fits, predict_run, step_allocations
+from memfit.planner.sharding import ShardingSpec
+from memfit.strategies.allocator import conf_in_effect
+
+
+def planned_step(
+    cfg: RunConfig, strategy: Strategy, mconf, device: torch.device, ctx: DistContext, engine: str
+) -> tuple[StepMemory, Replay | None]:
+    """This rank's predicted steady-state step peak (``memfit plan``'s engine), and on one GPU the
+    allocator model's replay of the planned steps (``None`` elsewhere).
+
+    Raises:
+        UserError: on a GPU, when the prediction or the replay does not fit its memory (or memory_fraction).
+    """
+    gpu = device.type == "cuda"
+    lora = cfg.lora if cfg.lora.enabled else None
+    sharding = None
+    if ctx.distributed:
+        sharding = ShardingSpec.for_model(
+            cfg.distributed.zero_stage,
+            ctx.world_size,
+            "deepspeed" if engine == "deepspeed" else "fsdp2",
+            mconf,
+            cfg.lora.enabled,
+        )
+    step = predict_run(mconf, cfg.data.seq_len, strategy, lora, on_gpu=gpu, sharding=sharding)
+    replayed = None
+    if gpu:
+        total = torch.cuda.get_device_properties(device).total_memory
+        capacity = int(total * (cfg.allocator.memory_fraction or 1.0))
+        if cfg.train.allocator_model and not ctx.distributed:
+            replayed = replay_planned_steps(cfg, strategy, mconf, total)
+        check_fits(step, capacity, device_name(device), replayed)
+    return step, replayed
+
+
+def replay_planned_steps(cfg: RunConfig, strategy: Strategy, mconf, total_bytes: int) -> Replay:
+    """The planned first two steps replayed through the caching-allocator model under the settings this
+    process runs with, in the device's memory less the runtime context (and the memory fraction, which
+    the model applies): its peak reserved memory, and whether it runs out."""
+    settings = settings_from_conf(conf_in_effect(), cfg.allocator.memory_fraction, torch.version.hip)
+    events = step_allocations(mconf, cfg.data.seq_len, strategy, cfg.lora if cfg.lora.enabled else None)
+    return replay(as_trace(events), settings, total_bytes - CONTEXT_BYTES)
