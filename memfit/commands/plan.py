@@ -74,6 +74,12 @@ def _from_train_config(path: str, req: PlanRequest) -> None:
         req.pins["precision"] = (cfg.strategy.precision, where + "strategy.precision")
     if cfg.optimizer.implementation != "auto":
         req.pins["optimizer"] = (cfg.optimizer.implementation, where + "optimizer.implementation")
+    for name, lever in levers().items():  # the other strategy-section levers, as the config sets them
+        section, key = lever.config_key.split(".")
+        value = getattr(cfg.strategy, key, "auto")
+        if section == "strategy" and name not in req.pins and value != "auto":
+            req.pins[name] = (value, where + lever.config_key)
+    req.pins["optimizer_in_backward"] = (cfg.optimizer.in_backward, where + "optimizer.in_backward")
 
 
 def _from_deepspeed(path: str, req: PlanRequest) -> None:

@@ -102,6 +102,11 @@ class OptimizerConfig:
     warmup_steps: int = _f(10, "linear warmup steps")
     min_lr_ratio: float = _f(0.1, "cosine decay floor as a fraction of lr")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this value (0 = off)")
+    in_backward: bool = _f(
+        False,
+        "step each parameter in its gradient hook during backward and free its gradient there, so the "
+        "model's gradients never coexist (one process; needs grad_clip 0 and grad_accum_steps 1)",
+    )
 
 
 @dataclass
@@ -298,6 +303,13 @@ def check(cfg: RunConfig) -> RunConfig:
         a.max_split_size_mb is None or a.max_split_size_mb > 20,
         f"allocator.max_split_size_mb must be > 20 (PyTorch's floor) (got {a.max_split_size_mb})",
     )
+    in_backward = Strategy(
+        optimizer_in_backward=o.in_backward,
+        grad_accum_steps=t.grad_accum_steps,
+        precision="fp16-mixed" if cfg.strategy.precision == "fp16-mixed" else "fp32",
+    )
+    conflict = in_backward.conflict(o.grad_clip)
+    _need(conflict is None, conflict or "")
     dev = t.device
     _need(
         dev in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", dev) is not None,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +105,8 @@ class Lever:
         help: the config key's help text (``memfit train --help-config``), for ``strategy`` levers.
         config_default: the config's default where it differs from the concrete one (``auto``).
         config_parse: validates the config's value where it admits more than ``parse`` (``auto``).
+        fallback: a yes/no lever that trades time for memory and saves nothing a faster twin needs: the
+            planner tries it only for candidates whose twin without it does not fit (unless pinned).
     """
 
     config_key: str
@@ -114,6 +116,7 @@ class Lever:
     help: str = ""
     config_default: Any = None
     config_parse: Callable[[Any, str], Any] | None = None
+    fallback: bool = False
 
 
 def _lever(
@@ -133,6 +136,18 @@ def _at_least(low: int) -> Callable[[Any, str], int]:
         return value
 
     return parse
+
+
+def _flag(text: Any, name: str) -> bool:
+    """A yes/no lever from a bool or the text a flag or YAML gives (true/false, yes/no, on/off, 1/0)."""
+    if isinstance(text, bool):
+        return text
+    spelled = str(text).strip().lower()
+    if spelled in ("true", "yes", "on", "1"):
+        return True
+    if spelled in ("false", "no", "off", "0"):
+        return False
+    raise UserError(f"{name} must be true or false (got '{text}')")
 
 
 def _loss_chunks(text: Any, name: str) -> int:
@@ -179,12 +194,31 @@ class Strategy:
         help="0: the output projection and fp32 cross-entropy over the whole (B, T, V) logits | N >= 2: over "
         "N chunks of the sequence, each chunk's logits recomputed in backward (the logits never exist whole)",
     )
+    activation_offload: bool = _lever(
+        False,
+        "strategy.activation_offload",
+        "--activation-offload",
+        (False, True),
+        _flag,
+        help="copy what autograd saves for backward (at least 256 KiB, not parameters) to host memory in "
+        "forward and back in backward (pinned buffers, a side stream, prefetch); with checkpointing only the "
+        "checkpoint boundaries move",
+        fallback=True,
+    )
     optimizer: str = _lever(
         "foreach",
         "optimizer.implementation",
         "--optimizer",
         OPTIMIZER_IMPLEMENTATIONS,
         _choice(OPTIMIZER_IMPLEMENTATIONS),
+    )
+    optimizer_in_backward: bool = _lever(
+        False,
+        "optimizer.in_backward",
+        "--optimizer-in-backward",
+        (False, True),
+        _flag,
+        fallback=True,
     )
     micro_batch_size: int = _lever(1, "train.micro_batch_size", "--micro-batch", (), _int_in(None))
     zero_stage: int = _lever(0, "distributed.zero_stage", "--zero", ZERO_STAGES, _int_in(ZERO_STAGES))
@@ -193,9 +227,40 @@ class Strategy:
     def replace(self, **changes: Any) -> Strategy:
         return dataclasses.replace(self, **changes)
 
-    def overrides(self) -> list[str]:
-        """``section.key=value`` for every lever: this strategy as ``memfit train`` overrides."""
-        return [f"{lever.config_key}={getattr(self, name)}" for name, lever in levers().items()]
+    def overrides(self, only: Iterable[str] | None = None) -> list[str]:
+        """``section.key=value`` for every lever (or the levers named in ``only``): this strategy as ``memfit
+        train`` overrides, with what a lever implies (a step in backward: no global-norm clipping)."""
+        chosen = levers() if only is None else {n: lever for n, lever in levers().items() if n in set(only)}
+        out = [f"{lever.config_key}={getattr(self, name)}" for name, lever in chosen.items()]
+        return out + (
+            ["optimizer.grad_clip=0"] if self.optimizer_in_backward and "optimizer_in_backward" in chosen else []
+        )
+
+    def conflict(self, grad_clip: float = 0.0, world_size: int = 1, engine: str = "single") -> str | None:
+        """Why this strategy cannot run as given, or None: the levers that do not combine, by config key.
+
+        Activation offloading wraps the trainer's own forward, which DeepSpeed's engine replaces. The optimizer
+        step in backward steps each parameter as soon as its gradient is whole, so nothing may need every
+        gradient at once (accumulation, global-norm clipping, a loss scaler's unscale and inf check) and no
+        engine may still have to reduce the gradient (several ranks).
+        """
+        if self.activation_offload and engine == "deepspeed":
+            return (
+                "strategy.activation_offload does not reach into DeepSpeed's engine; use distributed.engine fsdp2, "
+                "or DeepSpeed's own activation_checkpointing.cpu_checkpointing in its JSON"
+            )
+        if not self.optimizer_in_backward:
+            return None
+        why = "optimizer.in_backward=true steps each parameter as soon as its gradient is whole"
+        if self.grad_accum_steps > 1:
+            return f"{why}: it cannot accumulate gradients (train.grad_accum_steps {self.grad_accum_steps}); use 1"
+        if grad_clip:
+            return f"{why}: it cannot clip the global gradient norm; set optimizer.grad_clip=0 (got {grad_clip:g})"
+        if self.precision == "fp16-mixed":
+            return f"{why}: fp16-mixed's GradScaler needs every gradient at once; use strategy.precision bf16-mixed"
+        if world_size > 1 or engine not in ("single",):
+            return f"{why}: on {world_size} ranks ({engine}) the gradient is not reduced yet; run it on one process"
+        return None
 
     def as_dict(self) -> dict[str, Any]:
         """Lever name to plain value (policies as their text): for JSON and tables."""
@@ -204,10 +269,17 @@ class Strategy:
     def label(self) -> str:
         """The strategy in one line, as tables and messages print it (the loss chunks only when on)."""
         chunks = f", loss in {self.loss_chunks} chunks" if self.loss_chunks else ""
+        chunks += ", activations offloaded" if self.activation_offload else ""
+        in_backward = " in backward" if self.optimizer_in_backward else ""
         return (
             f"AC {self.activation_checkpointing}, {self.precision}{chunks}, ZeRO-{self.zero_stage}, micro-batch "
-            f"{self.micro_batch_size} x accum {self.grad_accum_steps}, AdamW {self.optimizer}"
+            f"{self.micro_batch_size} x accum {self.grad_accum_steps}, AdamW {self.optimizer}{in_backward}"
         )
+
+
+def fallbacks(strategy: Strategy, pins: dict[str, Any]) -> dict[str, bool]:
+    """The unpinned fallback levers ``strategy`` turns on (see ``Lever.fallback``), each set to False: its twin."""
+    return {n: False for n, lever in levers().items() if lever.fallback and n not in pins and getattr(strategy, n)}
 
 
 def levers() -> dict[str, Lever]:

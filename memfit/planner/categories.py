@@ -12,6 +12,11 @@ class Category(str, Enum):
     OPTIMIZER = "optimizer"
     ACTIVATIONS = "activations"  # tensors autograd saved for backward
     TEMPORARIES = "temporaries"  # everything else alive at the moment (logits, workspaces, inputs)
+    HOST = "host"  # saved for backward, offloaded to host memory: not device bytes (not in ``total_bytes``)
+
+
+DEVICE_CATEGORIES = tuple(c for c in Category if c is not Category.HOST)
+"""The categories that occupy device memory."""
 
 
 PHASES = ("forward", "backward", "clip", "optimizer")
@@ -28,7 +33,12 @@ class Breakdown:
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.bytes_by_category.values())
+        """Device bytes: every category but ``HOST``."""
+        return sum(v for c, v in self.bytes_by_category.items() if c is not Category.HOST)
+
+    @property
+    def host_bytes(self) -> int:
+        return self[Category.HOST]
 
     def as_dict(self) -> dict[str, int]:
         return {c.value: self[c] for c in Category}
@@ -41,6 +51,7 @@ class StepMemory:
     peak: Breakdown
     phase_peaks: dict[str, Breakdown]
     peak_phase: str
+    host_peak_bytes: int = 0  # the most host memory offloaded tensors hold at any moment of the step
 
     @property
     def peak_bytes(self) -> int:

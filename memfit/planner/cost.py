@@ -5,7 +5,11 @@
     training = forward x (3 for a full fine-tune: backward is twice the forward; 2 with LoRA: frozen
                weights need no weight gradients) + the recomputed forward of checkpointed modules
                (and of the output projection when the loss is chunked).
-    time     = FLOPs / (peak rate x MFU) + bytes communicated / link bandwidth (no overlap assumed).
+    time     = FLOPs / (peak rate x MFU) + bytes communicated / link bandwidth (no overlap assumed)
+               + with activations offloaded, what the host copies do not hide: each way, offloaded bytes /
+               host bandwidth, less OFFLOAD_OVERLAP of the forward's (to host) or the backward's (back)
+               compute time; so offloading costs little where compute per saved byte is high (long
+               sequences, large models) and much where it is low.
 
 The numbers are for ranking candidates against each other; the assumptions are printed with every
 plan. Known limitations: the optimizer step, kernel launch overheads and the loss of efficiency at
@@ -21,6 +25,7 @@ from memfit.config.strategy import Strategy
 MFU = 0.40  # assumed model-FLOPs utilisation at bf16/fp16
 FP32_SLOWDOWN = 4.0  # fp32 matmuls vs the bf16 peak (TF32 on NVIDIA is ~2x, MI200 fp32 matrix ~4x)
 INTER_NODE_GBPS = 25.0  # per GPU across nodes (200 Gb/s InfiniBand / RoCE)
+OFFLOAD_OVERLAP = 0.5  # share of a phase's compute time that hides its host copies (they share HBM bandwidth)
 
 
 @dataclass(frozen=True)
@@ -78,16 +83,47 @@ def step_flops(shape: Shape, tokens: int, seq_len: int, lora: bool, strategy: St
 
 
 def step_time_s(
-    flops: float, peak_tflops: float, precision: str, comm_bytes: int, link_GBps: float, nodes: int
+    flops: float,
+    peak_tflops: float,
+    precision: str,
+    comm_bytes: int,
+    link_GBps: float,
+    nodes: int,
+    offload_bytes: int = 0,
+    host_GBps: float = 25.0,
+    lora: bool = False,
 ) -> float:
+    """Modelled seconds of one optimizer step on one rank.
+
+    Args:
+        offload_bytes: bytes copied to host memory per step (and back), by activation offloading.
+        lora: the forward is half the training compute (a third for a full fine-tune).
+    """
     rate = peak_tflops * 1e12 * MFU / (FP32_SLOWDOWN if precision == "fp32" else 1.0)
     bandwidth = (INTER_NODE_GBPS if nodes > 1 else link_GBps) * 1e9
-    return flops / rate + comm_bytes / bandwidth
+    compute_s = flops / rate
+    return compute_s + comm_bytes / bandwidth + offload_time_s(offload_bytes, host_GBps, compute_s, lora)
 
 
-def assumptions(peak_tflops: float, link_GBps: float, nodes: int) -> str:
+def offload_time_s(offload_bytes: int, host_GBps: float, compute_s: float, lora: bool) -> float:
+    """Copy time that activation offloading adds: each way, what OFFLOAD_OVERLAP of the phase's compute
+    time does not hide (to host during the forward, back during the backward)."""
+    if not offload_bytes:
+        return 0.0
+    copy_s = offload_bytes / (host_GBps * 1e9)
+    forward_s = compute_s * (0.5 if lora else 1 / 3)
+    exposed = max(0.0, copy_s - OFFLOAD_OVERLAP * forward_s)
+    return exposed + max(0.0, copy_s - OFFLOAD_OVERLAP * (compute_s - forward_s))
+
+
+def assumptions(peak_tflops: float, link_GBps: float, nodes: int, host_GBps: float | None = None) -> str:
     bw = INTER_NODE_GBPS if nodes > 1 else link_GBps
+    host = (
+        ""
+        if host_GBps is None
+        else (f"; offloaded activations at {host_GBps:g} GB/s each way, {OFFLOAD_OVERLAP:.0%} of compute hiding them")
+    )
     return (
         f"step time assumes {MFU:.0%} of {peak_tflops:g} TFLOP/s bf16 (fp32 {FP32_SLOWDOWN:g}x slower) "
-        f"and {bw:g} GB/s per GPU for collectives, without overlap"
+        f"and {bw:g} GB/s per GPU for collectives, without overlap{host}"
     )

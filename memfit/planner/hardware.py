@@ -1,7 +1,10 @@
 """GPU presets for the planner: memory, bf16 support, peak dense bf16 rate, intra-node bandwidth.
 
 Figures are the vendors' datasheet numbers (dense, no sparsity); ``link_GBps`` is the per-GPU
-bandwidth of the intra-node fabric (NVLink / Infinity Fabric / PCIe) used for collectives.
+bandwidth of the intra-node fabric (NVLink / Infinity Fabric / PCIe) used for collectives; ``host_GBps``
+the assumed host-device copy bandwidth each way (PCIe generation of the usual server: Gen5 for MI300X and
+H100/H200 SXM, Gen3 for V100 and T4, Gen4 otherwise; an MI250X in Frontier-like nodes has 36 GB/s per GCD
+over Infinity Fabric, not assumed).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ class Gpu:
     peak_tflops: float  # dense bf16 (fp16 where there is no bf16)
     link_GBps: float
     vendor: str
+    host_GBps: float = 25.0  # host<->device copies, each way: ~80% of PCIe x16 (Gen3 12, Gen4 25, Gen5 50 GB/s)
 
 
 GPUS: dict[str, Gpu] = {
@@ -27,15 +31,15 @@ GPUS: dict[str, Gpu] = {
     for g in (
         Gpu("mi210", 64 * GIB, True, 181.0, 100.0, "amd"),
         Gpu("mi250x", 128 * GIB, True, 383.0, 200.0, "amd"),
-        Gpu("mi300x", 192 * GIB, True, 1307.0, 448.0, "amd"),
+        Gpu("mi300x", 192 * GIB, True, 1307.0, 448.0, "amd", 50.0),
         Gpu("a100-40g", 40 * GIB, True, 312.0, 300.0, "nvidia"),
         Gpu("a100-80g", 80 * GIB, True, 312.0, 300.0, "nvidia"),
-        Gpu("h100", 80 * GIB, True, 989.0, 450.0, "nvidia"),
-        Gpu("h200", 141 * GIB, True, 989.0, 450.0, "nvidia"),
+        Gpu("h100", 80 * GIB, True, 989.0, 450.0, "nvidia", 50.0),
+        Gpu("h200", 141 * GIB, True, 989.0, 450.0, "nvidia", 50.0),
         Gpu("l40s", 48 * GIB, True, 362.0, 32.0, "nvidia"),
         Gpu("rtx4090", 24 * GIB, True, 165.0, 32.0, "nvidia"),
-        Gpu("v100-32g", 32 * GIB, False, 125.0, 150.0, "nvidia"),
-        Gpu("t4", 16 * GIB, False, 65.0, 16.0, "nvidia"),
+        Gpu("v100-32g", 32 * GIB, False, 125.0, 150.0, "nvidia", 12.0),
+        Gpu("t4", 16 * GIB, False, 65.0, 16.0, "nvidia", 12.0),
     )
 }
 
@@ -52,4 +56,12 @@ def gpu_preset(name: str) -> Gpu:
 def custom_gpu(memory_bytes: int, bf16: bool = True) -> Gpu:
     """A GPU known only by its memory (rates of an A100 assumed for ranking; stated in the output)."""
     a100 = GPUS["a100-80g"]
-    return Gpu(f"custom-{memory_bytes / GIB:g}GiB", memory_bytes, bf16, a100.peak_tflops, a100.link_GBps, "unknown")
+    return Gpu(
+        f"custom-{memory_bytes / GIB:g}GiB",
+        memory_bytes,
+        bf16,
+        a100.peak_tflops,
+        a100.link_GBps,
+        "unknown",
+        a100.host_GBps,
+    )

@@ -12,23 +12,32 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import AutoModelForCausalLM
 
-from memfit.config.schema import OptimizerConfig
 from memfit.planner.categories import Breakdown, Category
-from memfit.step.loss import ChunkedLoss
 from memfit.step.runner import StepRunner
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora
-from memfit.strategies.optimizer import build_optimizer
+from memfit.strategies.offload import Offloaded, observing
 from memfit.strategies.precision import precision_policy
-from memfit.telemetry.profiler import all_events, allocation_events, live_blocks
+from memfit.telemetry.profiler import all_events, allocation_events, live_blocks, split_host
 
 _SAVED = "memfit::saved:"  # a profiler marker per tensor autograd saves: "memfit::saved:<storage address>"
+_HOST = "memfit::host:"  # a profiler marker per offloaded activation's host copy
 
 
 def _mark_saved(t: torch.Tensor) -> torch.Tensor:
     with record_function(f"{_SAVED}{t.untyped_storage().data_ptr()}"):
         pass
     return t
+
+
+def _mark_host(t: torch.Tensor) -> None:
+    with record_function(f"{_HOST}{t.untyped_storage().data_ptr()}"):
+        pass
+
+
+def _on_pack(t: torch.Tensor, packed) -> None:
+    """Under ``ActivationOffload`` (innermost, so ``_mark_saved`` is not called): mark what stays or its host copy."""
+    _mark_host(packed.host) if isinstance(packed, Offloaded) else _mark_saved(t)
 
 
 def profiled_breakdown(
@@ -38,6 +47,7 @@ def profiled_breakdown(
     optimizer_state: Iterable[torch.Tensor],
     other_live: Iterable[torch.Tensor],
     grads: Callable[[], Iterable[torch.Tensor]],
+    host_apart: bool = False,
 ) -> Breakdown:
     """Bytes per category at the peak while ``fn()`` runs on CPU, measured with the planner's rules
     but without its code: parameters and optimizer state by the storages passed in; gradients, the
@@ -46,19 +56,28 @@ def profiled_breakdown(
     profile while the block was live; tensors saved inside checkpointed regions and their
     recomputation go through the checkpoint's own hooks and stay temporaries, as in the planner);
     temporaries, everything else (``other_live`` too unless saved). The total equals
-    ``profiled_peak_bytes``."""
+    ``profiled_peak_bytes``.
+
+    Offloaded activations (``strategy.activation_offload``): their host copies (a host marker while the
+    block lived) are ``host``, at the peak of everything (host and device are one memory on a CPU); with
+    ``host_apart``, the device categories are those at the peak of everything else, and ``host`` is the
+    highest the host copies reach by themselves (as on a GPU, whose memory they leave)."""
     base: dict[int, tuple[int, Category | None]] = {}
     for tensors, category in ((params, Category.PARAMS), (optimizer_state, Category.OPTIMIZER), (other_live, None)):
         for t in tensors:
             st = t.untyped_storage()
             base.setdefault(st.data_ptr(), (st.nbytes(), category))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with torch.autograd.graph.saved_tensors_hooks(_mark_saved, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(_mark_saved, lambda t: t), observing(_on_pack, _ignore):
             fn()
     grad_ptrs = {g.untyped_storage().data_ptr() for g in grads()}
     events = allocation_events(prof, "cpu")
-    saved = _saved_markers(prof)
-    blocks, at_peak = live_blocks(events, saved)
+    saved, host = _markers(prof, _SAVED), _markers(prof, _HOST)
+    blocks, at_peak = live_blocks(events, saved, host)
+    host_peak = None
+    if host_apart:
+        events, host_peak = split_host(events, blocks)
+        blocks, at_peak = live_blocks(events, saved)
     saved_base = {ptr for _, ptr in saved}
     out = dict.fromkeys(Category, 0)
     for ptr, (nbytes, category) in base.items():
@@ -67,20 +86,29 @@ def profiled_breakdown(
     for b in at_peak:
         if b.ptr in grad_ptrs and last_at[b.ptr] is b and b.end is None:
             out[Category.GRADS] += b.nbytes
+        elif b.host:
+            out[Category.HOST] += b.nbytes
         else:
             out[Category.ACTIVATIONS if b.saved else Category.TEMPORARIES] += b.nbytes
+    if host_peak is not None:
+        out[Category.HOST] = host_peak
     return Breakdown(out)
 
 
-def _saved_markers(prof) -> list[tuple[int, int]]:
-    """(time ns, storage address) of every ``_mark_saved`` marker in the profile."""
-    return [(ev.start_time_ns, int(ev.name[len(_SAVED) :])) for ev in all_events(prof) if ev.name.startswith(_SAVED)]
+def _ignore(*_) -> None:
+    pass
+
+
+def _markers(prof, prefix: str) -> list[tuple[int, int]]:
+    """(time ns, storage address) of every marker named ``prefix<address>`` in the profile."""
+    return [(ev.start_time_ns, int(ev.name[len(prefix) :])) for ev in all_events(prof) if ev.name.startswith(prefix)]
 
 
 def measured_steady_step(spec, model=None) -> Breakdown:
     """Bytes per category at the peak of the trainer's second (steady-state) step of ``spec`` on real
     CPU tensors, measured by torch.profiler (``profiled_breakdown``). ``model`` (built in the
-    precision's dtype) defaults to random weights."""
+    precision's dtype) defaults to random weights. Offloaded activations are measured as a GPU holds them
+    (copied back into new buffers, host copies apart) unless ``spec.host_is_device`` (as a CPU run does)."""
     strategy = spec.strategy
     precision = precision_policy(strategy.precision)
     if model is None:
@@ -90,10 +118,9 @@ def measured_steady_step(spec, model=None) -> Breakdown:
     if spec.lora:
         model = apply_lora(model, spec.lora)
     apply_activation_checkpointing(model, strategy.activation_checkpointing)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(params, OptimizerConfig(implementation=strategy.optimizer), torch.device("cpu"))
-    chunked = ChunkedLoss.attach(model, strategy.loss_chunks)
-    runner = StepRunner(model, params, opt, precision, torch.device("cpu"), grad_clip=1.0, chunked=chunked)
+    apart = not spec.host_is_device
+    runner = StepRunner.for_strategy(model, strategy, torch.device("cpu"), copies_back=apart)
+    params, opt = runner.params, runner.optimizer
     vocab = spec.model_config.vocab_size
     tokens = torch.randint(
         0, vocab, (strategy.micro_batch_size, spec.seq_len + 1), generator=torch.Generator().manual_seed(0)
@@ -109,6 +136,7 @@ def measured_steady_step(spec, model=None) -> Breakdown:
         optimizer_state=state,
         other_live=[*model.buffers(), tokens],
         grads=lambda: [p.grad for p in params if p.grad is not None],
+        host_apart=apart,
     )
     runner.zero_grad()
     return measured

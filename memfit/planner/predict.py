@@ -2,10 +2,10 @@
 
 Forward and backward depend on (checkpointing, precision, LoRA). At a fixed depth, the step at
 micro-batch B runs the same ops as at B = 2 and 3 with every tensor's batch dimension scaled, so the
-bytes after each op are linear in B: the timelines at B = 2 and 3 are combined op by op, and only
-then is the peak taken (the moment of the peak may move with B). Each phase's peak is then linear in
-depth (identical decoder layers): two depths extrapolate to any depth. The optimizer and clipping
-phases depend on (precision, optimizer implementation, LoRA) only. Traces are cached, so a search
+bytes after each op are linear in B (but see ``_traced_as_is``): the timelines at B = 2 and 3 are
+combined op by op, and only then is the peak taken (the moment of the peak may move with B). Each
+phase's peak is then linear in depth (identical decoder layers): two depths extrapolate to any depth. The
+optimizer and clipping phases depend on (precision, optimizer implementation, LoRA) only. Traces are cached, so a search
 over hundreds of candidates costs a few dozen traces of two to four layers.
 """
 
@@ -24,7 +24,7 @@ from memfit.planner.trace import (
     StepSpec,
     extrapolate_regions,
     extrapolation_depths,
-    trace_timeline,
+    steady_timeline,
 )
 from memfit.planner.tracker import Timeline, collapse_regions
 
@@ -54,16 +54,18 @@ class Predictor:
     def _trace(self, spec: StepSpec, layers: int) -> Timeline:
         key = self._key(spec, layers)
         if key not in self._cache:
-            self._cache[key] = trace_timeline(spec, min(layers, self.depth))
+            self._cache[key] = steady_timeline(spec, min(layers, self.depth))
             self.traces += 1
         return self._cache[key]
 
     def _step_spec(self, strategy: Strategy) -> StepSpec:
         """Forward and backward do not depend on the optimizer, the accumulation or the ZeRO stage (applied
-        afterwards), nor on the micro-batch (extrapolated): one spec per remaining levers traces them all."""
+        afterwards), nor on the micro-batch (extrapolated): one spec per remaining levers traces them all.
+        With the optimizer step in backward, backward holds the steps: its implementation is kept."""
+        optimizer = strategy.optimizer if strategy.optimizer_in_backward else "for-loop"
         return replace(
             self.base,
-            strategy=strategy.replace(optimizer="for-loop", micro_batch_size=1, grad_accum_steps=1, zero_stage=0),
+            strategy=strategy.replace(optimizer=optimizer, micro_batch_size=1, grad_accum_steps=1, zero_stage=0),
         )
 
     def _optimizer_spec(self, spec: StepSpec, optimizer: str) -> StepSpec:
@@ -84,11 +86,18 @@ class Predictor:
         """The traces ``predict(strategy)`` reads, for any micro-batch, accumulation and ZeRO stage."""
         spec = self._step_spec(strategy)
         depths = self._step_depths(spec)
-        layers = spec if len(depths) == 1 else spec.with_strategy(loss_chunks=0)
-        out = [(layers.with_strategy(micro_batch_size=b), n) for n in depths for b in (2, 3)]
-        if len(depths) == 2 and strategy.loss_chunks:
-            chunked, plain = self._loss_delta_specs(spec)
-            out += [(s.with_strategy(micro_batch_size=b), LOSS_DELTA_DEPTH) for s in (chunked, plain) for b in (2, 3)]
+        if _traced_as_is(strategy):
+            out = [(spec.with_strategy(micro_batch_size=strategy.micro_batch_size), n) for n in depths]
+        else:
+            layers = spec if len(depths) == 1 else spec.with_strategy(loss_chunks=0)
+            out = [(layers.with_strategy(micro_batch_size=b), n) for n in depths for b in (2, 3)]
+            if len(depths) == 2 and strategy.loss_chunks:
+                chunked, plain = self._loss_delta_specs(spec)
+                out += [
+                    (s.with_strategy(micro_batch_size=b), LOSS_DELTA_DEPTH) for s in (chunked, plain) for b in (2, 3)
+                ]
+        if strategy.optimizer_in_backward:  # no optimizer phase: the steps are traced inside backward
+            return out
         return out + [(self._optimizer_spec(spec, strategy.optimizer), n) for n in self._optimizer_depths()]
 
     def _loss_delta_specs(self, spec: StepSpec) -> tuple[StepSpec, StepSpec]:
@@ -154,6 +163,8 @@ class Predictor:
         views): measured over presets tiny..llama2-7b the peak differs by <= 0.003%.
         """
         key = (spec.strategy, layers, micro_batch)
+        if key not in self._moments and _traced_as_is(spec.strategy):
+            self._moments[key] = self._trace(spec.with_strategy(micro_batch_size=micro_batch), layers).region_peaks()
         if key not in self._moments:
             two = self._trace(spec.with_strategy(micro_batch_size=2), layers)
             three = self._trace(spec.with_strategy(micro_batch_size=3), layers)
@@ -190,6 +201,10 @@ class Predictor:
         depths = self._step_depths(spec)
         if len(depths) == 1:  # shallow model: traced whole
             regions = dict(self._at_batch(spec, self.depth, micro_batch))
+        elif _traced_as_is(strategy):
+            la, lb = depths
+            ra, rb = self._at_batch(spec, la, micro_batch), self._at_batch(spec, lb, micro_batch)
+            regions = extrapolate_regions(ra, rb, la, lb, self.depth, strategy.activation_offload)
         else:
             la, lb = depths
             plain = spec.with_strategy(loss_chunks=0)
@@ -198,7 +213,8 @@ class Predictor:
             if strategy.loss_chunks:
                 regions = self._with_chunked_loss(regions, spec, micro_batch)
         regions = {k: v for k, v in regions.items() if k.startswith(("forward", "backward"))}
-        regions.update(self._optimizer_moments(self._optimizer_spec(spec, strategy.optimizer)))
+        if not strategy.optimizer_in_backward:
+            regions.update(self._optimizer_moments(self._optimizer_spec(spec, strategy.optimizer)))
         cats = list(Category)
         gi, oi = cats.index(Category.GRADS), cats.index(Category.OPTIMIZER)
         g_total = max(row[gi] for row in regions.values())
@@ -214,6 +230,18 @@ class Predictor:
         if sharding is not None:
             return per_rank_moments(steady, sharding, grads_done, accumulated=grad_accum > 1)
         return collapse_regions(steady)
+
+
+def _traced_as_is(strategy: Strategy) -> bool:
+    """Whether ``strategy``'s forward and backward are traced at its own micro-batch and loss chunks (at two
+    depths) instead of from the B = 2, 3 line and the chunked loss's shift: with a fallback lever on.
+
+    Activation offloading decides per tensor by its size (``MIN_OFFLOAD_BYTES``, the prefetch budget), so the
+    step is not linear in B, and its copies run through the chunked loss's segments; the step in backward
+    puts the optimizer into those segments. Both are tried only where their twin does not fit (a few
+    candidates of a search), and a fake trace costs the same at any batch size.
+    """
+    return strategy.optimizer_in_backward or strategy.activation_offload
 
 
 def _segment(key: str) -> str:
@@ -250,4 +278,4 @@ def torch_single_thread() -> None:
 
 def _trace_job(item: tuple[tuple, tuple[StepSpec, int]]) -> tuple[tuple, Timeline]:
     key, (spec, layers) = item
-    return key, trace_timeline(spec, layers)
+    return key, steady_timeline(spec, layers)

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from memfit.config.schema import LoraConfig
+from memfit.config.strategy import levers
 from memfit.planner.categories import PHASES, Category
 from memfit.planner.cost import assumptions
 from memfit.planner.search import ALLOCATOR_MARGIN, CONTEXT_BYTES, Candidate, PlanResult
@@ -41,6 +42,7 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
         **c.strategy.as_dict(),
         "peak_bytes": c.memory.peak_bytes,
         "peak_phase": c.memory.peak_phase,
+        "host_peak_bytes": c.memory.host_peak_bytes,
         "peak_by_category_bytes": c.memory.peak.as_dict(),
         "phase_peaks_bytes": {p: b.as_dict() for p, b in c.memory.phase_peaks.items()},
         "predicted_reserved_bytes": c.reserved_bytes,
@@ -66,11 +68,18 @@ def plan_dict(r: PlanResult) -> dict[str, Any]:
         "headroom": r.headroom,
         "allocator_margin": ALLOCATOR_MARGIN,
         "context_bytes": CONTEXT_BYTES,
-        "assumptions": assumptions(cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes),
+        "assumptions": assumptions(cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes, _host_GBps(r)),
         "traces": r.traces,
+        "untried": r.untried,
         "fitting": [candidate_dict(c) for c in r.fitting],
         "pruned": [dict(candidate_dict(c), reason=c.why_not()) for c in r.pruned],
     }
+
+
+def _host_GBps(r: PlanResult) -> float | None:
+    """The host bandwidth the step times assumed, where any candidate offloads activations."""
+    offloads = any(c.strategy.activation_offload for c in (*r.fitting, *r.pruned))
+    return r.cluster.gpu.host_GBps if offloads else None
 
 
 def render_table(r: PlanResult, console: Console, top: int) -> None:
@@ -85,20 +94,23 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
         "AC",
         "precision",
         "CE chunks",
+        "offload",
         "ZeRO",
         "mb x acc",
         "AdamW",
+        "in bwd",
         "params",
         "grads",
         "optim",
         "activ",
         "temps",
         "peak",
+        "host",
         "reserved*",
         "free",
         "step time",
     ):
-        t.add_column(col, justify="right" if col not in ("AC", "precision", "AdamW") else "left")
+        t.add_column(col, justify="right" if col not in ("AC", "precision", "AdamW", "offload", "in bwd") else "left")
     best = r.best.step_time_s if r.best else 1.0
     for i, c in enumerate(r.fitting[:top], 1):
         p, s = c.memory.peak, c.strategy
@@ -107,25 +119,34 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
             str(s.activation_checkpointing),
             s.precision,
             str(s.loss_chunks or "-"),
+            "yes" if s.activation_offload else "-",
             str(s.zero_stage),
             f"{s.micro_batch_size}x{s.grad_accum_steps}",
             s.optimizer,
+            "yes" if s.optimizer_in_backward else "-",
             _g(p[Category.PARAMS]),
             _g(p[Category.GRADS]),
             _g(p[Category.OPTIMIZER]),
             _g(p[Category.ACTIVATIONS]),
             _g(p[Category.TEMPORARIES]),
             _g(c.memory.peak_bytes),
+            _g(c.memory.host_peak_bytes),
             _g(c.reserved_bytes),
             _g(c.headroom_bytes),
             f"{c.step_time_s / best:.2f}x",
         )
     console.print(t)
     console.print(
-        f"{len(r.fitting)} of {len(r.fitting) + len(r.pruned)} candidates fit ({r.traces} traces). "
+        f"{len(r.fitting)} of {len(r.fitting) + len(r.pruned)} candidates fit ({r.traces} traces"
+        + (
+            f"; {r.untried} with offloading or the step in backward untried: their twin without fits"
+            if r.untried
+            else ""
+        )
+        + "). "
         f"*reserved = peak x {1 + ALLOCATOR_MARGIN:g} + {CONTEXT_BYTES >> 20} MiB context; usable = "
         f"{(1 - r.headroom):.0%} of the GPU. Relative step time: "
-        f"{assumptions(cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes)}.",
+        f"{assumptions(cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes, _host_GBps(r))}.",
         highlight=False,
     )
     if r.pruned:
@@ -170,13 +191,14 @@ def write_train_config(
     cfg: dict = {
         "model": {"source": source},
         "data": {"seq_len": w.seq_len},
-        "strategy": {
-            "activation_checkpointing": str(s.activation_checkpointing),
-            "precision": s.precision,
-            "loss_chunks": s.loss_chunks,
+        "strategy": {  # every lever of the strategy section, as the vocabulary lists them
+            lever.config_key.split(".")[1]: s.as_dict()[name]
+            for name, lever in levers().items()
+            if lever.config_key.startswith("strategy.")
         },
         "lora": {"enabled": w.lora is not None, **(_lora_dict(w.lora) if w.lora else {})},
-        "optimizer": {"implementation": s.optimizer},
+        "optimizer": {"implementation": s.optimizer, "in_backward": s.optimizer_in_backward}
+        | ({"grad_clip": 0.0} if s.optimizer_in_backward else {}),
         "train": {
             "device": "cuda",
             "micro_batch_size": s.micro_batch_size,

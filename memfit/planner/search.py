@@ -1,8 +1,9 @@
 """Search: every candidate configuration's per-rank peak, whether it fits, and how fast it should be.
 
 Candidates are every combination of the ``Strategy`` levers (``memfit.config.strategy``): checkpointing
-policy x precision x loss chunks x optimizer implementation x micro-batch (with the gradient accumulation
-that keeps the global batch) x ZeRO stage. Memory comes from the
+policy x precision x loss chunks x optimizer implementation x optimizer step after or in backward (one GPU,
+no accumulation, the preferred implementation) x micro-batch (with the gradient accumulation that keeps the
+global batch) x ZeRO stage. Memory comes from the
 ``Predictor`` (traces of the trainer's own step) and ``sharding.per_rank``; on top of the predicted
 allocated peak the allocator keeps cached blocks and the runtime its context, modelled in the
 table as ``reserved = peak x (1 + ALLOCATOR_MARGIN) + CONTEXT_BYTES`` (a full-depth replay through
@@ -20,7 +21,14 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from memfit.config.schema import LoraConfig
-from memfit.config.strategy import OPTIMIZER_IMPLEMENTATIONS, PRECISION_PREFERENCE, ZERO_STAGES, Strategy, candidates
+from memfit.config.strategy import (
+    OPTIMIZER_IMPLEMENTATIONS,
+    PRECISION_PREFERENCE,
+    ZERO_STAGES,
+    Strategy,
+    candidates,
+    fallbacks,
+)
 from memfit.errors import UserError
 from memfit.planner.categories import Category, StepMemory
 from memfit.planner.cost import Shape, step_flops, step_time_s
@@ -100,6 +108,7 @@ class PlanResult:
     fitting: list[Candidate] = field(default_factory=list)
     pruned: list[Candidate] = field(default_factory=list)
     traces: int = 0
+    untried: int = 0  # candidates with a fallback lever whose twin without it fits (``Lever.fallback``)
 
     @property
     def best(self) -> Candidate | None:
@@ -128,6 +137,11 @@ def _check_pins(pins: Pins, w: Workload, c: Cluster) -> None:
         raise UserError(f"--precision {precision}: {c.gpu.name} has no bf16; use fp16-mixed")
     if zero is not None:
         validate(zero, c.world_size, pins.engine)
+    if pins.levers.get("optimizer_in_backward") and c.world_size > 1:
+        raise UserError(
+            f"--optimizer-in-backward steps each parameter before its gradient is reduced: one GPU only "
+            f"(got {c.world_size}); drop it or plan --gpus-per-node 1"
+        )
     if micro_batch is not None:
         per_rank_batch = w.global_batch // c.world_size
         if micro_batch <= 0 or per_rank_batch % micro_batch:
@@ -144,12 +158,14 @@ def time_bucket(step_time_s: float) -> int:
 
 def _rank_key(c: Candidate) -> tuple:
     """Fastest first; the cost model cannot tell apart candidates with equal FLOPs and traffic, so
-    ties (within 0.5%) go to fp32 master weights, then the larger micro-batch (better kernel
-    efficiency, not modelled), then the fused optimizer, then the smaller footprint."""
+    ties (within 0.5%) go to fp32 master weights, then to the optimizer step after backward (it can clip
+    the gradient norm), then the larger micro-batch (better kernel efficiency, not modelled), then the
+    fused optimizer, then the smaller footprint."""
     s = c.strategy
     return (
         time_bucket(c.step_time_s),
         PRECISION_PREFERENCE.index(s.precision),
+        s.optimizer_in_backward,
         -s.micro_batch_size,
         OPTIMIZER_IMPLEMENTATIONS.index(s.optimizer),
         c.reserved_bytes,
@@ -165,11 +181,18 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
         "precision": precisions_for(c.gpu),
         "micro_batch_size": micro_batches(w.global_batch, c.world_size),
         "zero_stage": ZERO_STAGES if c.world_size > 1 else (0,),
+        "optimizer_in_backward": (False, True) if c.world_size == 1 else (False,),
     }
-    return [
-        Strategy(**levers, grad_accum_steps=per_rank_batch // levers["micro_batch_size"])
-        for levers in candidates(pins.levers, choices)
-    ]
+    # stepped in backward, parameters are stepped one at a time, where implementations differ by one
+    # parameter's temporaries at most: the preferred one stands for them (a quarter of the traces)
+    in_backward_optimizer = pins.levers.get("optimizer", OPTIMIZER_IMPLEMENTATIONS[0])
+    out = []
+    for levers in candidates(pins.levers, choices):
+        s = Strategy(**levers, grad_accum_steps=per_rank_batch // levers["micro_batch_size"])
+        if s.optimizer_in_backward and (s.conflict() or s.optimizer != in_backward_optimizer):
+            continue  # it cannot accumulate or scale the loss
+        out.append(s)
+    return out
 
 
 def search(
@@ -185,37 +208,58 @@ def search(
     _check_pins(pins, w, c)
     strategies = search_space(w, c, pins)
     predictor = predictor or Predictor(StepSpec(w.model_config, w.seq_len, lora=w.lora, round_to=512))
-    predictor.prefetch(strategies)
-    shape = Shape.of(w.model_config)
     usable = int(c.gpu.memory_bytes * (1 - headroom))
     result = PlanResult(w, c, headroom)
-    for strategy in strategies:
-        lowp_param_bytes = shape.matmul_weights * (4 if strategy.precision == "fp32" else 2)
-        tokens = strategy.micro_batch_size * strategy.grad_accum_steps * w.seq_len
-        flops = step_flops(shape, tokens, w.seq_len, w.lora is not None, strategy)
-        sharding = None
-        if c.world_size > 1:
-            sharding = ShardingSpec.for_model(
-                strategy.zero_stage, c.world_size, pins.engine, w.model_config, w.lora is not None
-            )
-        mem = predictor.predict(strategy, sharding)
-        trained_bytes = lowp_param_bytes if w.lora is None else 0  # LoRA: adapters only, negligible
-        comm = comm_bytes_per_step(
-            lowp_param_bytes, trained_bytes, strategy.zero_stage, c.world_size, strategy.grad_accum_steps
-        )
-        cand = Candidate(
-            strategy,
-            mem,
-            reserved_estimate(mem.peak_bytes),
-            usable,
-            step_time_s(flops, c.gpu.peak_tflops, strategy.precision, comm, c.gpu.link_GBps, c.nodes),
-            comm,
-        )
+    first = [s for s in strategies if not fallbacks(s, pins.levers)]
+    predictor.prefetch(first)
+    done = {s: _candidate(s, w, c, pins, predictor, usable) for s in first}
+    # a fallback lever (the step in backward) is as fast as its twin at best: tried where the twin does not fit
+    needed = [s for s in strategies if s not in done and not done[s.replace(**fallbacks(s, pins.levers))].fits]
+    predictor.prefetch(needed)
+    done.update({s: _candidate(s, w, c, pins, predictor, usable) for s in needed})
+    for cand in done.values():
         (result.fitting if cand.fits else result.pruned).append(cand)
+    result.untried = len(strategies) - len(done)
     result.fitting.sort(key=_rank_key)
     result.pruned.sort(key=lambda k: k.reserved_bytes)
     result.traces = predictor.traces
     return result
+
+
+def _candidate(strategy: Strategy, w: Workload, c: Cluster, pins: Pins, predictor: Predictor, usable: int) -> Candidate:
+    """One strategy's per-rank memory, whether it fits ``usable`` bytes, and its modelled step time."""
+    shape = Shape.of(w.model_config)
+    lowp_param_bytes = shape.matmul_weights * (4 if strategy.precision == "fp32" else 2)
+    tokens = strategy.micro_batch_size * strategy.grad_accum_steps * w.seq_len
+    flops = step_flops(shape, tokens, w.seq_len, w.lora is not None, strategy)
+    sharding = None
+    if c.world_size > 1:
+        sharding = ShardingSpec.for_model(
+            strategy.zero_stage, c.world_size, pins.engine, w.model_config, w.lora is not None
+        )
+    mem = predictor.predict(strategy, sharding)
+    trained_bytes = lowp_param_bytes if w.lora is None else 0  # LoRA: adapters only, negligible
+    comm = comm_bytes_per_step(
+        lowp_param_bytes, trained_bytes, strategy.zero_stage, c.world_size, strategy.grad_accum_steps
+    )
+    return Candidate(
+        strategy,
+        mem,
+        reserved_estimate(mem.peak_bytes),
+        usable,
+        step_time_s(
+            flops,
+            c.gpu.peak_tflops,
+            strategy.precision,
+            comm,
+            c.gpu.link_GBps,
+            c.nodes,
+            mem.host_peak_bytes * strategy.grad_accum_steps,  # each micro-batch offloads its own
+            c.gpu.host_GBps,
+            w.lora is not None,
+        ),
+        comm,
+    )
 
 
 def predict_run(
@@ -227,7 +271,9 @@ def predict_run(
     sharding: ShardingSpec | None = None,
 ) -> StepMemory:
     """The planner's prediction for exactly one training configuration on one device (or one rank)."""
-    predictor = Predictor(StepSpec(model_config, seq_len, lora=lora, round_to=512 if on_gpu else 1))
+    predictor = Predictor(
+        StepSpec(model_config, seq_len, lora=lora, round_to=512 if on_gpu else 1, host_is_device=not on_gpu)
+    )
     return predictor.predict(strategy, sharding)
 
 

@@ -5,7 +5,7 @@ adapters and activation-checkpoint wrappers as in training, and is materialised 
 CPU (``to_empty`` inside the fake mode; ties re-applied). The trainer's ``StepRunner`` then runs one
 step (forward, backward, clipping, optimizer step) while ``StepTracker`` counts bytes; the optimizer
 state that step creates is then added to the forward and backward phases, as in every later step
-(``steady_state``). Nothing real is allocated, so a 70B step costs seconds.
+(``Timeline.steady``). Nothing real is allocated, so a 70B step costs seconds.
 
 Decoder layers are identical, so the planner traces ``a`` and ``b`` layers and extrapolates each
 category of each phase's peak linearly to the full depth (``extrapolated_step``).
@@ -32,15 +32,14 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from memfit.config.schema import LoraConfig, OptimizerConfig
+from memfit.config.schema import LoraConfig
 from memfit.config.strategy import Strategy
-from memfit.planner.categories import Breakdown, Category, StepMemory
+from memfit.planner.categories import StepMemory
 from memfit.planner.tracker import StepTracker, Timeline, collapse_regions
-from memfit.step.loss import ChunkedLoss
 from memfit.step.runner import StepRunner
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora
-from memfit.strategies.optimizer import build_optimizer
+from memfit.strategies.offload import PREFETCH
 from memfit.strategies.precision import precision_policy
 
 CPU = torch.device("cpu")
@@ -59,6 +58,7 @@ class StepSpec:
     strategy: Strategy = Strategy()
     lora: LoraConfig | None = None
     round_to: int = 1  # 512 for a CUDA/HIP caching allocator's block rounding
+    host_is_device: bool = False  # a CPU run: offloaded activations stay in the one memory there is
 
     def with_strategy(self, **changes) -> StepSpec:
         """This spec with some levers changed."""
@@ -81,7 +81,7 @@ def _build_fake_model(spec: StepSpec, num_layers: int, fake_mode: FakeTensorMode
         model.to_empty(device=CPU)
     if getattr(config, "tie_word_embeddings", False):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight  # to_empty untied them
-    return model, precision, ChunkedLoss.attach(model, spec.strategy.loss_chunks)
+    return model
 
 
 def trace_step(spec: StepSpec, num_layers: int | None = None) -> StepMemory:
@@ -90,12 +90,17 @@ def trace_step(spec: StepSpec, num_layers: int | None = None) -> StepMemory:
     Args:
         num_layers: decoder depth to build (default: the config's own).
     """
-    return steady_state(trace_timeline(spec, num_layers).step_memory())
+    return steady_timeline(spec, num_layers).step_memory()
 
 
 def trace_timeline(spec: StepSpec, num_layers: int | None = None) -> Timeline:
     """Bytes per category after every op of one (first) optimizer step of ``spec``, on fake tensors."""
     return _traced(spec, num_layers).timeline()
+
+
+def steady_timeline(spec: StepSpec, num_layers: int | None = None) -> Timeline:
+    """``trace_timeline`` made steady: every moment with the optimizer state whole, as in every later step."""
+    return trace_timeline(spec, num_layers).steady()
 
 
 def trace_allocations(spec: StepSpec, num_layers: int | None = None, steps: int = 1) -> list[tuple[int, int]]:
@@ -109,15 +114,14 @@ def _traced(spec: StepSpec, num_layers: int | None, steps: int = 1) -> StepTrack
 
     depth = num_layers or spec.model_config.num_hidden_layers
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model, precision, chunked = _build_fake_model(spec, depth, fake_mode)
+    model = _build_fake_model(spec, depth, fake_mode)
     model.train()
     with fake_mode:
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(params, OptimizerConfig(implementation=spec.strategy.optimizer), CPU)
-        runner = StepRunner(model, params, optimizer, precision, CPU, grad_clip=1.0, chunked=chunked)
+        runner = StepRunner.for_strategy(model, spec.strategy, CPU, copies_back=not spec.host_is_device)
+        optimizer = runner.optimizer
         shape = (spec.strategy.micro_batch_size, spec.seq_len + 1)  # (B, T+1)
         batches = [(torch.zeros(shape, dtype=torch.long),) * 2 for _ in range(spec.strategy.grad_accum_steps)]
-        tracker = StepTracker(model, optimizer, spec.round_to)
+        tracker = StepTracker(model, optimizer, spec.round_to, spec.host_is_device)
         tracker.track([*model.parameters(), *model.buffers(), *(t for b in batches for t in b)])
         with tracker, _masks_as_on_real_tensors():
             for _ in range(steps):
@@ -156,36 +160,45 @@ def _masks_as_on_real_tensors():
         masking.find_packed_sequence_indices = original
 
 
-def steady_state(first: StepMemory) -> StepMemory:
-    """From step 1 to every later step: the optimizer state, created lazily during step 1 (group by
-    group) and constant in size afterwards, is whole and alive in every phase of later steps."""
-    state = max(b[Category.OPTIMIZER] for b in first.phase_peaks.values())
-    phases = {p: Breakdown({**b.bytes_by_category, Category.OPTIMIZER: state}) for p, b in first.phase_peaks.items()}
-    peak_phase = max(phases, key=lambda p: phases[p].total_bytes)
-    return StepMemory(peak=phases[peak_phase], phase_peaks=phases, peak_phase=peak_phase)
-
-
 def extrapolate_regions(
-    ra: dict[str, tuple[int, ...]], rb: dict[str, tuple[int, ...]], la: int, lb: int, depth: int
+    ra: dict[str, tuple[int, ...]],
+    rb: dict[str, tuple[int, ...]],
+    la: int,
+    lb: int,
+    depth: int,
+    keep_mid: bool = False,
 ) -> dict[str, tuple[int, ...]]:
     """Moments at ``depth`` from depths ``la`` < ``lb``: each op outside the middle layers runs at
     every depth with bytes linear in depth, so each is extrapolated on its own and peaks are taken
     after. Middle-layer moments are left out: the bytes there are linear in the layer's position, so
-    they peak at the first or last layer, whose moments are kept.
+    they peak at the first or last layer, whose moments are kept. ``keep_mid`` extrapolates the middle
+    layers' peak too, for steps whose middle layers do what neither end does (with activations
+    offloaded, a checkpointed layer's backward prefetches from the layer before it, which the first
+    layer has not got).
     """
     k = (depth - la) / (lb - la)
     out = {}
     for key, a in ra.items():
         b = rb.get(key)
-        if b is not None and not key.endswith(":mid"):
+        if b is not None and (keep_mid or not key.endswith(":mid")):
             out[key] = tuple(round(x + k * (y - x)) for x, y in zip(a, b))
     return out
 
 
 def extrapolation_depths(spec: StepSpec) -> tuple[int, int]:
-    """The two depths traced: (2, 3) layers, or (N, 2N) for every_k:N (whole groups of wrapped layers)."""
+    """The two depths traced: (2, 3) layers, or (N, 2N) for every_k:N (whole groups of wrapped layers).
+
+    With activations offloaded, deep enough that every region sees as many layers before it as at full depth:
+    backward's prefetch of the copies back reaches up to ``PREFETCH`` entries back, which with full
+    checkpointing (one entry per layer) is ``PREFETCH`` layers, so the traces start at ``PREFETCH + 2`` layers
+    (rounded up to whole groups); shallower, the last layer's and the loss's op sequences change with depth.
+    """
     ac = spec.strategy.activation_checkpointing
-    return (ac.every, 2 * ac.every) if ac.kind == "every_k" and ac.every > 1 else (2, 3)
+    group = ac.every if ac.kind == "every_k" and ac.every > 1 else 1
+    low = group if group > 1 else 2
+    if spec.strategy.activation_offload:
+        low = -(-(PREFETCH + 2) // group) * group
+    return low, low + group
 
 
 def extrapolated_step(spec: StepSpec) -> StepMemory:
@@ -194,5 +207,5 @@ def extrapolated_step(spec: StepSpec) -> StepMemory:
     la, lb = extrapolation_depths(spec)
     if depth <= lb:
         return trace_step(spec)
-    ra, rb = (trace_timeline(spec, n).region_peaks() for n in (la, lb))
-    return steady_state(collapse_regions(extrapolate_regions(ra, rb, la, lb, depth)))
+    ra, rb = (steady_timeline(spec, n).region_peaks() for n in (la, lb))
+    return collapse_regions(extrapolate_regions(ra, rb, la, lb, depth, spec.strategy.activation_offload))

@@ -11,9 +11,15 @@ recomputed tensors). The result is a ``Timeline``: bytes per
 category after every op.
 
 Phases: ``forward`` from a model forward (the loss included); ``backward`` while the autograd engine
-runs (activation-checkpoint recomputation included); ``clip`` after backward until the optimizer
-step (gradient clipping, loss scaling); ``optimizer`` between the optimizer's step pre- and post-hooks.
-Each phase's peak is kept separately so the planner can extrapolate them one by one.
+runs (activation-checkpoint recomputation included, and with ``optimizer.in_backward`` each parameter's
+step: its gradient is marked when its step begins, its state when the step ends); ``clip`` after
+backward until the optimizer step (gradient clipping, loss scaling); ``optimizer`` between the
+optimizer's step pre- and post-hooks. Each phase's peak is kept separately so the planner can
+extrapolate them one by one.
+
+With ``strategy.activation_offload`` the offload hooks are innermost, so the tracker observes them instead
+of its own: each host copy is ``host`` (not device memory), or an activation where host and device are one
+memory (a CPU run, ``host_is_device``).
 
 Known limitations:
     - A gradient autograd sums from several contributions during backward (a tied embedding's, or the
@@ -43,6 +49,7 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.models.load import decoder_layers
 from memfit.planner.categories import Breakdown, Category, StepMemory
+from memfit.strategies.offload import Offloaded, observing
 
 
 def _storage(t: torch.Tensor):
@@ -74,6 +81,15 @@ class Timeline:
         rows = [tuple(round(a + k * (b - a)) for a, b in zip(ra, rb)) for ra, rb in zip(self.rows, other.rows)]
         return Timeline(self.phases, rows)
 
+    def steady(self) -> "Timeline":
+        """Every later step's moments from this first step's: the optimizer state, created lazily during
+        step 1 (in the optimizer step, or parameter by parameter in backward with ``optimizer.in_backward``)
+        and constant in size afterwards, is whole at every moment. Made steady before any peak is taken,
+        so a phase's peak is the moment that is highest with the state whole."""
+        oi = CATEGORIES.index(Category.OPTIMIZER)
+        state = max((row[oi] for row in self.rows), default=0)
+        return Timeline(self.phases, [(*row[:oi], state, *row[oi + 1 :]) for row in self.rows])
+
     def region_peaks(self) -> dict[str, tuple[int, ...]]:
         """Bytes per category (rows in Category order) at every moment that exists at any depth,
         keyed so that the same op has the same key at every depth: ``phase:region#occurrence+offset``
@@ -95,8 +111,10 @@ class Timeline:
             else:
                 key = f"{label}#{occurrences[label]}+{offset}"
             offset += 1
-            total = sum(row)
-            if total > totals.get(key, -1):
+            total = device_bytes(row)
+            if total > totals.get(key, -1) or (
+                total == totals.get(key, -1) and row[_HOST] > out[key][_HOST]
+            ):  # on a tie, the moment with more host bytes: the host peak is kept
                 out[key], totals[key] = row, total
         self._peaks = out
         return out
@@ -110,15 +128,22 @@ def collapse_regions(region_peaks: dict[str, tuple[int, ...]]) -> StepMemory:
     best: dict[str, tuple[int, tuple[int, ...]]] = {}
     for key, row in region_peaks.items():
         phase = key.split(":", 1)[0].split("#", 1)[0]
-        total = sum(row)
+        total = device_bytes(row)
         if phase not in best or total > best[phase][0]:
             best[phase] = (total, row)
     phase_peaks = {p: Breakdown(dict(zip(CATEGORIES, row))) for p, (_, row) in best.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p].total_bytes)
-    return StepMemory(peak=phase_peaks[peak_phase], phase_peaks=phase_peaks, peak_phase=peak_phase)
+    host_peak = max((row[_HOST] for row in region_peaks.values()), default=0)
+    return StepMemory(phase_peaks[peak_phase], phase_peaks, peak_phase, host_peak)
 
 
 CATEGORIES = tuple(Category)
+_HOST = CATEGORIES.index(Category.HOST)
+
+
+def device_bytes(row: tuple[int, ...]) -> int:
+    """A moment's device bytes (rows in ``Category`` order): all but what is offloaded to host memory."""
+    return sum(row) - row[_HOST]
 
 
 # The layer of a saved tensor that several decoder layers saved (RoPE's cos/sin). Tagged with the last
@@ -135,9 +160,14 @@ class StepTracker(TorchDispatchMode):
     Categories are resolved after the step, from what each storage turned out to be.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, round_to: int = 1):
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, round_to: int = 1, host_is_device: bool = False
+    ):
         super().__init__()
         self.model, self.optimizer, self.round_to = model, optimizer, round_to
+        # offloaded copies (strategy.activation_offload): host memory, or on a CPU run the same memory
+        self._host_category = Category.ACTIVATIONS if host_is_device else Category.HOST
+        self._observer = None
         self._serial_of: dict[int, int] = {}  # id(storage) -> serial, for live storages
         self._events: list[tuple[int, int]] = []  # (serial, +nbytes | -nbytes)
         self._ops: list[tuple[int, str]] = []  # (number of events after the op, phase)
@@ -195,15 +225,23 @@ class StepTracker(TorchDispatchMode):
                 self._add(t)
         self._ops.append((len(self._events), "forward"))
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor, category: Category = Category.ACTIVATIONS) -> torch.Tensor:
         serial = self._add(t)
         if serial is not None:
-            self._category.setdefault(serial, Category.ACTIVATIONS)
+            self._category.setdefault(serial, category)
             if self._layer is not None:
                 # a storage saved by several layers (RoPE's cos/sin, a mask) says nothing of where backward is
                 known = self._layer_of.get(serial, self._layer)
                 self._layer_of[serial] = self._layer if known == self._layer else SHARED
         return t
+
+    def _on_pack(self, t: torch.Tensor, packed) -> None:
+        """Under ``ActivationOffload`` (its hooks shadow this tracker's): the tensor as saved, or its host copy;
+        the device tensor it was copied from is no longer held for backward (a temporary until it dies)."""
+        self._pack(packed.host, self._host_category) if isinstance(packed, Offloaded) else self._pack(t)
+
+    def _on_unpack(self, packed, t: torch.Tensor) -> None:
+        self._unpack(packed.host if isinstance(packed, Offloaded) else packed)
 
     def _unpack(self, t: torch.Tensor) -> torch.Tensor:
         st = _storage(t)
@@ -260,17 +298,34 @@ class StepTracker(TorchDispatchMode):
             self.optimizer.register_step_post_hook(post),
             self.model.register_forward_pre_hook(forward_starts),
         ]
+        if hasattr(self.optimizer, "register_param_step_hooks"):  # optimizer.in_backward: steps inside backward
 
-        layers = [getattr(m, "_checkpoint_wrapped_module", m) for m in decoder_layers(self.model)]
-        self._num_layers = len(layers)
-        for i, layer in enumerate(layers):  # fires in forward and in checkpoint recomputation
-            self._hooks.append(layer.register_forward_pre_hook(lambda *_, i=i: setattr(self, "_layer", i)))
-            self._hooks.append(layer.register_forward_hook(lambda *_: setattr(self, "_layer", None)))
+            def param_pre(p):
+                self._mark([p.grad], Category.GRADS)
+
+            def param_post(p):
+                state = self.optimizer.state.get(p, {})
+                self._mark((v for v in state.values() if isinstance(v, torch.Tensor)), Category.OPTIMIZER)
+
+            self._hooks.append(self.optimizer.register_param_step_hooks(param_pre, param_post))
+
+        wrappers = decoder_layers(self.model)
+        self._num_layers = len(wrappers)
+        for i, wrapper in enumerate(wrappers):
+            # the layer itself fires in forward and in checkpoint recomputation; a checkpoint wrapper around it
+            # in forward only, where it saves the layer's inputs (copies of them, when activations are offloaded)
+            layer = getattr(wrapper, "_checkpoint_wrapped_module", wrapper)
+            for module in {id(m): m for m in (wrapper, layer)}.values():
+                self._hooks.append(module.register_forward_pre_hook(lambda *_, i=i: setattr(self, "_layer", i)))
+                self._hooks.append(module.register_forward_hook(lambda *_: setattr(self, "_layer", None)))
         self._saved_hooks.__enter__()
+        self._observer = observing(self._on_pack, self._on_unpack)
+        self._observer.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
+        self._observer.__exit__(*exc)
         self._saved_hooks.__exit__(*exc)
         for h in self._hooks:
             h.remove()
@@ -279,8 +334,9 @@ class StepTracker(TorchDispatchMode):
     # -- results ------------------------------------------------------------------------------------
 
     def allocation_events(self) -> list[tuple[int, int]]:
-        """Every storage allocation (+bytes) and release (-bytes) in order, keyed by storage serial."""
-        return list(self._events)
+        """Every device storage allocation (+bytes) and release (-bytes) in order, keyed by storage serial
+        (offloaded activations' host copies are not device memory: left out)."""
+        return [(s, d) for s, d in self._events if self._category.get(s) is not Category.HOST]
 
     def timeline(self) -> Timeline:
         """Bytes per category after each op; categories as the storages turned out to be."""

@@ -11,10 +11,14 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from memfit.config.schema import OptimizerConfig
+from memfit.config.strategy import Strategy
 from memfit.distributed.engines import clip_grad_norm
 from memfit.distributed.runtime import DistContext
 from memfit.step.loss import ChunkedLoss, global_token_count, token_loss_sum
-from memfit.strategies.precision import Precision
+from memfit.strategies.offload import ActivationOffload, activation_offload
+from memfit.strategies.optimizer import OptimizerInBackward, build_optimizer
+from memfit.strategies.precision import Precision, precision_policy
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), each (B, T+1)
 
@@ -53,16 +57,49 @@ class StepRunner:
     ctx: DistContext = field(default_factory=DistContext)
     grad_sync: Callable[[bool], Any] = _no_sync_needed
     chunked: ChunkedLoss | None = None  # strategy.loss_chunks: the loss computed chunk by chunk
+    offload: ActivationOffload | None = None  # strategy.activation_offload: around each forward
+
+    @classmethod
+    def for_strategy(
+        cls, model: torch.nn.Module, strategy: Strategy, device: torch.device, copies_back: bool | None = None
+    ) -> StepRunner:
+        """The step of ``strategy`` for one process, as the planner traces and measures it: AdamW over the
+        trainable parameters (clipping at 1.0 unless the step runs in backward), the loss chunked as set,
+        activations offloaded as set (``copies_back``: see ``ActivationOffload``)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt_cfg = OptimizerConfig(implementation=strategy.optimizer, in_backward=strategy.optimizer_in_backward)
+        optimizer = build_optimizer(params, opt_cfg, device)
+        clip = 0.0 if strategy.optimizer_in_backward else 1.0
+        chunked = ChunkedLoss.attach(model, strategy.loss_chunks)
+        offload = activation_offload(strategy.activation_offload, device, copies_back)
+        return cls(
+            model,
+            params,
+            optimizer,
+            precision_policy(strategy.precision),
+            device,
+            clip,
+            chunked=chunked,
+            offload=offload,
+        )
+
+    def _loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's summed token loss (the forward), its saved tensors offloaded where set."""
+        with self.offload if self.offload is not None else contextlib.nullcontext():
+            return token_loss_sum(self.model, tokens, labels, self.precision, self.device, self.chunked)
 
     def step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over ``batches`` (gradient accumulation), clip, optimizer step, free grads.
 
         The loss is normalised by the supervised tokens of the whole step, so accumulation over k
-        micro-batches gives the same update as one batch k times larger.
+        micro-batches gives the same update as one batch k times larger. With ``OptimizerInBackward``
+        the parameters are stepped during backward (one micro-batch, no clipping).
 
         Returns:
             (loss, grad_norm) as 0-d tensors; loss is the mean token loss of the (global) step.
         """
+        if isinstance(self.optimizer, OptimizerInBackward):
+            return self._step_in_backward(batches)
         n_tokens = global_token_count(batches, self.ctx, self.device)
         world = self.ctx.world_size
         loss_sum = torch.zeros((), device=self.device)
@@ -70,7 +107,7 @@ class StepRunner:
             tokens = tokens.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
             with self.grad_sync(i == len(batches) - 1):
-                loss = token_loss_sum(self.model, tokens, labels, self.precision, self.device, self.chunked) / n_tokens
+                loss = self._loss(tokens, labels) / n_tokens
                 scaled = loss * world if world > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach()
@@ -83,6 +120,17 @@ class StepRunner:
         else:
             self.optimizer.step()
         return self.ctx.all_reduce_sum(loss_sum), grad_norm
+
+    def _step_in_backward(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        ((tokens, labels),) = batches  # Strategy.conflict: one micro-batch, one process, no scaler
+        n_tokens = global_token_count(batches, self.ctx, self.device)
+        tokens = tokens.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        self.optimizer.begin_step()
+        loss = self._loss(tokens, labels) / n_tokens
+        loss.backward()  # every parameter is stepped, and its gradient freed, in here
+        self.optimizer.step()  # nothing left to step; ends the step for the LR scheduler
+        return loss.detach(), self.optimizer.grad_norm(self.device)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -37,7 +37,13 @@ LOSS_TOLERANCE = {"fp32": 1e-3}  # relative; others (bf16/fp16) use DEFAULT_TOLE
 DEFAULT_TOLERANCE = 3e-2
 
 
-BENCH_AXES = {"activation_checkpointing": "none,full", "precision": "fp32", "loss_chunks": "0", "micro_batch_size": "2"}
+BENCH_AXES = {
+    "activation_checkpointing": "none,full",
+    "precision": "fp32",
+    "loss_chunks": "0",
+    "optimizer_in_backward": "false",
+    "micro_batch_size": "2",
+}
 """Levers every cell sets explicitly, with the command's default values (the others follow the base config,
 except a multi-rank cell's ZeRO stage)."""
 
@@ -74,6 +80,7 @@ class Cell:
         ranks = "" if self.nproc == 1 else f"_zero{s.zero_stage}x{self.nproc}"
         ac = str(s.activation_checkpointing).replace(":", "")
         chunks = f"_ce{s.loss_chunks}" if s.loss_chunks else ""
+        chunks += "_optbwd" if s.optimizer_in_backward else ""
         return f"ac-{ac}_{s.precision}{chunks}_mb{s.micro_batch_size}_{'lora' if self.lora else 'full'}{ranks}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -111,7 +118,10 @@ def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: 
             f"--micro-batch {s.micro_batch_size} x {cell.nproc} rank(s) does not divide the global batch {global_batch}"
         )
     cell.strategy = s = s.replace(grad_accum_steps=global_batch // per_pass)
-    pins = [o for o, name in zip(s.overrides(), levers()) if name in cell.axes]
+    conflict = s.conflict(world_size=cell.nproc, engine="single" if cell.nproc == 1 else "fsdp2")
+    if conflict:
+        raise UserError(f"bench cell {cell.name}: {conflict}")
+    pins = s.overrides(cell.axes)
     if cell.nproc > 1:
         pins.append(f"{levers()['zero_stage'].config_key}={s.zero_stage}")
     steps += 1  # the inspected step, outside the timed ones

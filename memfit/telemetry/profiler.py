@@ -71,15 +71,16 @@ class Block:
     start: int  # index of its allocation event
     end: int | None = None  # index of the event that ended it (release, or reuse of its address)
     saved: bool = False  # autograd saved it for backward while it was live
+    host: bool = False  # an offloaded activation's host copy (a host marker while it was live)
 
 
 def live_blocks(
-    events: list[tuple[int, int, int]], saved: Iterable[tuple[int, int]] = ()
+    events: list[tuple[int, int, int]], saved: Iterable[tuple[int, int]] = (), host: Iterable[tuple[int, int]] = ()
 ) -> tuple[list[Block], list[Block]]:
-    """Replay ``events`` (and saved-tensor markers) in time order: every block allocated, in order,
-    and the blocks live at the (first) peak. A block counts from its allocation to its release, or
-    to the next allocation at its address (whose release the profiler did not see)."""
-    marks = sorted(saved)
+    """Replay ``events`` (and saved-tensor and host-copy markers: (time ns, address)) in time order: every
+    block allocated, in order, and the blocks live at the (first) peak. A block counts from its allocation
+    to its release, or to the next allocation at its address (whose release the profiler did not see)."""
+    marks = sorted([(t, ptr, "saved") for t, ptr in saved] + [(t, ptr, "host") for t, ptr in host])
     live: dict[int, Block] = {}
     blocks: list[Block] = []
     current = peak = 0
@@ -88,7 +89,7 @@ def live_blocks(
     for i, (time_ns, ptr, nbytes) in enumerate(events):
         while m < len(marks) and marks[m][0] <= time_ns:
             if marks[m][1] in live:
-                live[marks[m][1]].saved = True
+                setattr(live[marks[m][1]], marks[m][2], True)
             m += 1
         if nbytes > 0:
             old = live.pop(ptr, None)
@@ -102,11 +103,30 @@ def live_blocks(
         elif ptr in live:  # releases of blocks from before the profiled region are not reported
             old = live.pop(ptr)
             old.end, current = i, current - old.nbytes
-    for _, ptr in marks[m:]:
+    for _, ptr, kind in marks[m:]:
         if ptr in live:
-            live[ptr].saved = True
+            setattr(live[ptr], kind, True)
     at_peak = [b for b in blocks if b.start <= peak_at and (b.end is None or b.end > peak_at)]
     return blocks, at_peak
+
+
+def split_host(events: list[tuple[int, int, int]], blocks: list[Block]) -> tuple[list[tuple[int, int, int]], int]:
+    """The events without the host blocks' (``live_blocks``' blocks of ``events``): what a device would
+    hold, on a CPU where host and device are one memory; and the highest sum of live host blocks."""
+    skip, deltas = set(), []
+    for b in blocks:
+        if b.host:
+            skip.add(b.start)
+            deltas.append((b.start, b.nbytes))
+            if b.end is not None:
+                deltas.append((b.end, -b.nbytes))
+                if events[b.end][2] < 0:  # its release (not the reuse of its address by another block)
+                    skip.add(b.end)
+    current = peak = 0
+    for _, delta in sorted(deltas, key=lambda d: (d[0], d[1])):
+        current += delta
+        peak = max(peak, current)
+    return [e for i, e in enumerate(events) if i not in skip], peak
 
 
 def peak_of(events: list[tuple[int, int, int]]) -> int:

@@ -41,6 +41,7 @@ from memfit.strategies.allocator import (
 )
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora
+from memfit.strategies.offload import activation_offload
 from memfit.strategies.optimizer import (
     build_optimizer,
     build_scheduler,
@@ -113,6 +114,9 @@ class Trainer:
         self.strategy = run_strategy(
             cfg, self.precision.name, resolve_implementation(cfg.optimizer.implementation, self.device), ctx.world_size
         )
+        conflict = self.strategy.conflict(cfg.optimizer.grad_clip, ctx.world_size, self.kind)
+        if conflict:  # levers that only combine once the device, precision and world size are known
+            raise UserError(conflict)
         self.run, self.resume_from = on_main(ctx, lambda: prepare_run_dir(cfg))
         self.notes: list[str] = []
         if t.resume and self.resume_from is None:
@@ -197,6 +201,7 @@ class Trainer:
                 ctx,
                 self.par.grad_sync,
                 self.chunked,
+                activation_offload(self.strategy.activation_offload, self.device),
             )
         self.runner: StepEngine
         self.model, self.optimizer, self.params = self.par.module, self.par.optimizer, self.par.params
@@ -376,13 +381,15 @@ class Trainer:
         label = f"{device_name(self.device)}, {self.precision.name}, AC {cfg.strategy.activation_checkpointing}"
         if self.chunked is not None:
             label += f", loss in {self.chunked.chunks} chunks"
+        if self.strategy.activation_offload:
+            label += ", activations offloaded to host memory"
         ranks = ""
         if ctx.distributed:
             ranks = f" x {ctx.world_size} ranks ({self.kind}, ZeRO-{cfg.distributed.zero_stage}, {ctx.backend})"
         display.log(
             f"memfit train: {cfg.model.source} on {label}{ranks}, "
             f"{'LoRA r=' + str(cfg.lora.rank) if cfg.lora.enabled else 'full fine-tune'}, "
-            f"AdamW {self.strategy.optimizer}, "
+            f"AdamW {self.strategy.optimizer}{' stepped in backward' if self.strategy.optimizer_in_backward else ''}, "
             f"{len(self.train_ds)} train / {sum(len(b[0]) for b in self.eval)} eval sequences of "
             f"{cfg.data.seq_len} tokens, "
             f"global batch {ctx.world_size * t.micro_batch_size * self.accum}"

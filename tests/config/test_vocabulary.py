@@ -34,6 +34,10 @@ def test_a_strategy_round_trips_through_train_overrides():
     )
     cfg = load_config(None, strategy.overrides())
     assert run_strategy(cfg, cfg.strategy.precision, cfg.optimizer.implementation, world_size=2) == strategy
+    in_backward = strategy.replace(optimizer_in_backward=True, zero_stage=0, grad_accum_steps=1)
+    cfg = load_config(None, in_backward.overrides())  # with what it implies: no global-norm clipping
+    assert cfg.optimizer.grad_clip == 0
+    assert run_strategy(cfg, cfg.strategy.precision, cfg.optimizer.implementation, world_size=1) == in_backward
 
 
 def test_one_process_runs_zero_stage_0_whatever_the_config_says():
@@ -59,8 +63,12 @@ def test_each_lever_parses_user_text_and_names_the_flag_on_error(name, bad):
 
 def test_candidates_walk_searched_levers_in_field_order_last_fastest():
     combos = list(candidates({"precision": "fp32"}, {"micro_batch_size": (1, 2), "zero_stage": (0,)}))
-    n_ac, n_chunks = (len(levers()[name].searched) for name in ("activation_checkpointing", "loss_chunks"))
-    assert len(combos) == n_ac * 1 * n_chunks * 3 * 2 * 1  # ac x precision x chunks x optimizer x micro x zero
+    given = {"precision": 1, "micro_batch_size": 2, "zero_stage": 1}  # pinned, or narrowed by the caller
+    expected = 1
+    for name, lever in levers().items():
+        expected *= given.get(name, len(lever.searched) or 1)
+    assert expected == 4 * 1 * 2 * 2 * 3 * 2 * 2 * 1  # ac, precision, chunks, offload, AdamW, in bwd, micro, zero
+    assert len(combos) == expected
     assert [c["micro_batch_size"] for c in combos[:2]] == [1, 2]
     assert {c["precision"] for c in combos} == {"fp32"}
 

@@ -191,17 +191,29 @@ def test_results_json_is_rewritten_after_each_cell(tmp_path):
     assert saved[0]["tokens_per_s"] == 123.0 and not (tmp_path / ".results.json.tmp").exists()
 
 
-def test_bench_takes_loss_chunks_as_an_axis(tmp_path, capsys, embedded_dir):
+@pytest.mark.parametrize(
+    "flag, values, lever, suffix",
+    [
+        ("--loss-chunks", "0,4", "loss_chunks", "_ce4"),
+        ("--optimizer-in-backward", "false,true", "optimizer_in_backward", "_optbwd"),
+    ],
+    ids=["loss-chunks", "optimizer-in-backward"],
+)
+def test_bench_takes_a_lever_as_an_axis(tmp_path, capsys, embedded_dir, flag, values, lever, suffix):
     """A lever of the strategy vocabulary is a bench axis: both cells run, reach the same fp32 loss (the
-    bench flags cells of one precision whose losses differ), and the chunked one is predicted smaller."""
+    bench flags cells of one precision whose losses differ), and the lever's cell is predicted no larger
+    (a chunked loss: smaller)."""
     out = tmp_path / "bench"
-    args = ["bench", "tiny-cpu", "--ac", "none", "--lora", "false", "--loss-chunks", "0,4", "--steps", "1"]
-    code = main([*args, "--warmup", "1", "--out", str(out), "--set", "data.seq_len=64", "data.max_documents=1"])
+    args = ["bench", "tiny-cpu", "--ac", "none", "--lora", "false", flag, values, "--steps", "1"]
+    extra = ["data.seq_len=64", "data.max_documents=1", "optimizer.grad_clip=0"]
+    code = main([*args, "--warmup", "1", "--out", str(out), "--set", *extra])
     assert code == 0
     summary = _last_json(capsys.readouterr().out)
     assert summary["cells"] == 2 and summary["ok"] == 2 and summary["loss_flags"] == 0
     cells = {c["name"]: c for c in json.loads((out / "results.json").read_text())}
-    plain, chunked = cells["ac-none_fp32_mb2_full"], cells["ac-none_fp32_ce4_mb2_full"]
-    assert (plain["loss_chunks"], chunked["loss_chunks"]) == (0, 4)
-    assert chunked["predicted_peak_bytes"] < plain["predicted_peak_bytes"]
-    assert chunked["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    plain, on = cells["ac-none_fp32_mb2_full"], cells[f"ac-none_fp32{suffix}_mb2_full"]
+    assert not plain[lever] and on[lever]
+    assert on["predicted_peak_bytes"] <= plain["predicted_peak_bytes"]
+    if lever == "loss_chunks":
+        assert on["predicted_peak_bytes"] < plain["predicted_peak_bytes"]
+    assert on["loss"] == pytest.approx(plain["loss"], rel=1e-5)
