@@ -1,7 +1,8 @@
 """What one memory lever saves, measured on real CPU tensors and predicted by the planner.
 
     python benchmarks/levers.py --lever loss_chunks=8            [--batch 2 --seq-len 256]
-    python benchmarks/levers.py --lever optimizer_in_backward=true
+    python benchmarks/levers.py --lever optimizer_in_backward=true [--ac full]
+    python benchmarks/levers.py --lever activation_offload=true
 
 Part 1, measured: the pretrained SmolLM2-135M (30 layers, vocabulary 49,152, tied embeddings), full
 fine-tune and LoRA, fp32 and bf16-mixed: the steady-state step's peak by ``torch.profiler`` on real
@@ -9,6 +10,8 @@ tensors (``measured_steady_step``, each block classified without the planner's c
 on, and the planner's prediction for each (``Predictor``, as ``memfit plan`` computes it: shallow traces
 extrapolated to 30 layers). The step in backward frees each gradient inside backward, where the measurement
 cannot tell it from a temporary: for it the worst-category error takes gradients and temporaries together.
+Offloaded activations are measured as a GPU holds them (``measured_steady_step``: host copies apart, copies
+back into new buffers): the device peak, and the host peak beside it.
 
 Part 2, predicted only: the planner's peak with the lever off and on for Llama-2-7B and Llama-3-8B at the
 README's example shape (bf16-mixed, micro-batch 1 x 2048 tokens; LoRA, and a full fine-tune in bf16-pure),
@@ -54,7 +57,7 @@ def _worst_category_pct(predicted, measured, merge_grads: bool) -> float:
     return max(errors, default=0.0)
 
 
-def measured_rows(name: str, on, batch: int, seq_len: int) -> list[dict]:
+def measured_rows(name: str, on, batch: int, seq_len: int, ac: CheckpointPolicy) -> list[dict]:
     smol = ModelSource("hf", path=embedded_checkpoint_dir())
     config = model_config(smol, ModelConfig())
     off = type(on)()  # the lever's "off" value: 0, False
@@ -64,10 +67,17 @@ def measured_rows(name: str, on, batch: int, seq_len: int) -> list[dict]:
         predictor = Predictor(StepSpec(config, seq_len, lora=lora_cfg))
         for precision in ("fp32", "bf16-mixed"):
             for value in (off, on):
-                strategy = Strategy(precision=precision, optimizer="foreach", micro_batch_size=batch, **{name: value})
+                strategy = Strategy(
+                    activation_checkpointing=ac,
+                    precision=precision,
+                    optimizer="foreach",
+                    micro_batch_size=batch,
+                    **{name: value},
+                )
                 model = build_model(smol, ModelConfig(), precision_policy(precision).param_dtype, 0)
                 measured = measured_steady_step(StepSpec(config, seq_len, strategy, lora_cfg), model)
-                predicted = predictor.predict(strategy).peak
+                prediction = predictor.predict(strategy)
+                predicted = prediction.peak
                 rows.append(
                     {
                         "tune": "lora" if lora else "full",
@@ -75,6 +85,8 @@ def measured_rows(name: str, on, batch: int, seq_len: int) -> list[dict]:
                         name: value,
                         "measured_bytes": measured.total_bytes,
                         "predicted_bytes": predicted.total_bytes,
+                        "measured_host_bytes": measured[Category.HOST],
+                        "predicted_host_bytes": prediction.host_peak_bytes,
                         "error_pct": _pct(predicted.total_bytes, measured.total_bytes),
                         "worst_category_error_pct": _worst_category_pct(
                             predicted, measured, strategy.optimizer_in_backward
@@ -122,17 +134,19 @@ def main() -> None:
     ap.add_argument("--lever", required=True, help="NAME=VALUE of a Strategy lever, e.g. loss_chunks=8")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--ac", default="none", help="activation checkpointing of the measured cells")
     a = ap.parse_args()
     name, _, text = a.lever.partition("=")
     on = levers()[name].parse(text, "--lever")
-    measured = measured_rows(name, on, a.batch, a.seq_len)
+    ac = CheckpointPolicy.parse(a.ac, "--ac")
+    measured = measured_rows(name, on, a.batch, a.seq_len, ac)
     print(
-        f"{name}={on}: SmolLM2-135M, B={a.batch}, T={a.seq_len}, CPU ({platform.processor() or platform.machine()}); "
-        f"steady-state step peak, MiB"
+        f"{name}={on}: SmolLM2-135M, AC {ac}, B={a.batch}, T={a.seq_len}, "
+        f"CPU ({platform.processor() or platform.machine()}); steady-state step peak, MiB"
     )
     print(
         f"{'tune':5s} {'precision':11s} {'lever':>6s} {'measured':>10s} {'predicted':>10s} {'error':>8s} "
-        f"{'worst category':>15s} {'saved (measured)':>17s}"
+        f"{'worst category':>15s} {'saved (measured)':>17s} {'host meas.':>11s} {'host pred.':>11s}"
     )
     base = {}
     for r in measured:
@@ -142,7 +156,8 @@ def main() -> None:
         print(
             f"{r['tune']:5s} {r['precision']:11s} {str(r[name]):>6s} {r['measured_bytes'] / MIB:10.2f} "
             f"{r['predicted_bytes'] / MIB:10.2f} {r['error_pct']:+7.3f}% {r['worst_category_error_pct']:14.3f}% "
-            f"{saved / MIB:10.2f} ({100 * saved / base[key]:.1f}%)"
+            f"{saved / MIB:10.2f} ({100 * saved / base[key]:.1f}%) {r['measured_host_bytes'] / MIB:11.2f} "
+            f"{r['predicted_host_bytes'] / MIB:11.2f}"
         )
     predicted = predicted_rows(name, on)
     print(f"\nplanner only: micro-batch 1 x 2048 tokens (LoRA r=8 bf16-mixed, full bf16-pure), GiB; {name}={on}")
@@ -157,6 +172,7 @@ def main() -> None:
             {
                 "benchmark": "levers",
                 "lever": {name: on},
+                "ac": str(ac),
                 "date": datetime.now(timezone.utc).date().isoformat(),
                 "machine": platform.node(),
                 "measured": measured,

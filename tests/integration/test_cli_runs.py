@@ -27,7 +27,12 @@ def _losses(run_dir):
     return [(r["step"], r["loss"]) for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "step"]
 
 
-def test_kill_9_then_resume_continues_the_same_losses(tmp_path, embedded_dir):
+@pytest.mark.parametrize(
+    "levers",
+    [(), ("optimizer.in_backward=true", "optimizer.grad_clip=0", "strategy.activation_offload=true")],
+    ids=["plain", "in-backward-offloaded"],
+)
+def test_kill_9_then_resume_continues_the_same_losses(tmp_path, embedded_dir, levers):
     args = [
         "train.max_steps=40",
         "train.checkpoint_every=5",
@@ -35,6 +40,7 @@ def test_kill_9_then_resume_continues_the_same_losses(tmp_path, embedded_dir):
         "train.threads=1",
         "data.seq_len=128",
         "train.micro_batch_size=8",
+        *levers,
     ]
     ref = _memfit(*tiny_overrides(tmp_path / "ref", *args))
     victim = _memfit(*tiny_overrides(tmp_path / "run", *args))
