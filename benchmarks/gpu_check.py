@@ -27,14 +27,18 @@ Parts, each in its own subprocess(es) with its own time limit, so one failure le
 
 5. ``bench-chunks`` (levers issue): the same 7B-shaped LoRA cell, bf16-mixed, AC none and full, with the
    loss whole and in 8 chunks (``strategy.loss_chunks``): what chunking saves on a GPU, beside the planner.
+6. ``bench-offload`` / ``bench-in-backward`` (levers issue): the 7B-shaped LoRA cell (bf16-mixed, AC none)
+   with activations offloaded and not (``strategy.activation_offload``: device peak, step time, host RSS
+   against the planner's device and host bytes), and the full fine-tune (bf16-pure, AC full) with the
+   optimizer step after and in backward (``optimizer.in_backward``).
 
 Parts run only when named in ``--parts``:
 
-6. ``diag``: one bench cell (7B LoRA, ffn, bf16-pure) once more, its last step both profiled (torch.profiler's
+7. ``diag``: one bench cell (7B LoRA, ffn, bf16-pure) once more, its last step both profiled (torch.profiler's
    memory events, written to ``diag_events.json.gz``) and traced by the allocator (``diag_snapshot.pickle.gz``),
    then ``memfit frag --simulate`` on that snapshot (its plots come back as ``diag_*.png``).
-7. ``oom``: a cell under ``allocator.memory_fraction=0.25`` must exit 3 with the bytes requested and a snapshot.
-8. ``exporter``: ``memfit exporter`` on loopback, scraped and parsed with prometheus_client.
+8. ``oom``: a cell under ``allocator.memory_fraction=0.25`` must exit 3 with the bytes requested and a snapshot.
+9. ``exporter``: ``memfit exporter`` on loopback, scraped and parsed with prometheus_client.
 
 ``--budget-s`` bounds the whole run: each part's time limit is clipped to what is left, and a part with
 under 30 s left is skipped. Work files live in a temporary directory, so only the summaries, tables and
@@ -397,6 +401,8 @@ def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
     copies = [("results.md", f"{name}.md"), ("memory_per_cell.png", f"{name}_memory.png")]
     if name == "bench_lora":  # at most 8 files come back from the machine
         copies.append(("pareto.png", f"{name}_pareto.png"))
+    if name in ("bench_offload", "bench_in_backward"):  # their cells travel in summary.json only
+        copies = []
     for src, dst in copies:
         if (bench_out / src).is_file():
             shutil.copy(bench_out / src, out / dst)
@@ -444,7 +450,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"))
     ap.add_argument("--smoke", action="store_true", help="tiny preset on CPU: checks this script, measures nothing")
-    ap.add_argument("--parts", default="doctor,replay,layout,bench-lora,bench-full,bench-chunks")
+    ap.add_argument(
+        "--parts", default="doctor,replay,layout,bench-lora,bench-full,bench-chunks,bench-offload,bench-in-backward"
+    )
     ap.add_argument("--budget-s", type=float, default=480, help="all parts end within this many seconds")
     ap.add_argument("--layout-worker", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--diag-worker", metavar="JSON", help=argparse.SUPPRESS)
@@ -485,6 +493,10 @@ def main() -> int:
             "--loss-chunks",
             "0,4",
         ]
+        ns.offload = ["--ac", "none", "--precision", "fp32", "--micro-batch", "2", "--lora", "true"]
+        ns.offload += ["--activation-offload", "false,true"]
+        ns.in_backward = ["--ac", "full", "--precision", "fp32", "--micro-batch", "2", "--lora", "false"]
+        ns.in_backward += ["--optimizer-in-backward", "false,true"]
         ns.diag_cell = [
             "strategy.precision=fp32",
             "strategy.activation_checkpointing=ffn",
@@ -531,6 +543,10 @@ def main() -> int:
             "--loss-chunks",
             "0,8",
         ]
+        ns.offload = ["--ac", "none", "--precision", "bf16-mixed", "--micro-batch", "4", "--lora", "true"]
+        ns.offload += ["--activation-offload", "false,true"]
+        ns.in_backward = ["--ac", "full", "--precision", "bf16-pure", "--micro-batch", "4", "--lora", "false"]
+        ns.in_backward += ["--optimizer-in-backward", "false,true"]
         ns.diag_cell = [
             "strategy.precision=bf16-pure",
             "strategy.activation_checkpointing=ffn",
@@ -562,6 +578,8 @@ def main() -> int:
         "bench-lora": lambda log: part_bench(ns, out, log, "bench_lora", ns.lora),
         "bench-full": lambda log: part_bench(ns, out, log, "bench_full", ns.full),
         "bench-chunks": lambda log: part_bench(ns, out, log, "bench_chunks", ns.chunks),
+        "bench-offload": lambda log: part_bench(ns, out, log, "bench_offload", ns.offload),
+        "bench-in-backward": lambda log: part_bench(ns, out, log, "bench_in_backward", ns.in_backward),
         "diag": lambda log: part_diag(ns, out, log),
         "oom": lambda log: part_oom(ns, out, log),
         "exporter": lambda log: part_exporter(ns, out, log),

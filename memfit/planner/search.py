@@ -108,7 +108,7 @@ class PlanResult:
     fitting: list[Candidate] = field(default_factory=list)
     pruned: list[Candidate] = field(default_factory=list)
     traces: int = 0
-    untried: int = 0  # candidates with a fallback lever whose twin without it fits (``Lever.fallback``)
+    untried: int = 0  # with a fallback lever, whose twin fits or is slower than a fitting one (``Lever.fallback``)
 
     @property
     def best(self) -> Candidate | None:
@@ -213,8 +213,15 @@ def search(
     first = [s for s in strategies if not fallbacks(s, pins.levers)]
     predictor.prefetch(first)
     done = {s: _candidate(s, w, c, pins, predictor, usable) for s in first}
-    # a fallback lever (the step in backward) is as fast as its twin at best: tried where the twin does not fit
-    needed = [s for s in strategies if s not in done and not done[s.replace(**fallbacks(s, pins.levers))].fits]
+    # a fallback lever (offloading, the step in backward) is as fast as its twin at best: tried where the twin
+    # does not fit and would be at least as fast as the fastest candidate that fits
+    fastest = min((time_bucket(c.step_time_s) for c in done.values() if c.fits), default=None)
+
+    def worth_trying(s: Strategy) -> bool:
+        twin = done[s.replace(**fallbacks(s, pins.levers))]
+        return not twin.fits and (fastest is None or time_bucket(twin.step_time_s) <= fastest)
+
+    needed = [s for s in strategies if s not in done and worth_trying(s)]
     predictor.prefetch(needed)
     done.update({s: _candidate(s, w, c, pins, predictor, usable) for s in needed})
     for cand in done.values():
