@@ -219,7 +219,11 @@ def search(
 
     def worth_trying(s: Strategy) -> bool:
         twin = done[s.replace(**fallbacks(s, pins.levers))]
-        return not twin.fits and (fastest is None or time_bucket(twin.step_time_s) <= fastest)
+        # neither lever touches the parameters or the optimizer state: what the twin holds of them at every
+        # moment is a floor no fallback goes under
+        floor = min(b[Category.PARAMS] + b[Category.OPTIMIZER] for b in twin.memory.phase_peaks.values())
+        could_fit = reserved_estimate(floor) <= usable
+        return not twin.fits and could_fit and (fastest is None or time_bucket(twin.step_time_s) <= fastest)
 
     needed = [s for s in strategies if s not in done and worth_trying(s)]
     predictor.prefetch(needed)
