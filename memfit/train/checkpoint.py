@@ -5,12 +5,16 @@ A checkpoint is a directory ``checkpoints/step_NNNNNNN/`` holding
     optimizer.pt            optimizer + LR-scheduler state (tensors and numbers; loaded weights_only)
     rng.pt                  torch CPU/CUDA and Python RNG states (loaded weights_only)
     trainer_state.json      step, data position, tokens seen, loss-scaler state
+    manifest.json           every other file's size and SHA-256 (of its first and last MiB above 64 MiB)
 It is written under a temporary name and renamed into place, so a crash (even ``kill -9``) leaves
-either a complete checkpoint or none; temporary leftovers are removed on the next start.
+either a complete checkpoint or none; temporary leftovers are removed on the next start, and old
+checkpoints are renamed away before they are deleted. A resume verifies the newest checkpoint against its
+manifest and falls back to the newest one that verifies (``latest_intact``), saying so.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -68,8 +72,11 @@ def begin_atomic(target: Path) -> Path:
     return tmp
 
 
-def commit_atomic(tmp: Path, target: Path) -> None:
-    """fsync everything in ``tmp``, then rename it to ``target`` (replacing an older one)."""
+def commit_atomic(tmp: Path, target: Path, manifest: bool = False) -> None:
+    """fsync everything in ``tmp`` (after recording its files in a manifest, for a checkpoint), then rename it
+    to ``target`` (replacing an older one)."""
+    if manifest:
+        write_manifest(tmp)
     _fsync_tree(tmp)
     if target.exists():
         shutil.rmtree(target)
@@ -77,21 +84,25 @@ def commit_atomic(tmp: Path, target: Path) -> None:
     _fsync_dir(target.parent)
 
 
-def atomic_dir(target: Path, write) -> None:
+def atomic_dir(target: Path, write, manifest: bool = False) -> None:
     """Call ``write(tmp_dir)``, then rename ``tmp_dir`` to ``target`` (replacing it) after fsync."""
     tmp = begin_atomic(target)
     try:
         write(tmp)
-        commit_atomic(tmp, target)
+        commit_atomic(tmp, target, manifest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def remove_partial(root: Path) -> None:
-    """Delete temporary directories a killed run left behind."""
+    """Delete what a killed run left behind: temporary directories (a checkpoint being written or deleted)
+    and checkpoint directories without their state file (from a deletion that was not renamed first)."""
     if root.is_dir():
         for p in root.glob(f"{_TMP_PREFIX}*"):
             shutil.rmtree(p, ignore_errors=True)
+        for p in root.glob("step_*"):
+            if p.is_dir() and not (p / "trainer_state.json").is_file():
+                shutil.rmtree(p, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -142,10 +153,86 @@ def save_checkpoint(root: Path, model, optimizer, scheduler, state: TrainerState
         torch.save(rng_state(), tmp / "rng.pt")
         state.write(tmp)
 
-    atomic_dir(target, write)
-    for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old)
+    atomic_dir(target, write, manifest=True)
+    rotate(root, keep)
     return target
+
+
+MANIFEST = "manifest.json"
+_WHOLE_DIGEST_BYTES = 64 << 20  # files up to this size are hashed whole; larger ones by their ends
+_END_BYTES = 1 << 20
+_NO_MANIFEST = f"{MANIFEST} is missing"
+
+
+def _digest(path: Path, size: int) -> str:
+    """SHA-256 of the file, or of its first and last MiB for files over 64 MiB (reading a 40 GB optimizer
+    state twice per checkpoint would cost minutes; truncation and emptying are caught by the size)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= _WHOLE_DIGEST_BYTES:
+            h.update(f.read())
+        else:
+            h.update(f.read(_END_BYTES))
+            f.seek(size - _END_BYTES)
+            h.update(f.read(_END_BYTES))
+    return h.hexdigest()
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(directory: Path) -> None:
+    """Record every file's size and digest in ``manifest.json``: what ``verify_checkpoint`` checks."""
+    entries = {}
+    for p in _files(directory):
+        size = p.stat().st_size
+        entries[p.relative_to(directory).as_posix()] = {"bytes": size, "sha256": _digest(p, size)}
+    (directory / MANIFEST).write_text(json.dumps({"files": entries}))
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be trusted (a file missing, resized or changed since it was
+    written, an unreadable state file), or None when it is intact."""
+    try:
+        recorded = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return _NO_MANIFEST
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return f"{MANIFEST} is unreadable"
+    for name, entry in recorded.items():
+        p = path / name
+        if not p.is_file():
+            return f"{name} is missing"
+        size = p.stat().st_size
+        if size != entry.get("bytes"):
+            return f"{name} has {size} bytes, {entry.get('bytes')} were written"
+        if _digest(p, size) != entry.get("sha256"):
+            return f"{name} changed since it was written"
+    return None
+
+
+def latest_intact(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under ``root`` that verifies, and a line for each newer one that does not."""
+    skipped = []
+    for path in reversed(list_checkpoints(root)):
+        why = verify_checkpoint(path)
+        if why is None:
+            return path, skipped
+        if why == _NO_MANIFEST:  # written before checkpoints carried one: trusted as before
+            return path, skipped + [f"{path.name} has no {MANIFEST} (an older memfit wrote it): not verified"]
+        skipped.append(f"{path.name} is damaged ({why})")
+    return None, skipped
+
+
+def rotate(root: Path, keep: int) -> None:
+    """Delete all but the ``keep`` newest checkpoints, each renamed to a temporary name first, so a kill
+    mid-deletion leaves a temporary directory (removed on the next start), never a half-deleted checkpoint."""
+    for old in list_checkpoints(root)[:-keep]:
+        doomed = temp_dir_for(old)
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(old, doomed)
+        shutil.rmtree(doomed)
 
 
 def list_checkpoints(root: Path) -> list[Path]:

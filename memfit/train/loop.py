@@ -117,8 +117,8 @@ class Trainer:
         conflict = self.strategy.conflict(cfg.optimizer.grad_clip, ctx.world_size, self.kind)
         if conflict:  # levers that only combine once the device, precision and world size are known
             raise UserError(conflict)
-        self.run, self.resume_from = on_main(ctx, lambda: prepare_run_dir(cfg))
-        self.notes: list[str] = []
+        self.run, self.resume_from, run_notes = on_main(ctx, lambda: prepare_run_dir(cfg))
+        self.notes: list[str] = list(run_notes)
         if t.resume and self.resume_from is None:
             self.notes.append(f"train.resume=true but {self.run.root} holds no checkpoint yet: starting at step 0")
 

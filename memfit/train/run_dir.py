@@ -18,16 +18,43 @@ import yaml
 from memfit.config.loader import config_to_dict, dump_config
 from memfit.config.schema import RunConfig
 from memfit.errors import UserError
-from memfit.train.checkpoint import list_checkpoints, remove_partial
+from memfit.train.checkpoint import latest_intact, list_checkpoints, remove_partial
 
-_IGNORED_ON_COMPARE = {("train", "resume")}
+_IGNORED_ON_COMPARE = {("train", "resume"), ("output", "dir")}
+"""Never part of a run's identity: whether it resumes, and where its directory is or how its path is typed
+(the directory holding ``config.yaml`` is the run's, however it was reached)."""
+
+MAY_CHANGE_ON_RESUME = {
+    ("train", key)
+    for key in (
+        "max_steps",
+        "eval_every",
+        "eval_batches",
+        "log_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "threads",
+        "frag_every",
+        "record_memory_history",
+        "snapshot_at_step",
+        "profile_step",
+        "metrics_port",
+        "metrics_host",
+        "plan_check",
+        "allocator_model",
+    )
+} | {("data", "num_workers"), ("data", "pin_memory"), ("data", "prefetch_factor")}
+MAY_CHANGE_ON_RESUME |= {("distributed", "timeout_s"), ("output", "export")}
+"""Settings that do not change what the run computes (ports, cadences, workers, how long it trains): a resume
+may change them, and each change is printed. ``train.max_steps`` trains a run on past its end, with the LR
+schedule stretched from the next step."""
 
 
-def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+def _differences(old: dict[str, Any], new: dict[str, Any], ignored=frozenset()) -> list[str]:
     diffs = []
     for section, values in new.items():
         for key, value in values.items():
-            if (section, key) in _IGNORED_ON_COMPARE:
+            if (section, key) in _IGNORED_ON_COMPARE or (section, key) in ignored:
                 continue
             before = old.get(section, {}).get(key)
             if before != value:
@@ -60,24 +87,31 @@ class RunDir:
         return found[-1] if found else None
 
 
-def prepare_run_dir(cfg: RunConfig) -> tuple[RunDir, Path | None]:
-    """Check ``output.dir`` may hold this run; return it and the checkpoint to resume from (if any).
+def prepare_run_dir(cfg: RunConfig) -> tuple[RunDir, Path | None, list[str]]:
+    """Check ``output.dir`` may hold this run; return it, the checkpoint to resume from (if any) and notes for
+    the user (settings changed on resume, damaged checkpoints passed over).
 
     Raises:
         UserError: the directory holds another run, holds this run's checkpoints without
-            ``train.resume=true``, or holds files that are not a memfit run.
+            ``train.resume=true``, holds checkpoints none of which is intact, or holds files that are not a
+            memfit run.
     """
     run = RunDir(Path(cfg.output.dir))
     where = f"output.dir '{cfg.output.dir}'"
     if run.root.exists() and not run.root.is_dir():
         raise UserError(f"{where} is a file; choose a directory path")
     if run.config_path.is_file():
-        old = yaml.safe_load(run.config_path.read_text()) or {}
-        diffs = _differences(old, config_to_dict(cfg))
+        try:
+            old = yaml.safe_load(run.config_path.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise UserError(f"{where}: its config.yaml is unreadable ({type(e).__name__}); choose another output.dir")
+        new = config_to_dict(cfg)
+        allowed = MAY_CHANGE_ON_RESUME if cfg.train.resume else frozenset()
+        diffs = _differences(old, new, allowed)
         if diffs:
             raise UserError(
-                f"{where} holds a different run ({diffs[0]}{'; ...' if len(diffs) > 1 else ''}); "
-                "choose another output.dir or remove that directory"
+                f"{where} holds a different run ({diffs[0]}{'; ...' if len(diffs) > 1 else ''}); choose another "
+                "output.dir (deleting that directory deletes its checkpoints)"
             )
         remove_partial(run.checkpoints)
         latest = run.latest_checkpoint()
@@ -86,10 +120,20 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunDir, Path | None]:
                 f"{where} already holds this run up to {latest.name}; pass train.resume=true to continue "
                 "it, or choose another output.dir"
             )
-        return run, latest if cfg.train.resume else None
+        if not cfg.train.resume:
+            return run, None, []
+        notes = [f"changed on resume: {d}" for d in _differences(old, new) if d not in diffs]
+        intact, damaged = latest_intact(run.checkpoints)
+        if latest is not None and intact is None:
+            raise UserError(
+                f"{where}: no checkpoint is intact ({'; '.join(damaged)}); nothing to resume from: choose "
+                "another output.dir"
+            )
+        notes += [f"{line}: resuming from {intact.name}" for line in damaged]
+        return run, intact, notes
     if run.root.is_dir() and any(run.root.iterdir()):
         raise UserError(f"{where} is not empty and is not a memfit run (no config.yaml); choose another output.dir")
-    return run, None
+    return run, None, []
 
 
 def write_config(run: RunDir, cfg: RunConfig) -> None:

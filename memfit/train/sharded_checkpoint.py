@@ -16,7 +16,6 @@ Resume needs the same world size and engine; the checkpoint says which it was wr
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -38,8 +37,8 @@ from memfit.train.checkpoint import (
     begin_atomic,
     checkpoint_dir,
     commit_atomic,
-    list_checkpoints,
     rng_state,
+    rotate,
     set_rng_state,
     temp_dir_for,
 )
@@ -63,9 +62,8 @@ def save_distributed(
     if ctx.is_main:
         torch.save({"scheduler": scheduler.state_dict()}, tmp / "scheduler.pt")
         state.write(tmp)
-        commit_atomic(tmp, target)
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
+        commit_atomic(tmp, target, manifest=True)
+        rotate(root, keep)
     ctx.barrier()
     return target
 

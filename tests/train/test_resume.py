@@ -1,0 +1,138 @@
+"""Resume always finds its run: however its directory is spelled or wherever it moved, past damaged
+checkpoints, with settings that do not change the math changed (issue 19, items 1, 2, 11, 12)."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from memfit.errors import UserError
+from memfit.train.checkpoint import latest_intact, remove_partial, verify_checkpoint
+from memfit.train.loop import Trainer
+
+RUN = ("train.max_steps=6", "train.checkpoint_every=2", "train.keep_checkpoints=3", "train.eval_every=0")
+
+
+def _fit(cfg):
+    trainer = Trainer(cfg)
+    try:
+        return trainer, trainer.fit()
+    finally:
+        trainer.close()
+
+
+def _losses(result):
+    return {r["step"]: r["loss"] for r in result.steps}
+
+
+@pytest.fixture
+def whole(tiny_cfg, tmp_path):
+    """A finished 6-step run with checkpoints at steps 2, 4 and 6, and its losses."""
+    _, result = _fit(tiny_cfg(*RUN, f"output.dir={tmp_path}/runs/k1"))
+    return tmp_path / "runs" / "k1", _losses(result)
+
+
+def _cut_back_to(run_dir, step):
+    """Make the run look killed after ``step``: later checkpoints removed."""
+    for ckpt in (run_dir / "checkpoints").glob("step_*"):
+        if int(ckpt.name.split("_")[1]) > step:
+            shutil.rmtree(ckpt)
+
+
+def test_resume_finds_its_run_however_the_directory_is_spelled_or_wherever_it_moved(
+    tiny_cfg, whole, tmp_path, monkeypatch
+):
+    run_dir, losses = whole
+    _cut_back_to(run_dir, 4)
+    monkeypatch.chdir(tmp_path)
+    trainer, rest = _fit(tiny_cfg(*RUN, "train.resume=true", "output.dir=./runs/../runs/k1"))
+    assert trainer.resume_from.name == "step_0000004"
+    assert _losses(rest) == {s: losses[s] for s in (5, 6)}
+    moved = tmp_path / "elsewhere" / "k1"
+    moved.parent.mkdir()
+    os.replace(run_dir, moved)
+    _cut_back_to(moved, 4)
+    trainer, rest = _fit(tiny_cfg(*RUN, "train.resume=true", f"output.dir={moved}"))
+    assert _losses(rest) == {s: losses[s] for s in (5, 6)}
+
+
+def _small_checkpoint(root):
+    import torch
+
+    from memfit.train.checkpoint import TrainerState, save_checkpoint
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    return save_checkpoint(root, model, opt, sched, TrainerState(step=1, micro_batches=1, tokens_seen=8), keep=2)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "emptied", "deleted", "garbage-state"])
+def test_verify_names_what_is_damaged(tmp_path, damage):
+    ckpt = _small_checkpoint(tmp_path)
+    assert verify_checkpoint(ckpt) is None
+    if damage == "truncated":
+        path = ckpt / "trainable.safetensors"
+        path.write_bytes(path.read_bytes()[:-10])
+        expected = "trainable.safetensors has"
+    elif damage == "emptied":
+        (ckpt / "optimizer.pt").write_bytes(b"")
+        expected = "optimizer.pt has 0 bytes"
+    elif damage == "deleted":
+        (ckpt / "rng.pt").unlink()
+        expected = "rng.pt is missing"
+    else:
+        state = ckpt / "trainer_state.json"
+        state.write_text(state.read_text()[:-3] + "xyz")
+        expected = "trainer_state.json changed since it was written"
+    assert expected in verify_checkpoint(ckpt)
+
+
+def test_a_damaged_latest_checkpoint_is_passed_over_for_the_newest_intact_one(tiny_cfg, whole):
+    run_dir, losses = whole
+    _cut_back_to(run_dir, 4)
+    path = run_dir / "checkpoints" / "step_0000004" / "trainable.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    trainer, rest = _fit(tiny_cfg(*RUN, "train.resume=true", f"output.dir={run_dir}"))
+    assert trainer.resume_from.name == "step_0000002"
+    assert any(n.startswith("step_0000004 is damaged (") and "resuming from step_0000002" in n for n in trainer.notes)
+    assert _losses(rest) == {s: losses[s] for s in (3, 4, 5, 6)}  # the identical sequence from step 2 on
+
+
+def test_no_intact_checkpoint_is_one_line_and_nothing_is_deleted(tiny_cfg, whole):
+    run_dir, _ = whole
+    for ckpt in (run_dir / "checkpoints").glob("step_*"):
+        (ckpt / "optimizer.pt").write_bytes(b"garbage")
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    with pytest.raises(UserError) as e:
+        Trainer(tiny_cfg(*RUN, "train.resume=true", f"output.dir={run_dir}"))
+    message = str(e.value)
+    assert "\n" not in message and "no checkpoint is intact" in message and "step_0000006 is damaged" in message
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def test_leftovers_of_a_kill_during_rotation_are_removed_and_never_counted(whole):
+    run_dir, _ = whole
+    root = run_dir / "checkpoints"
+    (root / "step_0000008").mkdir()  # a deletion caught before it was renamed away (older memfit)
+    (root / ".tmp-step_0000001").mkdir()  # a checkpoint renamed away for deletion, or being written
+    remove_partial(root)
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000002", "step_0000004", "step_0000006"]
+    assert latest_intact(root) == (root / "step_0000006", [])
+    manifest = json.loads((root / "step_0000006" / "manifest.json").read_text())["files"]
+    assert {"trainable.safetensors", "optimizer.pt", "rng.pt", "trainer_state.json"} <= set(manifest)
+
+
+def test_settings_that_do_not_change_the_math_may_change_on_resume_and_a_run_can_train_longer(tiny_cfg, whole):
+    run_dir, losses = whole
+    more_steps = ("train.resume=true", "train.max_steps=8", "train.log_every=2", f"output.dir={run_dir}")
+    trainer, more = _fit(tiny_cfg(*RUN, *more_steps))
+    assert trainer.resume_from.name == "step_0000006"
+    assert "changed on resume: train.max_steps: 6 there, 8 here" in trainer.notes
+    assert "changed on resume: train.log_every: 1 there, 2 here" in trainer.notes
+    assert [r["step"] for r in more.steps][-1] == 8  # trained on past the recorded end
+    with pytest.raises(UserError, match=r"holds a different run \(train\.seed: 1234 there, 7 here\)"):
+        Trainer(tiny_cfg(*RUN, "train.resume=true", "train.seed=7", f"output.dir={run_dir}"))
