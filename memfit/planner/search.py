@@ -14,6 +14,7 @@ allocator model (``step_allocations``): ``memfit plan --explain`` and ``memfit t
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,7 +215,7 @@ def search(
     predictor.prefetch(first)
     done = {s: _candidate(s, w, c, pins, predictor, usable) for s in first}
     # a fallback lever (offloading, the step in backward) is as fast as its twin at best: tried where the twin
-    # does not fit and would be at least as fast as the fastest candidate that fits
+    # does not fit and would be at least as fast as the fastest candidate that fits, and no faster fallback fits
     fastest = min((time_bucket(c.step_time_s) for c in done.values() if c.fits), default=None)
 
     def worth_trying(s: Strategy) -> bool:
@@ -225,9 +226,18 @@ def search(
         could_fit = reserved_estimate(floor) <= usable
         return not twin.fits and could_fit and (fastest is None or time_bucket(twin.step_time_s) <= fastest)
 
-    needed = [s for s in strategies if s not in done and worth_trying(s)]
-    predictor.prefetch(needed)
-    done.update({s: _candidate(s, w, c, pins, predictor, usable) for s in needed})
+    def twin_bucket(s: Strategy) -> int:
+        return time_bucket(done[s.replace(**fallbacks(s, pins.levers))].step_time_s)
+
+    # by their twins' speed, fastest first, a bucket at a time: once one fits, slower ones cannot win
+    needed = sorted((s for s in strategies if s not in done and worth_trying(s)), key=twin_bucket)
+    for _, group in itertools.groupby(needed, key=twin_bucket):
+        group = list(group)
+        predictor.prefetch(group)
+        tried = {s: _candidate(s, w, c, pins, predictor, usable) for s in group}
+        done.update(tried)
+        if any(cand.fits for cand in tried.values()):
+            break
     for cand in done.values():
         (result.fitting if cand.fits else result.pruned).append(cand)
     result.untried = len(strategies) - len(done)
