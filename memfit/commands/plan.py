@@ -210,7 +210,7 @@ def run(ns) -> int:
     workload = Workload(config_for_planning(req.model), req.model, seq_len, req.global_batch, req.lora)
     pins = Pins(pinned, req.engine)
     result = search(workload, cluster, pins, ns.headroom)
-    console = Console() if sys.stdout.isatty() else Console(width=150)  # tables stay whole in logs and pipes
+    console = Console() if sys.stdout.isatty() else Console(width=190)  # tables stay whole in logs and pipes
     if ns.json:
         print(json.dumps(plan_dict(result)))
     else:

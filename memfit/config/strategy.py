@@ -107,6 +107,8 @@ class Lever:
         config_parse: validates the config's value where it admits more than ``parse`` (``auto``).
         fallback: a yes/no lever that trades time for memory and saves nothing a faster twin needs: the
             planner tries it only for candidates whose twin without it does not fit (unless pinned).
+        last_resort: a fallback whose traces cost several times a plain candidate's: tried only when no
+            candidate without it fits (unless pinned).
     """
 
     config_key: str
@@ -117,6 +119,7 @@ class Lever:
     config_default: Any = None
     config_parse: Callable[[Any, str], Any] | None = None
     fallback: bool = False
+    last_resort: bool = False
 
 
 def _lever(
@@ -204,6 +207,7 @@ class Strategy:
         "forward and back in backward (pinned buffers, a side stream, prefetch); with checkpointing only the "
         "checkpoint boundaries move",
         fallback=True,
+        last_resort=True,
     )
     optimizer: str = _lever(
         "foreach",

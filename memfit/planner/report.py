@@ -139,7 +139,8 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
     console.print(
         f"{len(r.fitting)} of {len(r.fitting) + len(r.pruned)} candidates fit ({r.traces} traces"
         + (
-            f"; {r.untried} with offloading or the step in backward untried: their twin without fits"
+            f"; {r.untried} with offloading or the step in backward not tried: offloading only when nothing "
+            "else fits, the step in backward only where no candidate as fast fits"
             if r.untried
             else ""
         )

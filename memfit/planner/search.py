@@ -29,6 +29,7 @@ from memfit.config.strategy import (
     Strategy,
     candidates,
     fallbacks,
+    levers,
 )
 from memfit.errors import UserError
 from memfit.planner.categories import Category, StepMemory
@@ -39,6 +40,7 @@ from memfit.planner.sharding import ShardingSpec, comm_bytes_per_step, validate
 from memfit.planner.trace import StepSpec, trace_allocations
 from memfit.units import GIB
 
+FALLBACKS_AT_ONCE = 4  # fallback candidates traced together (in parallel) before checking whether one fits
 ALLOCATOR_MARGIN = 0.08  # cached-but-free blocks at the peak (typical reserved/allocated of a training step)
 CONTEXT_BYTES = 512 << 20  # CUDA/HIP context, cuBLAS/hipBLASLt workspaces: device memory outside the allocator
 
@@ -188,8 +190,8 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
     # parameter's temporaries at most: the preferred one stands for them (a quarter of the traces)
     in_backward_optimizer = pins.levers.get("optimizer", OPTIMIZER_IMPLEMENTATIONS[0])
     out = []
-    for levers in candidates(pins.levers, choices):
-        s = Strategy(**levers, grad_accum_steps=per_rank_batch // levers["micro_batch_size"])
+    for chosen in candidates(pins.levers, choices):
+        s = Strategy(**chosen, grad_accum_steps=per_rank_batch // chosen["micro_batch_size"])
         if s.optimizer_in_backward and (s.conflict() or s.optimizer != in_backward_optimizer):
             continue  # it cannot accumulate or scale the loss
         out.append(s)
@@ -218,7 +220,12 @@ def search(
     # does not fit and would be at least as fast as the fastest candidate that fits, and no faster fallback fits
     fastest = min((time_bucket(c.step_time_s) for c in done.values() if c.fits), default=None)
 
+    anything_fits = fastest is not None
+    last_resorts = [n for n, lever in levers().items() if lever.last_resort and n not in pins.levers]
+
     def worth_trying(s: Strategy) -> bool:
+        if anything_fits and any(getattr(s, n) for n in last_resorts):
+            return False
         twin = done[s.replace(**fallbacks(s, pins.levers))]
         # neither lever touches the parameters or the optimizer state: what the twin holds of them at every
         # moment is a floor no fallback goes under
@@ -229,15 +236,23 @@ def search(
     def twin_bucket(s: Strategy) -> int:
         return time_bucket(done[s.replace(**fallbacks(s, pins.levers))].step_time_s)
 
-    # by their twins' speed, fastest first, a bucket at a time: once one fits, slower ones cannot win
+    # by their twins' speed, fastest first, a bucket at a time, until a fitting candidate is at least as fast as
+    # the next twins (a fallback is never faster than its twin)
     needed = sorted((s for s in strategies if s not in done and worth_trying(s)), key=twin_bucket)
-    for _, group in itertools.groupby(needed, key=twin_bucket):
-        group = list(group)
-        predictor.prefetch(group)
-        tried = {s: _candidate(s, w, c, pins, predictor, usable) for s in group}
-        done.update(tried)
-        if any(cand.fits for cand in tried.values()):
+    for bucket, group in itertools.groupby(needed, key=twin_bucket):
+        if fastest is not None and fastest <= bucket:
             break
+        # within a bucket the twins tie: in the ranking's order of preference, a few at a time, until one fits
+        group = sorted(group, key=lambda s: _rank_key(done[s.replace(**fallbacks(s, pins.levers))])[1:])
+        for i in range(0, len(group), FALLBACKS_AT_ONCE):
+            chunk = group[i : i + FALLBACKS_AT_ONCE]
+            predictor.prefetch(chunk)
+            tried = {s: _candidate(s, w, c, pins, predictor, usable) for s in chunk}
+            done.update(tried)
+            fits = [time_bucket(cand.step_time_s) for cand in tried.values() if cand.fits]
+            if fits:
+                fastest = min(fits) if fastest is None else min(fastest, *fits)
+                break
     for cand in done.values():
         (result.fitting if cand.fits else result.pruned).append(cand)
     result.untried = len(strategies) - len(done)
