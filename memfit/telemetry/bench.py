@@ -41,6 +41,7 @@ BENCH_AXES = {
     "activation_checkpointing": "none,full",
     "precision": "fp32",
     "loss_chunks": "0",
+    "activation_offload": "false",
     "optimizer_in_backward": "false",
     "micro_batch_size": "2",
 }
@@ -80,6 +81,7 @@ class Cell:
         ranks = "" if self.nproc == 1 else f"_zero{s.zero_stage}x{self.nproc}"
         ac = str(s.activation_checkpointing).replace(":", "")
         chunks = f"_ce{s.loss_chunks}" if s.loss_chunks else ""
+        chunks += "_offload" if s.activation_offload else ""
         chunks += "_optbwd" if s.optimizer_in_backward else ""
         return f"ac-{ac}_{s.precision}{chunks}_mb{s.micro_batch_size}_{'lora' if self.lora else 'full'}{ranks}"
 
