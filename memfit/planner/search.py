@@ -111,7 +111,7 @@ class PlanResult:
     fitting: list[Candidate] = field(default_factory=list)
     pruned: list[Candidate] = field(default_factory=list)
     traces: int = 0
-    untried: int = 0  # with a fallback lever, whose twin fits or is slower than a fitting one (``Lever.fallback``)
+    untried: int = 0  # with a fallback lever, left untraced by the search's rules (``Lever.fallback``, ``last_resort``)
 
     @property
     def best(self) -> Candidate | None:
@@ -193,7 +193,7 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
     for chosen in candidates(pins.levers, choices):
         s = Strategy(**chosen, grad_accum_steps=per_rank_batch // chosen["micro_batch_size"])
         if s.optimizer_in_backward and (s.conflict() or s.optimizer != in_backward_optimizer):
-            continue  # it cannot accumulate or scale the loss
+            continue  # it cannot accumulate or scale the loss; one implementation stands for all
         out.append(s)
     return out
 
@@ -223,10 +223,13 @@ def search(
     anything_fits = fastest is not None
     last_resorts = [n for n, lever in levers().items() if lever.last_resort and n not in pins.levers]
 
+    def twin_of(s: Strategy) -> Candidate:
+        return done[s.replace(**fallbacks(s, pins.levers))]
+
     def worth_trying(s: Strategy) -> bool:
         if anything_fits and any(getattr(s, n) for n in last_resorts):
             return False
-        twin = done[s.replace(**fallbacks(s, pins.levers))]
+        twin = twin_of(s)
         # neither lever touches the parameters or the optimizer state: what the twin holds of them at every
         # moment is a floor no fallback goes under
         floor = min(b[Category.PARAMS] + b[Category.OPTIMIZER] for b in twin.memory.phase_peaks.values())
@@ -234,7 +237,7 @@ def search(
         return not twin.fits and could_fit and (fastest is None or time_bucket(twin.step_time_s) <= fastest)
 
     def twin_bucket(s: Strategy) -> int:
-        return time_bucket(done[s.replace(**fallbacks(s, pins.levers))].step_time_s)
+        return time_bucket(twin_of(s).step_time_s)
 
     # by their twins' speed, fastest first, a bucket at a time, until a fitting candidate is at least as fast as
     # the next twins (a fallback is never faster than its twin)
@@ -243,7 +246,7 @@ def search(
         if fastest is not None and fastest <= bucket:
             break
         # within a bucket the twins tie: in the ranking's order of preference, a few at a time, until one fits
-        group = sorted(group, key=lambda s: _rank_key(done[s.replace(**fallbacks(s, pins.levers))])[1:])
+        group = sorted(group, key=lambda s: _rank_key(twin_of(s))[1:])
         for i in range(0, len(group), FALLBACKS_AT_ONCE):
             chunk = group[i : i + FALLBACKS_AT_ONCE]
             predictor.prefetch(chunk)
