@@ -185,33 +185,45 @@ def split(ds: TokenDataset, eval_fraction: float) -> tuple[TokenDataset, TokenDa
 
 
 class EpochBatchSampler(torch.utils.data.Sampler):
-    """Endless batches of row indices; batch ``b`` is a pure function of (seed, b), so resuming is exact.
+    """Endless micro-batches of row indices; micro-batch ``b`` is a pure function of (seed, b), so resuming is
+    exact.
 
-    Batch ``b`` belongs to epoch ``b // batches_per_epoch`` and takes its slice of that epoch's
-    permutation (seeded by ``seed + epoch``); the last partial batch of an epoch is dropped.
-    With ``world_size`` ranks, batch ``b`` is the global batch of ``world_size * batch_size`` rows
-    and rank ``r`` takes the r-th ``batch_size`` of it, so N ranks see exactly the rows one process
-    with an N-times larger micro-batch would.
+    An epoch is a whole number of global batches (``world_size x batch_size x accum`` rows, the last partial one
+    dropped) from a permutation seeded by ``seed + epoch``; micro-batch ``b`` is the ``b % accum``-th slice of
+    global batch ``b // accum``, and rank ``r`` takes the r-th ``batch_size`` of that slice. So every split of
+    the same global batch (N ranks or one process with an N-times larger micro-batch, or a smaller micro-batch
+    with more accumulation) sees exactly the same rows in each optimizer step.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int, start_batch: int = 0, rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        seed: int,
+        start_batch: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        accum: int = 1,
+    ):
         per_pass = batch_size * world_size
-        if n < per_pass:
+        if n < per_pass * accum:
             raise UserError(
-                f"train.micro_batch_size {batch_size} x {world_size} rank(s) is larger than the {n} training rows; "
+                f"a global batch of {per_pass * accum} sequences (train.micro_batch_size {batch_size} x "
+                f"{world_size} rank(s) x {accum} accumulation steps) is larger than the {n} training rows; "
                 "lower it or give more data"
             )
-        self.n, self.batch_size, self.seed, self.start_batch = n, per_pass, seed, start_batch
+        self.n, self.batch_size, self.accum, self.seed, self.start_batch = n, per_pass, accum, seed, start_batch
         self.rank_slice = slice(rank * batch_size, (rank + 1) * batch_size)
-        self.batches_per_epoch = n // per_pass
+        self.steps_per_epoch = n // (per_pass * accum)
         self._perm: tuple[int, torch.Tensor] | None = None  # (epoch, permutation) of the current epoch
 
     def batch(self, b: int) -> list[int]:
-        epoch, within = divmod(b, self.batches_per_epoch)
+        step, part = divmod(b, self.accum)
+        epoch, within = divmod(step, self.steps_per_epoch)
         if self._perm is None or self._perm[0] != epoch:
             self._perm = (epoch, torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + epoch)))
-        perm = self._perm[1]
-        return perm[within * self.batch_size : (within + 1) * self.batch_size][self.rank_slice].tolist()
+        start = (within * self.accum + part) * self.batch_size
+        return self._perm[1][start : start + self.batch_size][self.rank_slice].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         b = self.start_batch
@@ -229,8 +241,10 @@ def train_loader(
     device: torch.device,
     rank: int = 0,
     world_size: int = 1,
+    accum: int = 1,
 ):
-    """A DataLoader over endless seeded batches (this rank's share), starting at micro-batch ``start_batch``."""
+    """A DataLoader over endless seeded micro-batches (this rank's share) of global batches of ``world_size x
+    batch_size x accum`` rows, starting at micro-batch ``start_batch``."""
     gpu = device.type == "cuda"
     workers = cfg.num_workers if cfg.num_workers is not None else (2 if gpu else 0)
     kwargs = {}
@@ -238,7 +252,7 @@ def train_loader(
         kwargs = {"prefetch_factor": cfg.prefetch_factor or 2, "persistent_workers": True}
     return torch.utils.data.DataLoader(
         ds,
-        batch_sampler=EpochBatchSampler(len(ds), batch_size, seed, start_batch, rank, world_size),
+        batch_sampler=EpochBatchSampler(len(ds), batch_size, seed, start_batch, rank, world_size, accum),
         num_workers=workers,
         pin_memory=cfg.pin_memory if cfg.pin_memory is not None else gpu,
         **kwargs,

@@ -117,7 +117,7 @@ class Trainer:
         conflict = self.strategy.conflict(cfg.optimizer.grad_clip, ctx.world_size, self.kind)
         if conflict:  # levers that only combine once the device, precision and world size are known
             raise UserError(conflict)
-        self.run, self.resume_from, run_notes = on_main(ctx, lambda: prepare_run_dir(cfg))
+        self.run, self.resume_from, run_notes = on_main(ctx, lambda: prepare_run_dir(cfg, ctx.world_size))
         self.notes: list[str] = list(run_notes)
         if t.resume and self.resume_from is None:
             self.notes.append(f"train.resume=true but {self.run.root} holds no checkpoint yet: starting at step 0")
@@ -351,20 +351,24 @@ class Trainer:
                 display.log(f"exported {'LoRA adapter' if self.cfg.lora.enabled else 'model'} to {self.run.export}")
         self.ctx.barrier()
 
-    def _start_metrics(self, display: TrainDisplay) -> None:
+    def _bind_metrics(self) -> None:
+        """Serve this rank's metrics endpoint (``train.metrics_port``; one port per local rank).
+
+        Raises:
+            UserError: the port cannot be bound.
+        """
         t = self.cfg.train
         if t.metrics_port is None or self.metrics is not None:
             return
-        port = t.metrics_port + self.ctx.local_rank if t.metrics_port else 0  # one port per local rank
+        port = t.metrics_port + self.ctx.local_rank if t.metrics_port else 0
         self.metrics = TrainerMetrics()
         try:
             self.metrics_port = self.metrics.serve(port, t.metrics_host)
         except OSError as e:
+            self.metrics = None
             raise UserError(
                 f"train.metrics_port {port}: cannot listen on {t.metrics_host} ({e.strerror}); pick a free port or 0"
             ) from None
-        where = f"rank {self.ctx.rank} " if self.ctx.distributed else ""
-        display.log(f"metrics: {where}http://{t.metrics_host}:{self.metrics_port}/metrics", everywhere=True)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -373,9 +377,11 @@ class Trainer:
         state = TrainerState(step=0, micro_batches=0, tokens_seen=0, world_size=ctx.world_size, engine=self.kind)
         if self.resume_from is not None:
             state = self._resume(self.resume_from)
+        self._bind_metrics()  # a busy port is refused before anything is written
         if ctx.is_main:
             write_config(self.run, cfg)
-        log = MetricsLog(self.run.metrics_path, keep_through_step=state.step) if ctx.is_main else NullLog()
+        kept = state.step if self.resume_from is not None else -1  # a fresh start keeps no earlier record
+        log = MetricsLog(self.run.metrics_path, keep_through_step=kept) if ctx.is_main else NullLog()
         result = TrainResult(self.run.root)
         display = TrainDisplay(t.max_steps, state.step, self.display_console, enabled=ctx.is_main)
         label = f"{device_name(self.device)}, {self.precision.name}, AC {cfg.strategy.activation_checkpointing}"
@@ -408,7 +414,9 @@ class Trainer:
             )
         for note in self.notes:
             display.log(f"note: {note}")
-        self._start_metrics(display)
+        if self.metrics_port is not None:
+            where = f"rank {ctx.rank} " if ctx.distributed else ""
+            display.log(f"metrics: {where}http://{t.metrics_host}:{self.metrics_port}/metrics", everywhere=True)
 
         def do_eval(step: int) -> None:
             rec = {"kind": "eval", "step": step, "eval_loss": self.evaluate()}
@@ -422,10 +430,11 @@ class Trainer:
                 cfg.data,
                 t.micro_batch_size,
                 t.seed,
-                state.micro_batches,
+                state.step * self.accum,  # the global batch is fixed: a resume may split it differently
                 self.device,
                 ctx.rank,
                 ctx.world_size,
+                self.accum,
             )
         )
         states_at_step = None

@@ -50,6 +50,21 @@ may change them, and each change is printed. ``train.max_steps`` trains a run on
 schedule stretched from the next step."""
 
 
+BATCH_SPLIT = {("train", "micro_batch_size"), ("train", "grad_accum_steps"), ("train", "global_batch_size")}
+"""How the global batch is split into micro-batches and accumulation: may change on resume while the global batch
+stays the same (after an out-of-memory exit, a smaller micro-batch with more accumulation computes the same steps)."""
+
+
+def global_batch(train: dict[str, Any], world_size: int) -> int | None:
+    """Sequences per optimizer step that a config's ``train`` section asks for on ``world_size`` ranks."""
+    if train.get("global_batch_size") is not None:
+        return train["global_batch_size"]
+    try:
+        return world_size * int(train["micro_batch_size"]) * int(train.get("grad_accum_steps") or 1)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _differences(old: dict[str, Any], new: dict[str, Any], ignored=frozenset()) -> list[str]:
     diffs = []
     for section, values in new.items():
@@ -87,7 +102,7 @@ class RunDir:
         return found[-1] if found else None
 
 
-def prepare_run_dir(cfg: RunConfig) -> tuple[RunDir, Path | None, list[str]]:
+def prepare_run_dir(cfg: RunConfig, world_size: int = 1) -> tuple[RunDir, Path | None, list[str]]:
     """Check ``output.dir`` may hold this run; return it, the checkpoint to resume from (if any) and notes for
     the user (settings changed on resume, damaged checkpoints passed over).
 
@@ -106,25 +121,29 @@ def prepare_run_dir(cfg: RunConfig) -> tuple[RunDir, Path | None, list[str]]:
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise UserError(f"{where}: its config.yaml is unreadable ({type(e).__name__}); choose another output.dir")
         new = config_to_dict(cfg)
-        allowed = MAY_CHANGE_ON_RESUME if cfg.train.resume else frozenset()
+        latest = run.latest_checkpoint()
+        continuing = cfg.train.resume or latest is None  # without a checkpoint, a start again loses nothing
+        allowed = MAY_CHANGE_ON_RESUME if continuing else frozenset()
+        if continuing and global_batch(old.get("train", {}), world_size) == global_batch(new["train"], world_size):
+            allowed = allowed | BATCH_SPLIT
         diffs = _differences(old, new, allowed)
         if diffs:
             raise UserError(
                 f"{where} holds a different run ({diffs[0]}{'; ...' if len(diffs) > 1 else ''}); choose another "
                 "output.dir (deleting that directory deletes its checkpoints)"
             )
-        remove_partial(run.checkpoints)
-        latest = run.latest_checkpoint()
         if latest is not None and not cfg.train.resume:
             raise UserError(
                 f"{where} already holds this run up to {latest.name}; pass train.resume=true to continue "
                 "it, or choose another output.dir"
             )
-        if not cfg.train.resume:
-            return run, None, []
-        notes = [f"changed on resume: {d}" for d in _differences(old, new) if d not in diffs]
+        remove_partial(run.checkpoints)
+        changed = "changed on resume" if latest is not None else "changed since this run last started"
+        notes = [f"{changed}: {d}" for d in _differences(old, new)]
+        if latest is None:
+            return run, None, notes
         intact, damaged = latest_intact(run.checkpoints)
-        if latest is not None and intact is None:
+        if intact is None:
             raise UserError(
                 f"{where}: no checkpoint is intact ({'; '.join(damaged)}); nothing to resume from: choose "
                 "another output.dir"

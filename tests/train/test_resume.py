@@ -136,3 +136,52 @@ def test_settings_that_do_not_change_the_math_may_change_on_resume_and_a_run_can
     assert [r["step"] for r in more.steps][-1] == 8  # trained on past the recorded end
     with pytest.raises(UserError, match=r"holds a different run \(train\.seed: 1234 there, 7 here\)"):
         Trainer(tiny_cfg(*RUN, "train.resume=true", "train.seed=7", f"output.dir={run_dir}"))
+
+
+def test_the_same_global_batch_split_differently_resumes_the_same_steps(tiny_cfg, whole):
+    """After an out-of-memory exit a user retries with a smaller micro-batch and more accumulation: the same
+    global batch, so the same rows in every step and the same losses (to float summation order)."""
+    run_dir, losses = whole
+    _cut_back_to(run_dir, 4)
+    split = ("train.micro_batch_size=2", "train.grad_accum_steps=2")
+    trainer, rest = _fit(tiny_cfg(*RUN, *split, "train.resume=true", f"output.dir={run_dir}"))
+    assert trainer.resume_from.name == "step_0000004"
+    assert "changed on resume: train.micro_batch_size: 4 there, 2 here" in trainer.notes
+    assert _losses(rest) == pytest.approx({s: losses[s] for s in (5, 6)}, rel=1e-5)
+    # recorded now as 2 x 2: half the global batch is another run
+    with pytest.raises(UserError, match=r"holds a different run \(train\.grad_accum_steps: 2 there, 1 here\)"):
+        Trainer(tiny_cfg(*RUN, "train.micro_batch_size=2", "train.resume=true", f"output.dir={run_dir}"))
+
+
+def test_a_start_refused_for_a_busy_port_writes_nothing_and_a_retry_may_change_it(tiny_cfg, tmp_path):
+    import socket
+
+    out = tmp_path / "runs" / "busy"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        trainer = Trainer(tiny_cfg(*RUN, f"train.metrics_port={port}", f"output.dir={out}"))
+        try:
+            with pytest.raises(UserError, match=rf"train.metrics_port {port}: cannot listen"):
+                trainer.fit()
+        finally:
+            trainer.close()
+    assert not out.exists() or not any(out.iterdir())
+    trainer, _ = _fit(tiny_cfg(*RUN, "train.metrics_port=0", "train.max_steps=2", f"output.dir={out}"))
+    assert trainer.resume_from is None
+
+
+def test_a_restart_without_checkpoints_may_change_how_it_runs_but_not_what(tiny_cfg, tmp_path):
+    """An OOM at the first step leaves config.yaml and no checkpoint: the retry with a smaller micro-batch (the
+    same global batch) or another port starts over in the same directory; another model is still refused."""
+    out = tmp_path / "runs" / "oom"
+    _fit(tiny_cfg(*RUN, "train.max_steps=1", "train.keep_checkpoints=0", f"output.dir={out}"))
+    split = ("train.micro_batch_size=2", "train.grad_accum_steps=2", "train.max_steps=1", "train.keep_checkpoints=0")
+    trainer, result = _fit(tiny_cfg(*RUN, *split, f"output.dir={out}"))
+    assert "changed since this run last started: train.micro_batch_size: 4 there, 2 here" in trainer.notes
+    assert [r["step"] for r in result.steps] == [1]
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if r["kind"] == "eval"] == [0, 1]  # the first start's records are gone
+    with pytest.raises(UserError, match="holds a different run"):
+        Trainer(tiny_cfg(*RUN, "optimizer.lr=2e-3", f"output.dir={out}"))
