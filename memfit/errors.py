@@ -44,6 +44,15 @@ class RankFailedExit(UserError):
     exit_code = EXIT_RANK_FAILED
 
 
+class Interrupted(UserError):
+    """SIGTERM or SIGINT stopped a run at a step boundary; exit 128 + the signal's number, as a shell reports it."""
+
+    def __init__(self, received, message: str, echo: bool = True):
+        super().__init__(message)
+        self.exit_code = 128 + int(received)
+        self.echo = echo
+
+
 class ReportedByRankZero(UserError):
     """An error rank 0 found and printed; the other ranks exit with it silently."""
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,7 +32,7 @@ from memfit.distributed.deepspeed_engine import (
 )
 from memfit.distributed.engines import Parallel, engine_name, parallelize
 from memfit.distributed.runtime import init_distributed, on_main, shutdown
-from memfit.errors import OutOfMemoryExit, UserError
+from memfit.errors import Interrupted, OutOfMemoryExit, UserError
 from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
 from memfit.step.loss import ChunkedLoss, supervised_tokens, token_loss_sum
 from memfit.step.runner import DeepSpeedRunner, StepEngine, StepRunner
@@ -62,7 +64,7 @@ from memfit.telemetry.readings import (
     state_bytes,
 )
 from memfit.telemetry.summary import RunSummary, summarize
-from memfit.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from memfit.train.checkpoint import TrainerState, checkpoint_dir, load_checkpoint, save_checkpoint
 from memfit.train.data import eval_batches, load_dataset, split, train_loader
 from memfit.train.export import export_model
 from memfit.train.fit_check import planned_step
@@ -84,6 +86,34 @@ class TrainResult:
     steps: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     summary: RunSummary | None = None
+
+
+class StopSignals:
+    """SIGTERM and SIGINT while training: noted, and acted on at the next step boundary, where the trainer writes
+    a final checkpoint (schedulers send SIGTERM some seconds before they kill). A second signal interrupts at
+    once. Handlers are installed only in the main thread (Python allows no other) and restored on exit."""
+
+    CAUGHT = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._note) for s in self.CAUGHT}
+        return self
+
+    def _note(self, signum, frame) -> None:
+        if self.received is not None:
+            self.__exit__()
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum)
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
 
 
 class Trainer:
@@ -279,18 +309,41 @@ class Trainer:
             self.scaler.load_state_dict(state.scaler)
         return state
 
-    def _memory(self) -> dict[str, Any]:
-        """This step's memory fields; with several ranks the worst rank's value, and every rank's
-        in ``rank_memory``."""
+    def _memory(self, signals: StopSignals) -> tuple[dict[str, Any], signal.Signals | None]:
+        """This step's memory fields (with several ranks the worst rank's value, and every rank's in
+        ``rank_memory``), and the stop signal any rank received (gathered with them: every rank stops at the
+        same step)."""
         mem = memory_record(self.device)
         self._local_memory = mem  # this rank's own values, for its metrics endpoint
         if not self.ctx.distributed:
-            return mem
+            return mem, signals.received
         keys = list(mem)
-        per_rank = self.ctx.gather_numbers([float(mem[k]) for k in keys])
+        stop = float(signals.received or 0)
+        per_rank = self.ctx.gather_numbers([float(mem[k]) for k in keys] + [stop])
         out: dict[str, Any] = {k: int(max(r[i] for r in per_rank)) for i, k in enumerate(keys)}
         out["rank_memory"] = {k: [int(r[i]) for r in per_rank] for i, k in enumerate(keys)}
-        return out
+        received = max(int(r[-1]) for r in per_rank)
+        return out, signal.Signals(received) if received else None
+
+    def _interrupted(self, received: signal.Signals, state: TrainerState, saved: bool) -> Interrupted:
+        """Write the final checkpoint a stop signal asks for (unless this step's was just written or the run
+        keeps none) and say what survived."""
+        t = self.cfg.train
+        where = f"interrupted by {received.name} after step {state.step} of {t.max_steps}"
+        if not t.keep_checkpoints:
+            lost = "nothing of this run is kept (train.keep_checkpoints=0)"
+            return Interrupted(received, f"{where}: {lost}", echo=self.ctx.is_main)
+        took = ""
+        if not saved:
+            start = time.perf_counter()
+            self._checkpoint(state)
+            took = f", written in {time.perf_counter() - start:.1f} s"
+        path = checkpoint_dir(self.run.checkpoints, state.step)
+        return Interrupted(
+            received,
+            f"{where}: checkpoint {path} holds it{took}; continue with train.resume=true",
+            echo=self.ctx.is_main,
+        )
 
     def _profiled_step(self, batches) -> tuple[tuple[float, float], dict[str, Any]]:
         """This rank's tensor peak during ``train_step``, for every rank, beside the planner's per-rank
@@ -440,7 +493,7 @@ class Trainer:
         states_at_step = None
         self.par.model.train()
         try:
-            with display:
+            with display, StopSignals() as signals:
                 if state.step == 0:
                     do_eval(0)
                 for step in range(state.step + 1, t.max_steps + 1):
@@ -479,8 +532,9 @@ class Trainer:
                         "step_time_s": step_time_s,
                         "tokens_per_s": n_in / step_time_s,
                         "tokens_seen": state.tokens_seen,
-                        **self._memory(),
                     }
+                    memory, received = self._memory(signals)
+                    rec.update(memory)
                     if step == t.profile_step:
                         rec.update(profiled)
                     self.watch.after_step(step, rec)
@@ -493,10 +547,13 @@ class Trainer:
                     maybe_release_cache(cfg.allocator, self.device, step)
                     if t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
                         do_eval(step)
-                    if t.keep_checkpoints and (
+                    saved = bool(t.keep_checkpoints) and (
                         (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.max_steps
-                    ):
+                    )
+                    if saved:
                         self._checkpoint(state)
+                    if received is not None:
+                        raise self._interrupted(received, state, saved)
                 if not result.evals or result.evals[-1]["step"] != t.max_steps:
                     do_eval(t.max_steps)
         except (torch.OutOfMemoryError, RuntimeError) as e:

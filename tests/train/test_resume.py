@@ -185,3 +185,37 @@ def test_a_restart_without_checkpoints_may_change_how_it_runs_but_not_what(tiny_
     assert [r["step"] for r in evals if r["kind"] == "eval"] == [0, 1]  # the first start's records are gone
     with pytest.raises(UserError, match="holds a different run"):
         Trainer(tiny_cfg(*RUN, "optimizer.lr=2e-3", f"output.dir={out}"))
+
+
+@pytest.mark.parametrize("received", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_writes_a_final_checkpoint_and_says_which(tiny_cfg, whole, tmp_path, received):
+    """A scheduler's SIGTERM (or Ctrl-C) at step 3 of a run that checkpoints only at its end: the step finishes,
+    step_0000003 is written, the one line names it, and the resume continues the identical loss sequence."""
+    import signal
+
+    from memfit.errors import Interrupted
+
+    _, losses = whole
+    out = tmp_path / "runs" / "stopped"
+    trainer = Trainer(tiny_cfg(*RUN, "train.checkpoint_every=0", f"output.dir={out}"))
+    step = trainer.train_step
+
+    def stopped_at_three(batches):
+        if trainer.scheduler.last_epoch == 2:  # the third step
+            os.kill(os.getpid(), getattr(signal, received))
+        return step(batches)
+
+    trainer.train_step = stopped_at_three
+    try:
+        with pytest.raises(Interrupted) as e:
+            trainer.fit()
+    finally:
+        trainer.close()
+    assert e.value.exit_code == 128 + getattr(signal, received)
+    message = str(e.value)
+    assert message.startswith(f"interrupted by {received} after step 3 of 6: checkpoint ")
+    assert str(out / "checkpoints" / "step_0000003") in message and "train.resume=true" in message
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
+    trainer, rest = _fit(tiny_cfg(*RUN, "train.checkpoint_every=0", "train.resume=true", f"output.dir={out}"))
+    assert trainer.resume_from.name == "step_0000003"
+    assert _losses(rest) == {s: losses[s] for s in (4, 5, 6)}
