@@ -8,6 +8,7 @@ transformers' GGUF reader once, written as an ordinary safetensors checkpoint un
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -109,17 +111,76 @@ def load_tokenizer(src: ModelSource):
             f"model.source: '{path}' has no tokenizer ({' / '.join(TOKENIZER_FILES)}); "
             "save the model's tokenizer into that directory"
         )
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(
+            f"model.source: the tokenizer in '{path}' cannot be loaded ({_first_line(e)}); re-save it with "
+            "save_pretrained"
+        ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def read_config(path: Path, what: str = "model.source"):
+    """``AutoConfig`` of a checkpoint directory (or the directory holding a ``config.json``).
+
+    Raises:
+        UserError: the config is not JSON, not UTF-8 or not a model transformers knows.
+    """
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        shown = path if path.is_file() else path / "config.json"
+        raise UserError(
+            f"{what}: '{shown}' is not a usable model config ({_first_line(e)}); "
+            "fix it or re-save the checkpoint with save_pretrained"
+        ) from None
+
+
+def check_weights(path: Path) -> None:
+    """Check every ``*.safetensors`` file of a checkpoint directory against its own header (reading the header
+    only): a truncated, emptied or garbage file is named before transformers tries to load it.
+
+    Raises:
+        UserError: naming the file and what is wrong with it.
+    """
+    for f in sorted(path.glob("*.safetensors")):
+        size = f.stat().st_size
+        why = None
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n <= 0 or n > min(size - 8, 100 << 20):
+                why = f"{size} bytes, no safetensors header"
+            else:
+                try:
+                    header = json.loads(fh.read(n))
+                    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+                except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                    why = "its header is not safetensors JSON"
+                else:
+                    if size < 8 + n + end:
+                        why = f"truncated: {size} bytes, its header describes {8 + n + end}"
+        if why:
+            raise UserError(f"model.source: '{f}' is damaged ({why}); re-download or re-save the checkpoint")
+
+
 def model_config(src: ModelSource, cfg: ModelConfig):
-    """The transformers config of the model, without building weights."""
+    """The transformers config of the model, without building weights.
+
+    Raises:
+        UserError: an unreadable ``config.json``.
+    """
     if src.kind == "preset":
         return preset_config(src.preset, cfg.attn_implementation)
-    config = AutoConfig.from_pretrained(src.path)
+    config = read_config(src.path)
     config._attn_implementation = cfg.attn_implementation
     return config
 
@@ -141,7 +202,16 @@ def build_model(
         with torch.device(init_device or "cpu"):
             model = AutoModelForCausalLM.from_config(model_config(src, cfg), dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        check_weights(src.path)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                src.path, dtype=dtype, attn_implementation=cfg.attn_implementation
+            )
+        except (OSError, ValueError, SafetensorError) as e:
+            raise UserError(
+                f"model.source: the weights in '{src.path}' cannot be loaded ({_first_line(e)}); re-download or "
+                "re-save the checkpoint"
+            ) from None
     model.config.use_cache = False
     decoder_layers(model)  # validates the architecture
     return model
@@ -176,7 +246,7 @@ def config_for_planning(model: str, attn_implementation: str = "sdpa"):
         return preset_config(name, attn_implementation)
     path = Path(model).expanduser()
     if path.is_file() and path.name.endswith(".json"):
-        config = AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
+        config = read_config(path.parent if path.name == "config.json" else path, "--model")
         config._attn_implementation = attn_implementation
         return config
     if model == EMBEDDED_MODEL or path.is_dir():

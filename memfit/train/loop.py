@@ -66,6 +66,7 @@ from memfit.telemetry.readings import (
 from memfit.telemetry.summary import RunSummary, summarize
 from memfit.train.checkpoint import TrainerState, checkpoint_dir, load_checkpoint, save_checkpoint
 from memfit.train.data import eval_batches, load_dataset, split, train_loader
+from memfit.train.disk import guarded_write
 from memfit.train.export import export_model
 from memfit.train.fit_check import planned_step
 from memfit.train.run_dir import prepare_run_dir, write_config
@@ -293,11 +294,16 @@ class Trainer:
         return dcp_writer(self.ctx, self.par), dcp_reader(self.ctx, self.par)
 
     def _checkpoint(self, state: TrainerState) -> None:
+        """Write the checkpoint of ``state`` (refused in one line, the previous one untouched, when the disk
+        cannot hold it)."""
         keep = self.cfg.train.keep_checkpoints
-        if self.kind == "single":
-            save_checkpoint(self.run.checkpoints, self.model, self.optimizer, self.scheduler, state, keep)
-        else:
-            save_distributed(self.ctx, self.run.checkpoints, state, self.scheduler, keep, self._shard_io()[0])
+        held = state_bytes(self.model, self.par.local_optimizer())
+        needed = (held.trainable_params_bytes + held.optimizer_bytes) * self.ctx.world_size
+        with guarded_write(f"checkpoint step {state.step}", checkpoint_dir(self.run.checkpoints, state.step), needed):
+            if self.kind == "single":
+                save_checkpoint(self.run.checkpoints, self.model, self.optimizer, self.scheduler, state, keep)
+            else:
+                save_distributed(self.ctx, self.run.checkpoints, state, self.scheduler, keep, self._shard_io()[0])
 
     def _resume(self, path: Path) -> TrainerState:
         state = check_compatible(path, self.ctx.world_size, self.kind)
@@ -400,7 +406,10 @@ class Trainer:
             whole = gathered(module)  # DeepSpeed ZeRO-3: every rank gathers, rank 0 writes
         with whole:
             if self.ctx.is_main:
-                export_model(module, self.tokenizer, self.source, self.run.export)
+                held = state_bytes(module, None)
+                needed = held.trainable_params_bytes if self.cfg.lora.enabled else held.params_bytes
+                with guarded_write("export", self.run.export, needed):
+                    export_model(module, self.tokenizer, self.source, self.run.export)
                 display.log(f"exported {'LoRA adapter' if self.cfg.lora.enabled else 'model'} to {self.run.export}")
         self.ctx.barrier()
 
@@ -431,10 +440,13 @@ class Trainer:
         if self.resume_from is not None:
             state = self._resume(self.resume_from)
         self._bind_metrics()  # a busy port is refused before anything is written
+        log = NullLog()
         if ctx.is_main:
-            write_config(self.run, cfg)
-        kept = state.step if self.resume_from is not None else -1  # a fresh start keeps no earlier record
-        log = MetricsLog(self.run.metrics_path, keep_through_step=kept) if ctx.is_main else NullLog()
+            with guarded_write("output.dir", self.run.root, 0):
+                write_config(self.run, cfg)
+                kept = state.step if self.resume_from is not None else -1  # a fresh start keeps no earlier record
+                log = MetricsLog(self.run.metrics_path, keep_through_step=kept)
+        self._log = log  # closed by close() when the run stops early
         result = TrainResult(self.run.root)
         display = TrainDisplay(t.max_steps, state.step, self.display_console, enabled=ctx.is_main)
         label = f"{device_name(self.device)}, {self.precision.name}, AC {cfg.strategy.activation_checkpointing}"
@@ -637,7 +649,10 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Stop the metrics endpoint, if one was started, and leave the process group."""
+        """Close the metrics file, stop the metrics endpoint, if one was started, and leave the process group."""
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

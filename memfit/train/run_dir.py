@@ -19,6 +19,7 @@ from memfit.config.loader import config_to_dict, dump_config
 from memfit.config.schema import RunConfig
 from memfit.errors import UserError
 from memfit.train.checkpoint import latest_intact, list_checkpoints, remove_partial
+from memfit.train.disk import check_creatable
 
 _IGNORED_ON_COMPARE = {("train", "resume"), ("output", "dir")}
 """Never part of a run's identity: whether it resumes, and where its directory is or how its path is typed
@@ -115,6 +116,7 @@ def prepare_run_dir(cfg: RunConfig, world_size: int = 1) -> tuple[RunDir, Path |
     where = f"output.dir '{cfg.output.dir}'"
     if run.root.exists() and not run.root.is_dir():
         raise UserError(f"{where} is a file; choose a directory path")
+    check_creatable(run.root, "output.dir")
     if run.config_path.is_file():
         try:
             old = yaml.safe_load(run.config_path.read_text()) or {}

@@ -1,10 +1,15 @@
 """Bad input and bad numbers end in one clear line, with nothing half-written."""
 
+import pathlib
+import subprocess
+
 import pytest
+import torch
 
 from memfit.cli import main
 from memfit.config.loader import load_config
 from memfit.errors import UserError
+from memfit.train.disk import guarded_write
 from memfit.train.loop import Trainer
 
 
@@ -59,3 +64,103 @@ def test_resume_with_nothing_to_resume_says_so(tiny_cfg):
         assert any("train.resume=true but" in n and "holds no checkpoint yet" in n for n in trainer.notes)
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "/proc", "/sys"])
+def test_an_output_dir_that_cannot_be_created_is_one_line(tiny_cfg, tmp_path, where):
+    if where == "under-a-file":
+        (tmp_path / "a-file").write_text("x")
+        out = tmp_path / "a-file" / "run"
+    else:
+        out = pathlib.Path(where) / "memfit-run"
+    with pytest.raises(UserError) as e:
+        Trainer(tiny_cfg(f"output.dir={out}"))
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"output.dir '{out}' cannot be created")
+    assert not out.exists()
+
+
+def _tmpfs(path, size: str):
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here to fill ({done.stderr.decode().strip()})")
+    return path
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disk = _tmpfs(tmp_path / "disk", "256k")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)  # lazy: a leaked handle cannot block it
+
+
+def test_a_full_disk_refuses_the_checkpoint_in_one_line_and_leaves_nothing_half_written(tiny_cfg, small_disk):
+    trainer = Trainer(tiny_cfg("train.checkpoint_every=2", f"output.dir={small_disk}/run"))
+    try:
+        with pytest.raises(UserError) as e:
+            trainer.fit()
+    finally:
+        trainer.close()
+    message = str(e.value)
+    assert message.startswith(f"checkpoint step 2: no space left for {small_disk}/run/checkpoints/step_0000002")
+    assert "MiB needed" in message and "MiB free" in message and "\n" not in message
+    checkpoints = small_disk / "run" / "checkpoints"
+    assert not checkpoints.exists() or not any(checkpoints.iterdir())  # not even a temporary directory
+
+
+def test_a_disk_that_fills_midway_is_one_line(small_disk):
+    with pytest.raises(UserError, match=rf"x: no space left for {small_disk}/f \(about 0 MiB needed, 0 MiB free\)"):
+        with guarded_write("x", small_disk / "f", 0):
+            (small_disk / "f").write_bytes(b"\0" * (1 << 20))  # errno ENOSPC from the filesystem
+    with pytest.raises(UserError, match=r"no space left for .* \(torch: unexpected pos 12588416 vs 12588304\)"):
+        with guarded_write("checkpoint step 3", small_disk / "g", 0):
+            raise RuntimeError("unexpected pos 12588416 vs 12588304")  # how torch.save reports it
+    with pytest.raises(RuntimeError, match="a bug"):  # anything else keeps its traceback
+        with guarded_write("x", small_disk / "g", 0):
+            raise RuntimeError("a bug")
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, embedded_dir):
+    """A tiny random Llama saved as a Hugging Face directory (weights, config, the embedded tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from memfit.models.load import ModelSource, build_model
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny"
+    build_model(ModelSource("preset", preset="tiny"), None, torch.float32, 0).save_pretrained(out)
+    AutoTokenizer.from_pretrained(embedded_dir).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("truncated", r"model.safetensors' is damaged \(truncated: \d+ bytes, its header describes \d+\)"),
+        ("emptied", r"model.safetensors' is damaged \(0 bytes, no safetensors header\)"),
+        ("garbage", r"model.safetensors' is damaged \(\d+ bytes, no safetensors header\)"),
+        ("config-garbage", r"config.json' is not a usable model config \(.*not a valid JSON file"),
+        ("config-unknown-type", r"config.json' is not a usable model config \(.*model type `nonsense`"),
+    ],
+)
+def test_a_bad_model_directory_is_one_line(tiny_cfg, tiny_checkpoint, tmp_path, damage, message):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    weights, config = model / "model.safetensors", model / "config.json"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-1000])
+    elif damage == "emptied":
+        weights.write_bytes(b"")
+    elif damage == "garbage":
+        weights.write_bytes(b"\xff" * 5000)
+    elif damage == "config-garbage":
+        config.write_text("{not json")
+    else:
+        config.write_text('{"model_type": "nonsense"}')
+    with pytest.raises(UserError, match=message) as e:
+        Trainer(tiny_cfg(f"model.source={model}", "train.max_steps=1"))
+    assert "\n" not in str(e.value)
+    if damage.startswith("config"):
+        assert main(["plan", "--model", str(config), "--gpu", "mi210"]) == 2
