@@ -14,7 +14,7 @@ from rich.console import Console
 
 from memfit.allocator.whatif import as_trace, compare, replay_allocations
 from memfit.commands.frag import render_whatif
-from memfit.config.loader import load_config
+from memfit.config.loader import load_config, read_utf8
 from memfit.config.schema import EMBEDDED_MODEL, LoraConfig
 from memfit.config.strategy import levers
 from memfit.errors import UserError
@@ -87,10 +87,12 @@ def _from_deepspeed(path: str, req: PlanRequest) -> None:
     if not p.is_file():
         raise UserError(f"--deepspeed: '{path}' does not exist")
     try:
-        ds = json.loads(p.read_text())
+        ds = json.loads(read_utf8(p, "--deepspeed", "save it as UTF-8 JSON"))
     except json.JSONDecodeError as e:
         raise UserError(f"--deepspeed {path}:{e.lineno}: not valid JSON ({e.msg})") from None
     where = f"--deepspeed {path}: "
+    if not isinstance(ds, dict):
+        raise UserError(f"{where}the top level must be a JSON object (got {type(ds).__name__})")
     stage = ds.get("zero_optimization", {}).get("stage")
     if stage is not None:
         req.pins["zero_stage"] = (stage, where + "zero_optimization.stage")

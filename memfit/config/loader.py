@@ -179,3 +179,24 @@ def config_help() -> str:
             default = _plain(f.default if f.default is not dataclasses.MISSING else f.default_factory())
             lines.append(f"  {sec.name}.{f.name} = {default!r}\n      {f.metadata.get('help', '')}")
     return "\n".join(lines)
+
+
+def read_utf8(path: Path, what: str, fix: str) -> str:
+    """The text of a user's file, or one line naming it when it is binary or not UTF-8.
+
+    Raises:
+        UserError: ``what: 'path' ...`` with the first bad byte and ``fix``; or the file cannot be read.
+    """
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise UserError(f"{what}: cannot read '{path}' ({e.strerror})") from None
+    if b"\0" in data:
+        raise UserError(f"{what}: '{path}' is binary, not text (a NUL byte at offset {data.index(0)}); {fix}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(
+            f"{what}: '{path}' is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}, line {line}); {fix}"
+        ) from None

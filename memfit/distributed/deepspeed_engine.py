@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from memfit.config.loader import read_utf8
 from memfit.config.schema import RunConfig
 from memfit.errors import UserError
 from memfit.strategies.precision import Precision
@@ -90,8 +91,8 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
             ``scheduler`` section, or a ZeRO stage this engine does not run.
     """
     try:
-        ds = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        ds = json.loads(read_utf8(path, "distributed.deepspeed_config", "save it as UTF-8 JSON"))
+    except json.JSONDecodeError as e:
         raise UserError(f"distributed.deepspeed_config: cannot read '{path}' as JSON ({e})") from None
     if not isinstance(ds, dict):
         raise UserError(f"distributed.deepspeed_config: '{path}' must hold a JSON object")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from memfit.config.loader import read_utf8
 from memfit.config.schema import DataConfig
 from memfit.errors import UserError
 from memfit.step.loss import IGNORE_INDEX
@@ -86,10 +87,7 @@ def pack_text(files: list[Path], tokenizer, seq_len: int) -> TokenDataset:
     """Tokenize each file, join them with EOS, and cut the stream into non-overlapping rows."""
     stream: list[int] = []
     for f in files:
-        try:
-            text = f.read_text(encoding="utf-8", errors="replace")
-        except OSError as e:
-            raise UserError(f"data.source: cannot read '{f}': {e.strerror}") from None
+        text = read_utf8(f, "data.source", "give UTF-8 text (iconv -f latin1 -t utf-8 converts Latin-1)")
         stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         stream.append(tokenizer.eos_token_id)
     row = seq_len + 1
@@ -136,27 +134,28 @@ def chat_rows(path: Path, tokenizer, seq_len: int, max_records: int | None) -> T
         raise UserError(f"data.source: '{path}' is chat data but the model's tokenizer has no chat template")
     row = seq_len + 1
     tokens_rows, label_rows = [], []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            messages = _record_messages(record, where)
-            prompt = _chat_ids(tokenizer, messages[:-1], add_generation_prompt=True)
-            full = _chat_ids(tokenizer, messages)
-            if full[: len(prompt)] != prompt:
-                raise UserError(f"{where}: the chat template renders the prompt differently inside the conversation")
-            labels = [IGNORE_INDEX] * len(prompt) + full[len(prompt) :]
-            full, labels = full[:row], labels[:row]
-            pad = row - len(full)
-            tokens_rows.append(full + [tokenizer.pad_token_id] * pad)
-            label_rows.append(labels + [IGNORE_INDEX] * pad)
-            if max_records is not None and len(tokens_rows) >= max_records:
-                break
+    text = read_utf8(path, "data.source", "save the chat records as UTF-8 JSON lines")
+    lines = text.split("\n")  # not splitlines(): a JSON string may hold U+2028
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        messages = _record_messages(record, where)
+        prompt = _chat_ids(tokenizer, messages[:-1], add_generation_prompt=True)
+        full = _chat_ids(tokenizer, messages)
+        if full[: len(prompt)] != prompt:
+            raise UserError(f"{where}: the chat template renders the prompt differently inside the conversation")
+        labels = [IGNORE_INDEX] * len(prompt) + full[len(prompt) :]
+        full, labels = full[:row], labels[:row]
+        pad = row - len(full)
+        tokens_rows.append(full + [tokenizer.pad_token_id] * pad)
+        label_rows.append(labels + [IGNORE_INDEX] * pad)
+        if max_records is not None and len(tokens_rows) >= max_records:
+            break
     if len(tokens_rows) < 2:
         raise UserError(f"data.source: '{path}' has {len(tokens_rows)} record(s); need at least 2 (train and eval)")
     return TokenDataset(torch.tensor(tokens_rows), torch.tensor(label_rows))

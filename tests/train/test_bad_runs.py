@@ -164,3 +164,34 @@ def test_a_bad_model_directory_is_one_line(tiny_cfg, tiny_checkpoint, tmp_path, 
     assert "\n" not in str(e.value)
     if damage.startswith("config"):
         assert main(["plan", "--model", str(config), "--gpu", "mi210"]) == 2
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        (
+            "chat.jsonl",
+            b'{"prompt": "a", "response": "b"}\n{"prompt": "\xff"}\n',
+            r"not UTF-8 text \(byte 0xff .* line 2\)",
+        ),
+        ("latin1.txt", "Fran\u00e7ois ".encode("latin-1") * 200, r"not UTF-8 text \(byte 0xe7 at offset 4, line 1\)"),
+        ("binary.txt", bytes(range(256)) * 50, r"is binary, not text \(a NUL byte at offset 0\)"),
+    ],
+)
+def test_data_that_is_not_utf8_text_is_one_line(tiny_cfg, tmp_path, name, content, message):
+    data = tmp_path / name
+    data.write_bytes(content)
+    with pytest.raises(UserError, match=message) as e:
+        Trainer(tiny_cfg(f"data.source={data}", "train.max_steps=1"))
+    assert str(e.value).startswith(f"data.source: '{data}'") and "\n" not in str(e.value)
+
+
+def test_a_deepspeed_json_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_bytes(b'{"zero_optimization": {"stage": 2}, "note": "\xe9"}')
+    assert main(["plan", "--model", "tiny", "--gpu", "mi210", "--deepspeed", str(ds)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--deepspeed: " in err[0] and "is not UTF-8 text (byte 0xe9" in err[0], err
+    ds.write_text("[1, 2]")
+    assert main(["plan", "--model", "tiny", "--gpu", "mi210", "--deepspeed", str(ds)]) == 2
+    assert "the top level must be a JSON object (got list)" in capsys.readouterr().err
