@@ -53,7 +53,67 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
         raise UserError(f"snapshot '{path}' is not a readable pickle ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("segments"), list):
         raise UserError(f"snapshot '{path}' has no 'segments' list; is it a torch.cuda.memory._dump_snapshot file?")
+    bad = schema_error(data)
+    if bad:
+        raise UserError(f"snapshot '{path}': {bad}; is it a torch.cuda.memory._dump_snapshot file?")
     return data
+
+
+_INT = (int,)
+_SEGMENT_FIELDS = {"address": _INT, "total_size": _INT, "blocks": (list,)}
+_SEGMENT_OPTIONAL = {"device": _INT, "stream": _INT, "segment_type": (str,), "allocated_size": _INT}
+_BLOCK_FIELDS = {"address": _INT, "size": _INT, "state": (str,)}
+_BLOCK_OPTIONAL = {"requested_size": _INT}
+_ADDRESSED = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map"}
+_ADDRESSED |= {"segment_unmap"}
+_TRACE_OPTIONAL = {"addr": _INT, "size": _INT, "stream": _INT, "time_us": _INT, "frames": (list,)}
+
+
+def _kind(value: Any) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def _fields(item: Any, where: str, required: dict, optional: dict) -> str | None:
+    if not isinstance(item, dict):
+        return f"{where} is {_kind(item)}, not a dict"
+    for key, types in required.items():
+        if key not in item:
+            return f"{where} has no '{key}'"
+    for key, types in (*required.items(), *optional.items()):
+        value = item.get(key)
+        if key in item and (isinstance(value, bool) or not isinstance(value, types)):
+            if key in optional and value is None:
+                continue
+            return f"{where}.{key} is {_kind(value)} {value!r:.40}, not {types[0].__name__}"
+    return None
+
+
+def schema_error(snapshot: dict[str, Any]) -> str | None:
+    """The first path in ``snapshot`` that does not have the shape ``_dump_snapshot`` writes (``segments[3].blocks
+    is None, not list``), or None. Only the fields memfit reads are checked; others are left as they are."""
+    for i, seg in enumerate(snapshot["segments"]):
+        bad = _fields(seg, f"segments[{i}]", _SEGMENT_FIELDS, _SEGMENT_OPTIONAL)
+        for j, block in enumerate(seg["blocks"] if bad is None else ()):
+            bad = bad or _fields(block, f"segments[{i}].blocks[{j}]", _BLOCK_FIELDS, _BLOCK_OPTIONAL)
+        if bad:
+            return bad
+    traces = snapshot.get("device_traces")
+    if traces is None:
+        return None
+    if not isinstance(traces, list):
+        return f"device_traces is {_kind(traces)}, not list"
+    for d, entries in enumerate(traces):
+        if not isinstance(entries, list):
+            return f"device_traces[{d}] is {_kind(entries)}, not list"
+        for k, e in enumerate(entries):
+            where = f"device_traces[{d}][{k}]"
+            bad = _fields(e, where, {"action": (str,)}, _TRACE_OPTIONAL)
+            if bad is None and e["action"] in _ADDRESSED:
+                missing = [key for key in ("addr", "size") if key not in e]
+                bad = f"{where} ({e['action']}) has no '{missing[0]}'" if missing else None
+            if bad:
+                return bad
+    return None
 
 
 @dataclass(frozen=True)

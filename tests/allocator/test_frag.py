@@ -69,7 +69,29 @@ def test_restricted_unpickler_refuses_objects(tmp_path):
 
 @pytest.mark.parametrize(
     "content, message",
-    [(b"not a pickle", "is not a readable pickle"), (pickle.dumps([1, 2]), "has no 'segments' list")],
+    [
+        (b"not a pickle", "is not a readable pickle"),
+        (pickle.dumps([1, 2]), "has no 'segments' list"),
+        (pickle.dumps({"segments": [[1, 2]]}), "segments[0] is list, not a dict"),
+        (pickle.dumps({"segments": [None]}), "segments[0] is None, not a dict"),
+        (pickle.dumps({"segments": [{"address": 0, "total_size": 8, "blocks": None}]}), "segments[0].blocks is None"),
+        (
+            pickle.dumps({"segments": [{"address": 0, "total_size": 8, "blocks": [{"address": 0, "state": "x"}]}]}),
+            "segments[0].blocks[0] has no 'size'",
+        ),
+        (
+            pickle.dumps({"segments": [{"address": "0x0", "total_size": 8, "blocks": []}]}),
+            "segments[0].address is str '0x0', not int",
+        ),
+        (pickle.dumps({"segments": [], "device_traces": [[{"action": "snapshot"}, 7]]}), "device_traces[0][1] is int"),
+        (pickle.dumps({"segments": [], "device_traces": [[{"action": None}]]}), "device_traces[0][0].action is None"),
+        (
+            pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc", "size": "big"}]]}),
+            "device_traces[0][0].size is str 'big', not int",
+        ),
+        (pickle.dumps({"segments": [], "device_traces": {"0": []}}), "device_traces is dict, not list"),
+        (pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc", "size": 8}]]}), "(alloc) has no 'addr'"),
+    ],
 )
 def test_bad_files_are_one_line(tmp_path, capsys, content, message):
     p = tmp_path / "bad.pickle"
