@@ -5,9 +5,13 @@ host's memory, so it runs anywhere). Both bind 127.0.0.1 unless told otherwise."
 from __future__ import annotations
 
 import importlib.util
+import socket
+import threading
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 
 from memfit.telemetry.readings import process_rss_bytes
@@ -36,6 +40,33 @@ TRAINER_METRICS = {
 }
 
 
+LISTEN_BACKLOG = 1024
+"""Connections the kernel queues while the server accepts: socketserver's default of 5 made 99 of 200 concurrent
+scrapes wait out SYN retries (30-60 s); the kernel caps it at ``net.core.somaxconn``."""
+
+
+class _ScrapeServer(ThreadingMixIn, WSGIServer):
+    """A thread per scrape (as prometheus_client's own server), with a listen backlog for hundreds at once."""
+
+    daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # a scrape per second would flood the training display
+        pass
+
+
+def serve_registry(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> WSGIServer:
+    """Serve ``registry`` at ``http://host:port/metrics`` from a daemon thread; returns the server (its
+    ``server_port`` is the bound port, for port 0; ``shutdown()`` then ``server_close()`` stop it)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("ScrapeServer", (_ScrapeServer,), {"address_family": family})
+    server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name=f"metrics:{server.server_port}", daemon=True).start()
+    return server
+
+
 class TrainerMetrics:
     """Gauges the trainer updates from each step record, served over HTTP on request."""
 
@@ -51,7 +82,7 @@ class TrainerMetrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the endpoint in a background thread; returns the bound port (useful with port 0)."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._server = serve_registry(self.registry, port, host)
         return self._server.server_port
 
     def close(self) -> None:
@@ -152,8 +183,7 @@ def serve_exporter(port: int, host: str = "127.0.0.1") -> tuple[Any, str]:
     registry = CollectorRegistry()
     collector = DeviceMemoryCollector()
     registry.register(collector)
-    server, _ = start_http_server(port, addr=host, registry=registry)
-    return server, collector.backend
+    return serve_registry(registry, port, host), collector.backend
 
 
 __all__ = ["DeviceMemoryCollector", "TrainerMetrics", "serve_exporter"]

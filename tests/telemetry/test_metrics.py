@@ -3,7 +3,10 @@
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from support.scrape import scrape
@@ -118,3 +121,33 @@ def test_grafana_dashboard_uses_only_metrics_we_serve():
     }
     used = {m for p in dash["panels"] for t in p["targets"] for m in re.findall(r"memfit_[a-z_]+", t["expr"])}
     assert used and used <= served, used - served
+
+
+@pytest.mark.parametrize("server", ["trainer", "exporter"])
+def test_two_hundred_concurrent_scrapes_all_answer(server):
+    """200 scrapes released at once on loopback (socketserver's backlog of 5 made a quarter of them wait out SYN
+    retries past any scrape timeout): every one answers with the metrics, well within a scrape timeout."""
+    if server == "trainer":
+        metrics = TrainerMetrics()
+        port, stop = metrics.serve(0), metrics.close
+    else:
+        httpd, _ = serve_exporter(0)
+        port = httpd.server_port
+
+        def stop():
+            httpd.shutdown()
+            httpd.server_close()
+
+    released = threading.Barrier(200)
+
+    def one(_):
+        released.wait()
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+    try:
+        with ThreadPoolExecutor(200) as pool:
+            bodies = list(pool.map(one, range(200)))
+    finally:
+        stop()
+    name = "memfit_step" if server == "trainer" else "memfit_exporter_rss_bytes"
+    assert len(bodies) == 200 and all(name in body for body in bodies)
