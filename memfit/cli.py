@@ -61,6 +61,7 @@ def add_plan_parser(sub) -> None:
         help="with --explain: replay that candidate's traced step under several allocator settings",
     )
     out.add_argument("--hip-version", help="with --simulate: judge settings for this ROCm version, e.g. 6.2")
+    out.add_argument("--torch-version", help="with --simulate: ... and this PyTorch release, e.g. 2.11 (default: this)")
     out.add_argument("--write-config", metavar="PATH", help="write the winner as a memfit train YAML")
     out.add_argument("--write-deepspeed", metavar="PATH", help="write the winner as a DeepSpeed JSON")
     plan.set_defaults(command="plan")
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     frag.add_argument("--simulate", action="store_true", help="replay the trace under other allocator settings")
     frag.add_argument("--capacity", help="device memory for --simulate, e.g. 64GiB (default: unlimited)")
     frag.add_argument("--hip-version", help="judge settings for this ROCm version, e.g. 5.7 (default: this build)")
+    frag.add_argument("--torch-version", help="... and this PyTorch release, e.g. 2.11 (default: this build's)")
     frag.set_defaults(command="frag")
     bench = sub.add_parser(
         "bench", help="run a matrix of strategies, each in its own process, and tabulate memory and speed"

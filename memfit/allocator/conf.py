@@ -45,6 +45,55 @@ def rocm_version(hip: str | None) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def torch_release(version: str | None) -> tuple[int, int] | None:
+    """``torch.__version__`` such as ``2.11.0+rocm7.1`` or ``2.12.0.dev20260401`` -> (2, 11); None when unknown."""
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def expandable_takes_effect(hip: str | None, torch_version: str | None) -> tuple[bool | None, str]:
+    """Whether ``expandable_segments:True`` takes effect on a build: (True | False | None where it depends on how
+    the build was made, why). CUDA builds have had it since PyTorch 2.1. On ROCm it follows PyTorch's history:
+
+    - before 2.11: not in ROCm builds (the allocator ignores the setting);
+    - 2.11: PyTorch's 2.11 branch predates the reland on main (pytorch #173330, reverted, relanded as #177974 on
+      2026-03-20); AMD's ``release/2.11`` builds carry it (ROCm/pytorch #3106). Which one is installed is not
+      visible in the version string: ``memfit doctor`` on the GPU probes it;
+    - 2.12 on: taken on ROCm >= 7.0 (``ROCM_VERSION < 70000`` gate, pytorch #179930; the gate it replaced,
+      #179781's ``TORCH_HIP_VERSION < 702``, disabled it below 7.2 in nightlies of 2026-04-09 only).
+    """
+    if not hip:
+        return True, ""
+    rocm, release = rocm_version(hip), torch_release(torch_version)
+    on = f"ROCm {rocm[0]}.{rocm[1]}" if rocm else f"ROCm {hip}"
+    if release is None:
+        return None, f"expandable_segments on {on} depends on the PyTorch release (2.12+ with ROCm >= 7.0)"
+    if release < (2, 11):
+        version = f"{release[0]}.{release[1]}"
+        return False, f"expandable_segments is ignored by ROCm builds of PyTorch {version} (needs 2.11+)"
+    if release == (2, 11):
+        return None, (
+            f"expandable_segments on PyTorch 2.11 with {on} depends on the build: AMD's release/2.11 builds take it "
+            "(ROCm/pytorch #3106), PyTorch's own predate it; memfit doctor on the GPU probes it"
+        )
+    if rocm is None or rocm < (7, 0):
+        return False, f"expandable_segments is ignored on {on} (PyTorch 2.12+ takes it on ROCm >= 7.0, pytorch #179930)"
+    return True, ""
+
+
+UNSAFE_ON_ROCM = (
+    "max_split_size_mb with expandable_segments:True on ROCm made reserved memory climb to the device limit "
+    "(pytorch #123548, reproduced on torch 2.12/2.13 with ROCm 7.2 and 7.14) and was reported to read back zeros from "
+    "a live allocation (ROCm #6603); drop max_split_size_mb"
+)
+
+
+def unsafe_combination(settings: dict[str, str], hip: str | None) -> str | None:
+    """Why a set of allocator settings is unsafe on this build (``UNSAFE_ON_ROCM``), or None."""
+    both = settings.get("expandable_segments", "").lower() == "true" and "max_split_size_mb" in settings
+    return UNSAFE_ON_ROCM if both and hip else None
+
+
 def _is_bool(v: str) -> bool:
     return v in ("True", "False", "true", "false")
 
@@ -114,15 +163,18 @@ def parse(text: str) -> AllocConf:
     return conf
 
 
-def check(text: str, hip: str | None, memory_fraction_set: bool = False) -> AllocConf:
-    """Validate ``text`` for a build (``hip`` = ``torch.version.hip``, None for CUDA/CPU) and warn
-    about settings the platform ignores."""
+def check(text: str, hip: str | None, memory_fraction_set: bool = False, torch_version: str | None = None) -> AllocConf:
+    """Validate ``text`` for a build (``hip`` = ``torch.version.hip``, None for CUDA/CPU; ``torch_version`` =
+    ``torch.__version__``) and warn about settings the platform ignores or that are unsafe on it."""
     conf = parse(text)
     s, rocm = conf.settings, rocm_version(hip)
-    if s.get("expandable_segments", "").lower() == "true" and rocm is not None and rocm < (7, 0):
-        conf.warnings.append(
-            f"expandable_segments:True is ignored on ROCm {rocm[0]}.{rocm[1]} (needs ROCm >= 7.0 and a recent PyTorch)"
-        )
+    if s.get("expandable_segments", "").lower() == "true":
+        takes, why = expandable_takes_effect(hip, torch_version)
+        if not takes:
+            conf.warnings.append(why)
+    unsafe = unsafe_combination(s, hip)
+    if unsafe:
+        conf.warnings.append(unsafe)
     if "garbage_collection_threshold" in s and not (memory_fraction_set or "per_process_memory_fraction" in s):
         conf.warnings.append(
             "garbage_collection_threshold only acts when a memory fraction is set "

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from memfit.allocator.conf import parse, rocm_version
+from memfit.allocator.conf import UNSAFE_ON_ROCM, expandable_takes_effect, parse
 from memfit.allocator.layout import Rebuilt
 from memfit.allocator.model import AllocatorSettings, CachingAllocatorModel, OutOfMemory
 from memfit.allocator.snapshot import analyze
@@ -22,6 +22,7 @@ from memfit.errors import UserError
 SCENARIOS = (
     AllocatorSettings(),
     AllocatorSettings(expandable_segments=True),
+    AllocatorSettings(expandable_segments=True, max_split_size_mb=512),  # unsafe on ROCm: shown, never advised
     AllocatorSettings(max_split_size_mb=128),
     AllocatorSettings(max_split_size_mb=512),
     AllocatorSettings(roundup_power2_divisions=4),
@@ -209,18 +210,27 @@ def replay_check(
     )
 
 
-def no_op_reason(settings: AllocatorSettings, hip: str | None) -> str | None:
-    rocm = rocm_version(hip)
-    if settings.expandable_segments and rocm is not None and rocm < (7, 0):
-        return f"expandable_segments is ignored on ROCm {rocm[0]}.{rocm[1]} (needs >= 7.0)"
+def not_here(settings: AllocatorSettings, hip: str | None, torch_version: str | None = None) -> str | None:
+    """Why a scenario is not one to take on this build (``hip``, ``torch_version``): expandable segments it ignores
+    (or may ignore: ``conf.expandable_takes_effect``), or a combination unsafe on it (``conf.UNSAFE_ON_ROCM``);
+    None when it applies. Such a scenario is still replayed (as the allocator would run it where it applies), never
+    recommended."""
+    if settings.expandable_segments:
+        takes, why = expandable_takes_effect(hip, torch_version)
+        if not takes:
+            return why
+        if settings.max_split_size_mb is not None and hip:
+            return UNSAFE_ON_ROCM
     return None
 
 
-def settings_from_conf(text: str, memory_fraction: float | None, hip: str | None) -> AllocatorSettings:
+def settings_from_conf(
+    text: str, memory_fraction: float | None, hip: str | None, torch_version: str | None = None
+) -> AllocatorSettings:
     """The settings a process runs with, from its allocator settings string (``PYTORCH_*ALLOC_CONF``)
     and memory fraction, as far as the model knows them: a ``roundup_power2_divisions`` list with
-    per-size entries stays at the default, and expandable segments are off where the platform ignores
-    them (ROCm < 7.0)."""
+    per-size entries stays at the default, and expandable segments are off where the build ignores
+    them (``conf.expandable_takes_effect``; on where it may)."""
     s = parse(text).settings
     divisions = s.get("roundup_power2_divisions", "")
     settings = AllocatorSettings(
@@ -230,7 +240,7 @@ def settings_from_conf(text: str, memory_fraction: float | None, hip: str | None
         memory_fraction=memory_fraction or _float(s.get("per_process_memory_fraction")),
         expandable_segments=s.get("expandable_segments", "").lower() == "true",
     )
-    if no_op_reason(settings, hip) is not None:
+    if expandable_takes_effect(hip, torch_version)[0] is False:
         settings = replace(settings, expandable_segments=False)
     return settings
 
@@ -259,19 +269,23 @@ def live_at_start(rebuilt: "Rebuilt") -> list[tuple[int, tuple[int, int]]]:
 
 
 def compare(
-    entries: list[dict[str, Any]], capacity: int, hip: str | None, prefix: Sequence[tuple[int, tuple[int, int]]] = ()
+    entries: list[dict[str, Any]],
+    capacity: int,
+    hip: str | None,
+    prefix: Sequence[tuple[int, tuple[int, int]]] = (),
+    torch_version: str | None = None,
 ) -> tuple[list[Replay], Replay | None]:
     """Replays of every scenario (the defaults first) and the recommended one."""
     results = [replay(entries, s, capacity, prefix) for s in SCENARIOS]
-    return results, recommend(results, hip)
+    return results, recommend(results, hip, torch_version)
 
 
-def recommend(results: list[Replay], hip: str | None) -> Replay | None:
+def recommend(results: list[Replay], hip: str | None, torch_version: str | None = None) -> Replay | None:
     """No OOM, applicable here, the fewest retries (each one a synchronising release of the whole
     cache), then the lowest peak reserved; the defaults (``results[0]``) stay recommended unless a
     setting retries less or saves MIN_GAIN of their peak reserved. None when every applicable setting
     runs out of memory."""
-    usable = [r for r in results if not r.oom and no_op_reason(r.settings, hip) is None]
+    usable = [r for r in results if not r.oom and not_here(r.settings, hip, torch_version) is None]
     best = min(usable, key=lambda r: (r.alloc_retries, r.peak_reserved_bytes), default=None)
     default = results[0]
     if (

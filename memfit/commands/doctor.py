@@ -40,6 +40,11 @@ def render(r: dict[str, Any], console) -> None:
         t.add_row("allocator", "defaults (no PYTORCH_*ALLOC_CONF set)")
     for var, a in r["allocator"].items():
         t.add_row(var, f"{a['value']} -> {a['settings']}")
+    if r["hip"]:
+        e = r["expandable_segments"]
+        verdict = {True: "taken", False: "ignored", None: "depends on the build"}[e["expected"]]
+        why = f": {e['why']}" if e["why"] else ""
+        t.add_row("expandable_segments", f"{verdict}{why}; {e.get('probe', 'no live probe (no GPU)')}")
     console.print(t)
     for w in r["warnings"]:
         console.print(f"warning: {w}", highlight=False)

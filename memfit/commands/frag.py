@@ -20,7 +20,7 @@ from memfit.allocator.whatif import (
     TraceCheck,
     compare,
     live_at_start,
-    no_op_reason,
+    not_here,
     replay_check,
     trace_entries,
 )
@@ -155,10 +155,17 @@ def run(ns) -> int:
 
 
 def render_whatif(
-    results: list[Replay], best: Replay | None, hip: str | None, console: Console, title: str, rocm: bool | None = None
+    results: list[Replay],
+    best: Replay | None,
+    hip: str | None,
+    console: Console,
+    title: str,
+    rocm: bool | None = None,
+    torch_version: str | None = None,
 ) -> None:
     """The what-if table (one row per allocator setting) and the recommendation, in the variable of a
-    ROCm stack when ``rocm`` (default: when ``hip`` is given)."""
+    ROCm stack when ``rocm`` (default: when ``hip`` is given); settings not to take on the build (``hip``,
+    ``torch_version``) are marked and their reasons printed below."""
     t = Table(title=title)
     for col in ("settings", "peak reserved GiB", "peak allocated GiB", "segments mapped", "retries", "OOM", "note"):
         t.add_column(col, justify="left" if col in ("settings", "note") else "right")
@@ -170,10 +177,10 @@ def render_whatif(
             str(r.segment_allocs),
             str(r.alloc_retries),
             "yes" if r.oom else "no",
-            ("no-op here" if no_op_reason(r.settings, hip) else "") + ("recommended" if r is best else ""),
+            ("not here" if not_here(r.settings, hip, torch_version) else "") + ("recommended" if r is best else ""),
         )
     console.print(t)
-    for reason in {no_op_reason(r.settings, hip) for r in results} - {None}:
+    for reason in sorted({not_here(r.settings, hip, torch_version) for r in results} - {None}):
         console.print(f"note: {reason}", highlight=False)
     if best is not None:
         var = f"PYTORCH_{'HIP' if (hip is not None if rocm is None else rocm) else 'CUDA'}_ALLOC_CONF"
@@ -205,6 +212,7 @@ class Simulation:
     plot: Path
     prefix_blocks: int = 0  # blocks alive when recording began, allocated first by every replay
     prefix_bytes: int = 0
+    torch_version: str | None = None  # the build judged (--torch-version, default this one)
 
     @property
     def title(self) -> str:
@@ -225,7 +233,7 @@ class Simulation:
                     "segment_allocs": r.segment_allocs,
                     "alloc_retries": r.alloc_retries,
                     "oom": r.oom,
-                    "no_op": no_op_reason(r.settings, self.hip),
+                    "not_here": not_here(r.settings, self.hip, self.torch_version),
                 }
                 for r in self.results
             ],
@@ -245,8 +253,9 @@ def simulate(snap: dict[str, Any], report: FragReport, ns, out_dir: Path, rebuil
     entries = trace_entries(snap, report.device, str(ns.snapshot))
     capacity = parse_memory(ns.capacity, "--capacity") if ns.capacity else None
     hip = ns.hip_version if ns.hip_version is not None else torch.version.hip
+    torch_version = ns.torch_version or torch.__version__
     prefix = live_at_start(rebuilt)
-    results, best = compare(entries, capacity or 1 << 62, hip, prefix)
+    results, best = compare(entries, capacity or 1 << 62, hip, prefix, torch_version)
     ran_with = settings_in(snap)
     check = replay_check(snap, report.device, ran_with, rebuilt)
     sim = Simulation(
@@ -259,6 +268,7 @@ def simulate(snap: dict[str, Any], report: FragReport, ns, out_dir: Path, rebuil
         out_dir / f"whatif_device{report.device}.png",
         len(prefix),
         sum(requested for _, (requested, _) in prefix),
+        torch_version,
     )
     whatif_timeline(results, sim.plot, f"{Path(ns.snapshot).name}: {sim.title}", capacity)
     return sim
@@ -287,5 +297,5 @@ def render_simulation(sim: Simulation, console: Console) -> None:
         f"{check.snapshot_segments}",
         highlight=False,
     )
-    render_whatif(sim.results, sim.best, sim.hip, console, sim.title)
+    render_whatif(sim.results, sim.best, sim.hip, console, sim.title, torch_version=sim.torch_version)
     console.print(f"wrote {sim.plot}", highlight=False)

@@ -165,12 +165,14 @@ def _step_events(w: Workload, c: Candidate) -> list[tuple[int, int]]:
     return step_allocations(w.model_config, w.seq_len, c.strategy, w.lora)
 
 
-def _simulate(events: list[tuple[int, int]], c: Candidate, gpu, hip: str | None, console) -> None:
+def _simulate(
+    events: list[tuple[int, int]], c: Candidate, gpu, hip: str | None, console, torch_version: str | None
+) -> None:
     """The step's trace under several allocator settings, in the GPU's memory less the runtime context
     where the trace is what one rank holds (ZeRO-0), without a limit otherwise."""
 
     capacity = gpu.memory_bytes - CONTEXT_BYTES if c.strategy.zero_stage == 0 else 1 << 62
-    results, best = compare(as_trace(events), capacity, hip)
+    results, best = compare(as_trace(events), capacity, hip, torch_version=torch_version)
     where = (
         f"in {gpu.name}'s {gpu.memory_bytes / GIB:.0f} GiB less {CONTEXT_BYTES >> 20} MiB of runtime context"
         if c.strategy.zero_stage == 0
@@ -183,9 +185,14 @@ def _simulate(events: list[tuple[int, int]], c: Candidate, gpu, hip: str | None,
         console,
         f"what-if: the two traced steps' {len(events)} allocator events {where}",
         rocm=hip is not None or gpu.vendor == "amd",
+        torch_version=torch_version,
     )
     if hip is None and gpu.vendor == "amd":
-        console.print("note: expandable_segments needs ROCm >= 7.0; give --hip-version to judge it", highlight=False)
+        console.print(
+            "note: whether expandable_segments takes effect on ROCm depends on the ROCm version and the PyTorch "
+            "release; give --hip-version (and --torch-version) to judge it",
+            highlight=False,
+        )
 
 
 def run(ns) -> int:
@@ -234,7 +241,9 @@ def run(ns) -> int:
         model = replay_allocations(events)
         render_explain(chosen, console, (model.peak_reserved, model.peak_allocated))
         if ns.simulate:
-            _simulate(events, chosen, gpu, ns.hip_version, console)
+            import torch
+
+            _simulate(events, chosen, gpu, ns.hip_version, console, ns.torch_version or torch.__version__)
     if ns.write_config:
         write_train_config(
             result.best, result, _train_source(req.model), Path(ns.write_config), ns.engine, ns.write_deepspeed

@@ -119,6 +119,9 @@ class AllocatorConfig:
     memory_fraction: Optional[float] = _f(None, "cap this process at a fraction of device memory")
     empty_cache_every: int = _f(0, "release cached blocks every N optimizer steps (0 = never)")
     prewarm_gib: float = _f(0.0, "reserve this many GiB up front, then free it to the cache")
+    allow_unsafe: bool = _f(
+        False, "run allocator settings known to misbehave on this platform (ROCm: max_split_size_mb with expandable)"
+    )
 
 
 @dataclass

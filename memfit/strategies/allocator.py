@@ -13,9 +13,10 @@ import os
 
 import torch
 
-from memfit.allocator.conf import split_pairs
+from memfit.allocator.conf import parse, split_pairs, unsafe_combination
 from memfit.config.schema import AllocatorConfig
 from memfit.device import is_rocm
+from memfit.errors import UserError
 from memfit.units import GIB
 
 
@@ -54,6 +55,19 @@ def merge_conf(existing: str, items: dict[str, str]) -> str:
         merged[key.strip()] = value.strip()
     merged.update(items)
     return ",".join(f"{k}:{v}" for k, v in merged.items())
+
+
+def refuse_unsafe(cfg: AllocatorConfig, hip: str | None) -> None:
+    """Refuse allocator settings known to misbehave on this build (``conf.unsafe_combination``: the config's
+    own merged with the environment's), unless ``allocator.allow_unsafe``.
+
+    Raises:
+        UserError: naming the settings, what went wrong where, and the override.
+    """
+    merged = parse(merge_conf(conf_in_effect(), alloc_conf_items(cfg))).settings
+    unsafe = unsafe_combination(merged, hip)
+    if unsafe and not cfg.allow_unsafe:
+        raise UserError(f"allocator: {unsafe}, or set allocator.allow_unsafe=true to run it anyway")
 
 
 def apply_allocator_env(cfg: AllocatorConfig) -> str | None:

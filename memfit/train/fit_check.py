@@ -51,6 +51,6 @@ def replay_planned_steps(cfg: RunConfig, strategy: Strategy, mconf, total_bytes:
     """The planned first two steps replayed through the caching-allocator model under the settings this
     process runs with, in the device's memory less the runtime context (and the memory fraction, which
     the model applies): its peak reserved memory, and whether it runs out."""
-    settings = settings_from_conf(conf_in_effect(), cfg.allocator.memory_fraction, torch.version.hip)
+    settings = settings_from_conf(conf_in_effect(), cfg.allocator.memory_fraction, torch.version.hip, torch.__version__)
     events = step_allocations(mconf, cfg.data.seq_len, strategy, cfg.lora if cfg.lora.enabled else None)
     return replay(as_trace(events), settings, total_bytes - CONTEXT_BYTES)

@@ -40,6 +40,7 @@ from memfit.strategies.allocator import (
     apply_allocator_env,
     apply_device_limits,
     maybe_release_cache,
+    refuse_unsafe,
 )
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora
@@ -134,6 +135,7 @@ class Trainer:
             torch.set_num_threads(t.threads)
         random.seed(t.seed)
         torch.manual_seed(t.seed)  # the same on every rank: identical initial weights and adapters
+        refuse_unsafe(cfg.allocator, torch.version.hip)
         apply_allocator_env(cfg.allocator)  # before anything allocates on a GPU
         gpu = t.device.startswith("cuda") or (t.device == "auto" and torch.cuda.is_available())
         self.ctx = init_distributed(d.backend, "cuda" if gpu else "cpu", d.timeout_s)

@@ -141,7 +141,13 @@ def test_simulate_compares_settings_and_recommends(tmp_path, capsys):
     )
     sim = json.loads(capsys.readouterr().out)["simulate"]
     assert sim["settings"][0]["label"] == "default" and sim["recommended"] == "roundup_power2_divisions:4"
-    assert sim["settings"][1]["no_op"] == "expandable_segments is ignored on ROCm 5.7 (needs >= 7.0)"
+    assert sim["settings"][1]["not_here"].startswith("expandable_segments is ignored on ROCm 5.7 (PyTorch 2.12+")
+    assert sim["settings"][2]["label"] == "expandable_segments:True,max_split_size_mb:512"
+    assert sim["settings"][2]["not_here"] == sim["settings"][1]["not_here"]  # ignored there before it is unsafe
+    assert main(["frag", str(p), "--out", str(tmp_path / "k"), "--simulate", "--json", "--hip-version", "7.2.1"]) == 0
+    sim = json.loads(capsys.readouterr().out)["simulate"]
+    assert sim["settings"][1]["not_here"] is None and "pytorch #123548" in sim["settings"][2]["not_here"]
+    assert "max_split_size_mb" not in (sim["recommended"] or "") or "expandable" not in sim["recommended"]
     assert sim["model_check"]["events"] == 90 and sim["capacity_bytes"] is None
     assert main(["frag", str(p), "--out", str(tmp_path / "o"), "--simulate", "--capacity", "200 megs"]) == 2
     assert "--capacity must look like" in capsys.readouterr().err

@@ -161,7 +161,7 @@ def test_plan_simulate_replays_the_explained_step_under_allocator_settings(capsy
     assert "what-if: the two traced steps'" in text and "in mi210's 64 GiB less 512 MiB of runtime context" in text
     for label in ("default", "expandable_segments:True", "max_split_size_mb:128", "roundup_power2_divisions:4"):
         assert label in text
-    assert "recommendation:" in text and "give --hip-version to judge it" in text
+    assert "recommendation:" in text and "give --hip-version (and --torch-version) to judge it" in text
     assert "PYTORCH_CUDA_ALLOC_CONF" not in text  # an AMD GPU: the HIP variable, when one is recommended
 
 
