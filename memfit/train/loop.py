@@ -55,7 +55,7 @@ from memfit.telemetry.allocator_watch import AllocatorWatch
 from memfit.telemetry.display import TrainDisplay, summary_tables
 from memfit.telemetry.metrics_file import MetricsLog, NullLog, append_record
 from memfit.telemetry.oom import oom_request_bytes
-from memfit.telemetry.profiler import profiled_peak_bytes
+from memfit.telemetry.profiler import collectives_release_on_caller, profiled_peak_bytes
 from memfit.telemetry.prometheus import TrainerMetrics
 from memfit.telemetry.readings import (
     local_tensor,
@@ -382,8 +382,11 @@ class Trainer:
             live = [local_tensor(x) for x in (*self.par.module.parameters(), *self.par.module.buffers())]
             live += [local_tensor(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
             live += [x for b in batches for x in b]
-            peak = profiled_peak_bytes(lambda: box.append(self.train_step(batches)), live, "CPU")
-            how = "torch.profiler"
+            held = collectives_release_on_caller() if self.ctx.distributed else contextlib.nullcontext()
+            private = ("c10d::",) if self.ctx.distributed else ()  # gloo's own copies, freed where it is blind
+            with held:  # every release of the program's tensors where the profiler sees it
+                peak = profiled_peak_bytes(lambda: box.append(self.train_step(batches)), live, "CPU", private)
+            how = "torch.profiler" + (" (the collective backend's private copies left out)" if private else "")
         per_rank = [int(r[0]) for r in self.ctx.gather_numbers([float(peak)])]
         out: dict[str, Any] = {
             "profiled_peak_bytes": max(per_rank),

@@ -302,9 +302,11 @@ def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, stag
     rec = [r for r in _steps(tmp_path / "run") if "rank_profiled_peak_bytes" in r][0]
     ranks, predicted = rec["rank_profiled_peak_bytes"], rec["predicted_peak_bytes"]
     assert len(ranks) == 2 and rec["profiled_peak_bytes"] == max(ranks)
-    # the bar: every rank within 5% (measured releases are matched by address, so a buffer gloo's
-    # threads free unseen by the profiler is not counted forever; six runs gave -2.2% .. +1.9%)
-    assert all(abs(predicted - r) / r <= 0.05 for r in ranks), (stage, predicted, ranks)
+    # every release of the program's tensors is seen (collectives_release_on_caller) and gloo's private
+    # reduce-scatter clones are left out, so the measurement no longer depends on the machine's load: idle and
+    # with 3 busy loops on the 2 cores, ZeRO-2 read 1,560,606,184 B on both ranks (planner -0.10%), ZeRO-3
+    # 1,486,648,040 B (planner +1.9%: two unsharded decoder layers, its current and prefetched one)
+    assert all(abs(predicted - r) / r <= 0.03 for r in ranks), (stage, predicted, ranks)
 
 
 def test_a_rank_dying_on_another_node_stops_this_node_too(tmp_path, embedded_dir):
