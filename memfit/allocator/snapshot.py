@@ -84,7 +84,8 @@ def _fields(item: Any, where: str, required: dict, optional: dict) -> str | None
         if key in item and (isinstance(value, bool) or not isinstance(value, types)):
             if key in optional and value is None:
                 continue
-            return f"{where}.{key} is {_kind(value)} {value!r:.40}, not {types[0].__name__}"
+            shown = "" if value is None else f" {value!r:.40}"
+            return f"{where}.{key} is {_kind(value)}{shown}, not {types[0].__name__}"
     return None
 
 

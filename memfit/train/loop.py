@@ -147,11 +147,15 @@ class Trainer:
         self.strategy = run_strategy(
             cfg, self.precision.name, resolve_implementation(cfg.optimizer.implementation, self.device), ctx.world_size
         )
+        if d.deepspeed_config is not None:  # a missing file is one line wherever it would be read
+            resolve_ds_path(d.deepspeed_config)
         conflict = self.strategy.conflict(cfg.optimizer.grad_clip, ctx.world_size, self.kind)
         if conflict:  # levers that only combine once the device, precision and world size are known
             raise UserError(conflict)
         self.run, self.resume_from, run_notes = on_main(ctx, lambda: prepare_run_dir(cfg, ctx.world_size))
         self.notes: list[str] = list(run_notes)
+        if d.deepspeed_config is not None and self.kind != "deepspeed":
+            self.notes.append(f"distributed.deepspeed_config is not read: this run's engine is {self.kind}")
         if t.resume and self.resume_from is None:
             self.notes.append(f"train.resume=true but {self.run.root} holds no checkpoint yet: starting at step 0")
 

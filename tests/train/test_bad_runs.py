@@ -79,9 +79,9 @@ def test_an_output_dir_that_cannot_be_created_is_one_line(tiny_cfg, tmp_path, wh
     assert not out.exists()
 
 
-def _tmpfs(path, size: str):
+def _tmpfs(path, options: str):
     path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
     if done.returncode:
         pytest.skip(f"cannot mount a small tmpfs here to fill ({done.stderr.decode().strip()})")
     return path
@@ -89,7 +89,7 @@ def _tmpfs(path, size: str):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    disk = _tmpfs(tmp_path / "disk", "256k")
+    disk = _tmpfs(tmp_path / "disk", "size=256k")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], check=True)  # lazy: a leaked handle cannot block it
 
@@ -195,3 +195,22 @@ def test_a_deepspeed_json_that_is_not_utf8_is_one_line(tmp_path, capsys):
     ds.write_text("[1, 2]")
     assert main(["plan", "--model", "tiny", "--gpu", "mi210", "--deepspeed", str(ds)]) == 2
     assert "the top level must be a JSON object (got list)" in capsys.readouterr().err
+
+
+def test_a_missing_deepspeed_config_is_one_line_even_in_a_one_process_run(tiny_cfg, tmp_path):
+    with pytest.raises(UserError, match=r"distributed.deepspeed_config: '.*none.json' does not exist"):
+        Trainer(tiny_cfg(f"distributed.deepspeed_config={tmp_path / 'none.json'}", "train.max_steps=1"))
+    trainer = Trainer(tiny_cfg("distributed.deepspeed_config=ds-zero2-article", "train.max_steps=1"))
+    try:
+        assert "distributed.deepspeed_config is not read: this run's engine is single" in trainer.notes
+    finally:
+        trainer.close()
+
+
+def test_an_output_dir_on_a_read_only_mount_is_one_line(tiny_cfg, tmp_path):
+    ro = _tmpfs(tmp_path / "ro", "ro,size=1m")
+    try:
+        with pytest.raises(UserError, match=rf"output.dir '{ro}/run' cannot be created or written \({ro}: Read-only"):
+            Trainer(tiny_cfg(f"output.dir={ro}/run"))
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=True)

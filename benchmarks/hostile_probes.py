@@ -1,0 +1,401 @@
+"""Issue 19's hostile-user probes, re-runnable: each one a real ``memfit`` command in a fresh directory, judged by
+the promise "one clear line, non-zero exit, nothing half-written" (or, where the input is legitimate, that it
+works: resume however the path is spelled, train longer, retry with another port).
+
+    python benchmarks/hostile_probes.py [--only SUBSTRING] [--json PATH]
+
+Prints one row per probe (item, probe, verdict, exit code, the error line) and the count passed. About 5 minutes
+on a 2-core VM: most probes start a process that imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = [
+    "model.source=random:tiny",
+    "data.seq_len=64",
+    "data.max_documents=2",
+    "train.device=cpu",
+    "train.max_steps=2",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+]
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+def memfit(*args: str, cwd: Path, timeout: float = 300, env: dict | None = None) -> Result:
+    done = subprocess.run(
+        [sys.executable, "-m", "memfit.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    return Result(done.returncode, done.stdout, done.stderr)
+
+
+def one_error_line(r: Result, needle: str, code: int = 2) -> tuple[bool, str]:
+    """Exit ``code``, no traceback, exactly one ``memfit: error:`` line on stderr, holding ``needle``."""
+    lines = [line for line in r.err.splitlines() if line.startswith("memfit: error:")]
+    line = lines[0] if lines else (r.err.strip().splitlines() or [""])[-1]
+    ok = r.code == code and "Traceback" not in r.err and len(lines) == 1 and needle in lines[0]
+    return ok, line[:300]
+
+
+def train(tmp: Path, *extra: str, **kw) -> Result:
+    return memfit("train", "tiny-cpu", *TINY, f"output.dir={tmp / 'run'}", *extra, cwd=tmp, **kw)
+
+
+def empty_or_absent(path: Path) -> bool:
+    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+
+
+PROBES: list[tuple[str, str, Callable[[Path], tuple[bool, str]]]] = []
+
+
+def probe(item: str, name: str):
+    def add(fn):
+        PROBES.append((item, name, fn))
+        return fn
+
+    return add
+
+
+# -- 1, 2, 11, 12: resume -------------------------------------------------------------------------------------
+
+
+@probe("1", "resume with the run directory spelled as an absolute path, then after moving it")
+def _(tmp):
+    first = train(tmp, "train.checkpoint_every=1")
+    again = memfit(
+        "train", "tiny-cpu", *TINY, "train.max_steps=3", f"output.dir={tmp}/./run", "train.resume=true", cwd=tmp
+    )
+    os.replace(tmp / "run", tmp / "moved")
+    moved = memfit(
+        "train", "tiny-cpu", *TINY, "train.max_steps=4", f"output.dir={tmp}/moved", "train.resume=true", cwd=REPO
+    )
+    ok = first.code == again.code == moved.code == 0 and "resuming from step_0000002" in again.out
+    return ok, f"exits {first.code}/{again.code}/{moved.code}"
+
+
+@probe("2", "latest checkpoint truncated: resume falls back to the older intact one")
+def _(tmp):
+    train(tmp, "train.checkpoint_every=1", "train.keep_checkpoints=2")
+    latest = tmp / "run" / "checkpoints" / "step_0000002" / "trainable.safetensors"
+    latest.write_bytes(latest.read_bytes()[:-100])
+    r = train(tmp, "train.checkpoint_every=1", "train.keep_checkpoints=2", "train.max_steps=3", "train.resume=true")
+    return r.code == 0 and "resuming from step_0000001" in r.out, (r.out.splitlines() or [""])[-1][:200]
+
+
+@probe("2", "every checkpoint damaged: one line, nothing deleted")
+def _(tmp):
+    train(tmp, "train.checkpoint_every=1")
+    for ckpt in (tmp / "run" / "checkpoints").glob("step_*"):
+        (ckpt / "optimizer.pt").write_bytes(b"garbage")
+    before = sorted(p.name for p in (tmp / "run" / "checkpoints").iterdir())
+    ok, line = one_error_line(train(tmp, "train.checkpoint_every=1", "train.resume=true"), "no checkpoint is intact")
+    return ok and sorted(p.name for p in (tmp / "run" / "checkpoints").iterdir()) == before, line
+
+
+@probe("11", "busy metrics port: refused, nothing written; the retry with port 0 in the same directory runs")
+def _(tmp):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ok, line = one_error_line(train(tmp, f"train.metrics_port={busy.getsockname()[1]}"), "cannot listen")
+    ok = ok and empty_or_absent(tmp / "run")
+    retry = train(tmp, "train.metrics_port=0")
+    return ok and retry.code == 0, line
+
+
+@probe("11", "a run without checkpoints restarted with a smaller micro-batch at the same global batch")
+def _(tmp):
+    train(tmp, "train.keep_checkpoints=0")
+    r = train(tmp, "train.keep_checkpoints=0", "train.micro_batch_size=2", "train.grad_accum_steps=2")
+    return r.code == 0 and "changed since this run last started" in r.out, f"exit {r.code}"
+
+
+@probe("11", "resume with the global batch split differently")
+def _(tmp):
+    train(tmp, "train.checkpoint_every=1")
+    r = train(tmp, "train.micro_batch_size=2", "train.grad_accum_steps=2", "train.max_steps=3", "train.resume=true")
+    return r.code == 0 and "changed on resume: train.micro_batch_size" in r.out, f"exit {r.code}"
+
+
+@probe("11", "resume with another seed: refused with the one-line diff")
+def _(tmp):
+    train(tmp)
+    return one_error_line(train(tmp, "train.seed=7", "train.resume=true"), "holds a different run (train.seed")
+
+
+@probe("12", "a finished run trained longer")
+def _(tmp):
+    train(tmp)
+    r = train(tmp, "train.max_steps=4", "train.resume=true")
+    return r.code == 0 and "changed on resume: train.max_steps: 2 there, 4 here" in r.out, f"exit {r.code}"
+
+
+# -- 3 to 10: bad input ---------------------------------------------------------------------------------------
+
+
+@probe("3", "optimizer.lr=inf")
+def _(tmp):
+    return one_error_line(train(tmp, "optimizer.lr=inf"), "optimizer.lr must be")
+
+
+@probe("3", "optimizer.lr=1e30: the run goes non-finite; stopped, no export")
+def _(tmp):
+    ok, line = one_error_line(train(tmp, "optimizer.lr=1e30", "optimizer.warmup_steps=0"), "the loss is")
+    return ok and not (tmp / "run" / "export").exists(), line
+
+
+@probe("4", "plan --seq-len 0")
+def _(tmp):
+    return one_error_line(memfit("plan", "--model", "tiny", "--gpu", "mi210", "--seq-len", "0", cwd=tmp), "--seq-len")
+
+
+for _args, _needle in [
+    (("--precision", "fp8"), "--precision must be one of"),
+    (("--steps", "0"), "--steps must be >= 1"),
+    (("--micro-batch", "0"), "--micro-batch must be > 0"),
+    (("--ac", ","), "--ac needs at least one value"),
+]:
+
+    @probe("5", f"bench {' '.join(_args)}")
+    def _(tmp, _args=_args, _needle=_needle):
+        ok, line = one_error_line(memfit("bench", "tiny-cpu", *_args, "--out", str(tmp / "b"), cwd=tmp), _needle)
+        return ok and not (tmp / "b").exists(), line
+
+
+@probe("6", "disk full while checkpointing (a 256 KiB tmpfs)")
+def _(tmp):
+    disk = tmp / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True).returncode:
+        return True, "skipped: cannot mount a tmpfs here"
+    try:
+        r = memfit("train", "tiny-cpu", *TINY, f"output.dir={disk}/run", "train.checkpoint_every=1", cwd=tmp)
+        ok, line = one_error_line(r, "no space left")
+        return ok and empty_or_absent(disk / "run" / "checkpoints"), line
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+
+
+for _where in ("file", "/proc", "/sys"):
+
+    @probe("7", f"output.dir that cannot be created ({_where})")
+    def _(tmp, _where=_where):
+        if _where == "file":
+            (tmp / "f").write_text("x")
+            target = tmp / "f" / "run"
+        else:
+            target = Path(_where) / "memfit-probe"
+        r = memfit("train", "tiny-cpu", *TINY, f"output.dir={target}", cwd=tmp)
+        return one_error_line(r, "cannot be created")
+
+
+@probe("7", "output.dir on a read-only mount")
+def _(tmp):
+    ro = tmp / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode:
+        return True, "skipped: cannot mount a tmpfs here"
+    try:
+        return one_error_line(memfit("train", "tiny-cpu", *TINY, f"output.dir={ro}/run", cwd=tmp), "cannot be created")
+    finally:
+        subprocess.run(["umount", "-l", str(ro)])
+
+
+def _tiny_checkpoint(tmp: Path) -> Path:
+    code = (
+        "import sys, torch; from transformers import AutoTokenizer; "
+        "from memfit.models.load import ModelSource, build_model, embedded_checkpoint_dir; "
+        "m = build_model(ModelSource('preset', preset='tiny'), None, torch.float32, 0); "
+        "m.save_pretrained(sys.argv[1]); "
+        "AutoTokenizer.from_pretrained(embedded_checkpoint_dir()).save_pretrained(sys.argv[1])"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp / "model")], check=True, capture_output=True)
+    return tmp / "model"
+
+
+for _damage in ("truncated weights", "garbage weights", "garbage config.json"):
+
+    @probe("8", f"model directory with {_damage}")
+    def _(tmp, _damage=_damage):
+        model = _tiny_checkpoint(tmp)
+        weights = model / "model.safetensors"
+        if _damage == "truncated weights":
+            weights.write_bytes(weights.read_bytes()[:-1000])
+        elif _damage == "garbage weights":
+            weights.write_bytes(b"\xff" * 4096)
+        else:
+            (model / "config.json").write_text("{nope")
+        r = memfit("train", "tiny-cpu", *TINY, f"model.source={model}", f"output.dir={tmp / 'run'}", cwd=tmp)
+        return one_error_line(r, "model.source:")
+
+
+for _snapshot, _needle in [
+    ({"segments": [None]}, "segments[0] is None"),
+    ({"segments": [{"address": 0, "total_size": 8, "blocks": None}]}, "segments[0].blocks is None"),
+    ({"segments": [], "device_traces": [["alloc"]]}, "device_traces[0][0] is str"),
+    ({"segments": [], "device_traces": [[{"action": "alloc", "size": 1.5, "addr": 0}]]}, "size is float"),
+]:
+
+    @probe("9", f"frag on a snapshot whose {_needle.split(' is ')[0]} is wrong")
+    def _(tmp, _snapshot=_snapshot, _needle=_needle):
+        path = tmp / "s.pickle"
+        path.write_bytes(pickle.dumps(_snapshot))
+        return one_error_line(memfit("frag", str(path), "--out", str(tmp / "o"), cwd=tmp), _needle)
+
+
+@probe("10", "chat .jsonl that is not UTF-8")
+def _(tmp):
+    (tmp / "d.jsonl").write_bytes(b'{"prompt": "a", "response": "b"}\n{"prompt": "\xff", "response": "c"}\n')
+    return one_error_line(train(tmp, f"data.source={tmp / 'd.jsonl'}"), "not UTF-8 text")
+
+
+@probe("10", "binary file with a .txt suffix")
+def _(tmp):
+    (tmp / "d.txt").write_bytes(bytes(range(256)) * 64)
+    return one_error_line(train(tmp, f"data.source={tmp / 'd.txt'}"), "is binary, not text")
+
+
+@probe("10", "plan --deepspeed with a non-UTF-8 JSON")
+def _(tmp):
+    (tmp / "ds.json").write_bytes(b'{"note": "\xe9"}')
+    r = memfit("plan", "--model", "tiny", "--gpu", "mi210", "--deepspeed", str(tmp / "ds.json"), cwd=tmp)
+    return one_error_line(r, "not UTF-8 text")
+
+
+# -- 13 to 17 ---------------------------------------------------------------------------------------------------
+
+
+@probe("13", "200 concurrent scrapes of the trainer's endpoint")
+def _(tmp):
+    code = (
+        "import threading, urllib.request; from concurrent.futures import ThreadPoolExecutor; "
+        "from memfit.telemetry.prometheus import TrainerMetrics; m = TrainerMetrics(); port = m.serve(0); "
+        "b = threading.Barrier(200); "
+        "f = lambda _: (b.wait(), urllib.request.urlopen(f'http://127.0.0.1:{port}/metrics', timeout=10).read())[1]; "
+        "print(sum(1 for x in ThreadPoolExecutor(200).map(f, range(200)) if b'memfit_step' in x))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return done.stdout.strip() == "200", f"{done.stdout.strip() or done.stderr[-200:]} of 200 answered"
+
+
+@probe("14", "YAML alias bomb in a config value")
+def _(tmp):
+    bomb = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]"
+        for i in range(8)
+    ]
+    (tmp / "bomb.yaml").write_text("\n".join(bomb) + "\ntrain:\n  device: *i\n")
+    r = memfit("train", str(tmp / "bomb.yaml"), cwd=tmp)
+    return r.code == 2 and "Traceback" not in r.err and len(r.err) < 2500, f"{len(r.err)} characters on stderr"
+
+
+@probe("15", "exporter --port 70000")
+def _(tmp):
+    return one_error_line(memfit("exporter", "--port", "70000", cwd=tmp), "--port must be in 0..65535")
+
+
+@probe("16", "SIGTERM mid-run with checkpoint_every=0: final checkpoint, one line, exit 143, resume continues")
+def _(tmp):
+    cmd = [sys.executable, "-m", "memfit.cli", "train", "tiny-cpu", *TINY, "train.max_steps=100000"]
+    cmd.append(f"output.dir={tmp / 'run'}")
+    proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics = tmp / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (metrics.is_file() and '"kind": "step"' in metrics.read_text()):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    result = Result(proc.returncode, "", err.decode())
+    ok, line = one_error_line(result, "checkpoint", code=128 + signal.SIGTERM)
+    return ok and any((tmp / "run" / "checkpoints").glob("step_*")), line
+
+
+@probe("17", "a key given twice in a config file")
+def _(tmp):
+    (tmp / "twice.yaml").write_text("train:\n  max_steps: 2\n  max_steps: 3\n")
+    return one_error_line(memfit("train", str(tmp / "twice.yaml"), cwd=tmp), "given twice")
+
+
+@probe("17", "a missing distributed.deepspeed_config in a one-process run")
+def _(tmp):
+    return one_error_line(train(tmp, f"distributed.deepspeed_config={tmp / 'none.json'}"), "does not exist")
+
+
+@probe("17", "train.resume=true with nothing to resume: said, then trained")
+def _(tmp):
+    r = train(tmp, "train.resume=true")
+    return r.code == 0 and "holds no checkpoint yet" in r.out, f"exit {r.code}"
+
+
+# -- 18, 19: doctor and the what-if replay --------------------------------------------------------------------
+
+
+@probe("18/19", "frag --simulate for ROCm 7.2 and PyTorch 2.13: max_split_size_mb with expandable is never advised")
+def _(tmp):
+    sys.path.insert(0, str(REPO / "tests"))
+    from support.snapshots import sawtooth
+
+    (tmp / "s.pickle").write_bytes(pickle.dumps(sawtooth()))
+    r = memfit(
+        "frag", str(tmp / "s.pickle"), "--out", str(tmp / "o"), "--simulate", "--json", "--hip-version", "7.2.1",
+        "--torch-version", "2.13.0", cwd=tmp,
+    )  # fmt: skip
+    sim = json.loads(r.out)["simulate"] if r.code == 0 else {}
+    row = next((s for s in sim.get("settings", []) if s["label"] == "expandable_segments:True,max_split_size_mb:512"))
+    ok = "pytorch #123548" in (row.get("not_here") or "") and sim["recommended"] != row["label"]
+    return ok, f"recommended {sim.get('recommended')}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help="run the probes whose name contains this")
+    ap.add_argument("--json", help="write the results here")
+    ns = ap.parse_args()
+    rows = []
+    for item, name, fn in PROBES:
+        if ns.only and ns.only not in name:
+            continue
+        with tempfile.TemporaryDirectory() as d:
+            start = time.perf_counter()
+            try:
+                ok, detail = fn(Path(d))
+            except Exception as e:  # a probe that crashes is a failed probe
+                ok, detail = False, f"probe crashed: {type(e).__name__}: {e}"[:300]
+            rows.append({"item": item, "probe": name, "ok": ok, "detail": detail, "s": time.perf_counter() - start})
+        r = rows[-1]
+        print(f"| {item} | {name} | {'pass' if ok else 'FAIL'} | {r['detail'].replace('|', '/')} |", flush=True)
+    passed = sum(r["ok"] for r in rows)
+    print(f"\n{passed} of {len(rows)} probes passed")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(rows, indent=1))
+    return 0 if passed == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
