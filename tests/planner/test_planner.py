@@ -401,6 +401,8 @@ def test_trainer_check_refuses_a_run_the_allocator_model_sees_run_out_of_memory(
         ),
         ("expandable_segments:True", None, "6.2.41133-dd7f95766", dict()),  # ignored on ROCm < 7.0
         ("expandable_segments:True", None, "7.0.51831-a3e329ad8", dict(expandable_segments=True)),
+        ("expandable_segments:True", None, "7.0.51831-a3e329ad8@2.10.0", dict()),  # before ROCm builds had it
+        ("expandable_segments:True", None, "7.0.51831-a3e329ad8@2.11.0", dict(expandable_segments=True)),  # may
         (
             "garbage_collection_threshold:0.8,roundup_power2_divisions:4",
             0.9,
@@ -414,7 +416,8 @@ def test_settings_of_a_process_from_its_allocator_string(text, fraction, hip, ex
     from memfit.allocator.model import AllocatorSettings
     from memfit.allocator.whatif import settings_from_conf
 
-    assert settings_from_conf(text, fraction, hip) == AllocatorSettings(**expected)
+    hip, _, torch_version = (hip or "").partition("@")
+    assert settings_from_conf(text, fraction, hip or None, torch_version or "2.13.0") == AllocatorSettings(**expected)
 
 
 def test_traced_step_replays_through_the_allocator_model():
