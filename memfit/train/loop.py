@@ -8,10 +8,8 @@ model built in the precision's parameter dtype; LoRA adapters before activation-
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import signal
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,7 +51,7 @@ from memfit.strategies.optimizer import (
 from memfit.strategies.precision import Precision, resolve_precision
 from memfit.telemetry.allocator_watch import AllocatorWatch
 from memfit.telemetry.display import TrainDisplay, summary_tables
-from memfit.telemetry.metrics_file import MetricsLog, NullLog, append_record
+from memfit.telemetry.metrics_file import MetricsLog, NullLog
 from memfit.telemetry.oom import oom_request_bytes
 from memfit.telemetry.profiler import collectives_release_on_caller, profiled_peak_bytes
 from memfit.telemetry.prometheus import TrainerMetrics
@@ -79,6 +77,7 @@ from memfit.train.sharded_checkpoint import (
     load_distributed,
     save_distributed,
 )
+from memfit.train.stops import StopSignals, check_finite, interrupted, out_of_memory_exit
 from memfit.units import GIB
 
 
@@ -88,34 +87,6 @@ class TrainResult:
     steps: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     summary: RunSummary | None = None
-
-
-class StopSignals:
-    """SIGTERM and SIGINT while training: noted, and acted on at the next step boundary, where the trainer writes
-    a final checkpoint (schedulers send SIGTERM some seconds before they kill). A second signal interrupts at
-    once. Handlers are installed only in the main thread (Python allows no other) and restored on exit."""
-
-    CAUGHT = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.received: signal.Signals | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._note) for s in self.CAUGHT}
-        return self
-
-    def _note(self, signum, frame) -> None:
-        if self.received is not None:
-            self.__exit__()
-            raise KeyboardInterrupt
-        self.received = signal.Signals(signum)
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
 
 
 class Trainer:
@@ -340,22 +311,13 @@ class Trainer:
     def _interrupted(self, received: signal.Signals, state: TrainerState, saved: bool) -> Interrupted:
         """Write the final checkpoint a stop signal asks for (unless this step's was just written or the run
         keeps none) and say what survived."""
-        t = self.cfg.train
-        where = f"interrupted by {received.name} after step {state.step} of {t.max_steps}"
-        if not t.keep_checkpoints:
-            lost = "nothing of this run is kept (train.keep_checkpoints=0)"
-            return Interrupted(received, f"{where}: {lost}", echo=self.ctx.is_main)
-        took = ""
-        if not saved:
+        took = None
+        if self.cfg.train.keep_checkpoints and not saved:
             start = time.perf_counter()
             self._checkpoint(state)
-            took = f", written in {time.perf_counter() - start:.1f} s"
-        path = checkpoint_dir(self.run.checkpoints, state.step)
-        return Interrupted(
-            received,
-            f"{where}: checkpoint {path} holds it{took}; continue with train.resume=true",
-            echo=self.ctx.is_main,
-        )
+            took = time.perf_counter() - start
+        kept = checkpoint_dir(self.run.checkpoints, state.step) if self.cfg.train.keep_checkpoints else None
+        return interrupted(received, state.step, self.cfg.train.max_steps, kept, took, self.ctx.is_main)
 
     def _profiled_step(self, batches) -> tuple[tuple[float, float], dict[str, Any]]:
         """This rank's tensor peak during ``train_step``, for every rank, beside the planner's per-rank
@@ -527,7 +489,8 @@ class Trainer:
                         (loss, grad_norm), profiled = self._profiled_step(batches)
                     else:
                         loss, grad_norm = self.train_step(batches)
-                    self._check_finite(step, loss, grad_norm)
+                    scaled = self.precision.grad_scaler or self.kind == "deepspeed"
+                    check_finite(step, loss, grad_norm, scaled, cfg.optimizer.lr)
                     if states_at_step is None:
                         states_at_step = state_bytes(self.model, self.par.local_optimizer())  # grads still alive here
                     self.runner.zero_grad()
@@ -611,51 +574,8 @@ class Trainer:
         result.summary = summary
         return result
 
-    def _check_finite(self, step: int, loss: float, grad_norm: float) -> None:
-        """Stop before a non-finite step is checkpointed or exported (fp16 loss scaling skips overflowing
-        steps itself: there only the loss is checked).
-
-        Raises:
-            UserError: naming the step, the value and what to change.
-        """
-        scaled = self.precision.grad_scaler or self.kind == "deepspeed"
-        if math.isfinite(loss) and (scaled or math.isfinite(grad_norm)):
-            return
-        raise UserError(
-            f"step {step}: the loss is {loss} and the gradient norm {grad_norm}; training stopped, nothing of it "
-            f"is checkpointed or exported; lower optimizer.lr ({self.cfg.optimizer.lr:g}), keep "
-            "optimizer.grad_clip > 0, or use fp32/bf16-mixed precision"
-        )
-
     def _out_of_memory(self, step: int, requested: int) -> OutOfMemoryExit:
-        """Dump a snapshot on a GPU, record the failure as an ``oom`` record in ``metrics.jsonl``, and say what
-        was asked, what was predicted and what to try."""
-        path, cause = self.watch.oom_snapshot(step)
-        where = f"; snapshot {path} (memfit frag {path} --simulate)" if path else ""
-        where += f"; {cause}" if cause else ""
-        predicted = ""
-        if self.predicted is not None:
-            parts = ", ".join(f"{c.value} {v / GIB:.2f}" for c, v in self.predicted.peak.bytes_by_category.items() if v)
-            predicted = (
-                f"; planner predicted a {self.predicted.peak_bytes / GIB:.2f} GiB peak in "
-                f"{self.predicted.peak_phase} ({parts})"
-            )
-        append_record(
-            self.run.metrics_path,
-            {
-                "kind": "oom",
-                "step": step,
-                "rank": self.ctx.rank,
-                "requested_bytes": requested,
-                "predicted_peak_bytes": self.predicted.peak_bytes if self.predicted is not None else None,
-                "snapshot": str(path) if path else None,
-                "cause": cause or None,
-            },
-        )
-        return OutOfMemoryExit(
-            f"out of memory at step {step}: an allocation of {requested / GIB:.2f} GiB ({requested} bytes) failed"
-            f"{predicted}{where}; try `memfit plan --config {self.run.config_path}` for a configuration that fits"
-        )
+        return out_of_memory_exit(step, requested, self.watch, self.predicted, self.run, self.ctx.rank)
 
     def close(self) -> None:
         """Close the metrics file, stop the metrics endpoint, if one was started, and leave the process group."""
