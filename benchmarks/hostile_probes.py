@@ -11,6 +11,7 @@ on a 2-core VM: most probes start a process that imports torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pickle
@@ -188,18 +189,27 @@ for _args, _needle in [
         return ok and not (tmp / "b").exists(), line
 
 
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A tmpfs mounted at ``path`` with ``options`` (None where this machine cannot mount one), lazily unmounted."""
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
+        yield None
+        return
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)])
+
+
 @probe("6", "disk full while checkpointing (a 256 KiB tmpfs)")
 def _(tmp):
-    disk = tmp / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True).returncode:
-        return True, "skipped: cannot mount a tmpfs here"
-    try:
+    with tmpfs(tmp / "disk", "size=256k") as disk:
+        if disk is None:
+            return True, "skipped: cannot mount a tmpfs here"
         r = memfit("train", "tiny-cpu", *TINY, f"output.dir={disk}/run", "train.checkpoint_every=1", cwd=tmp)
         ok, line = one_error_line(r, "no space left")
         return ok and empty_or_absent(disk / "run" / "checkpoints"), line
-    finally:
-        subprocess.run(["umount", "-l", str(disk)])
 
 
 for _where in ("file", "/proc", "/sys"):
@@ -217,14 +227,10 @@ for _where in ("file", "/proc", "/sys"):
 
 @probe("7", "output.dir on a read-only mount")
 def _(tmp):
-    ro = tmp / "ro"
-    ro.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode:
-        return True, "skipped: cannot mount a tmpfs here"
-    try:
+    with tmpfs(tmp / "ro", "ro,size=1m") as ro:
+        if ro is None:
+            return True, "skipped: cannot mount a tmpfs here"
         return one_error_line(memfit("train", "tiny-cpu", *TINY, f"output.dir={ro}/run", cwd=tmp), "cannot be created")
-    finally:
-        subprocess.run(["umount", "-l", str(ro)])
 
 
 def _tiny_checkpoint(tmp: Path) -> Path:

@@ -78,3 +78,10 @@ def one_line(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
     if len(message) <= limit:
         return message
     return f"{message[:limit]}... ({len(message) - limit} more characters cut)"
+
+
+def first_line(e: Exception, limit: int = 300) -> str:
+    """The first line of an exception's message (its type's name when it has none), cut to ``limit``: what a
+    one-line error quotes of a library's multi-line complaint."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else type(e).__name__

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
-from memfit.errors import UserError, did_you_mean
+from memfit.errors import UserError, did_you_mean, first_line
 from memfit.models.presets import PRESETS, preset_config
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -115,17 +115,12 @@ def load_tokenizer(src: ModelSource):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(
-            f"model.source: the tokenizer in '{path}' cannot be loaded ({_first_line(e)}); re-save it with "
+            f"model.source: the tokenizer in '{path}' cannot be loaded ({first_line(e)}); re-save it with "
             "save_pretrained"
         ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 def read_config(path: Path, what: str = "model.source"):
@@ -139,7 +134,7 @@ def read_config(path: Path, what: str = "model.source"):
     except (OSError, ValueError, KeyError, TypeError) as e:
         shown = path if path.is_file() else path / "config.json"
         raise UserError(
-            f"{what}: '{shown}' is not a usable model config ({_first_line(e)}); "
+            f"{what}: '{shown}' is not a usable model config ({first_line(e)}); "
             "fix it or re-save the checkpoint with save_pretrained"
         ) from None
 
@@ -209,7 +204,7 @@ def build_model(
             )
         except (OSError, ValueError, SafetensorError) as e:
             raise UserError(
-                f"model.source: the weights in '{src.path}' cannot be loaded ({_first_line(e)}); re-download or "
+                f"model.source: the weights in '{src.path}' cannot be loaded ({first_line(e)}); re-download or "
                 "re-save the checkpoint"
             ) from None
     model.config.use_cache = False

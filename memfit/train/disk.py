@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from memfit.errors import UserError
+from memfit.errors import UserError, first_line
 from memfit.units import MIB
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -86,11 +86,7 @@ def guarded_write(what: str, path: Path, needed: int) -> Iterator[None]:
     except RuntimeError as e:  # torch's zip writer hides the errno of a failed write
         if not any(sign in str(e) for sign in _FAILED_WRITE):
             raise
-        raise UserError(_space_line(what, path, needed, free_bytes(path)) + f" (torch: {_first_line(e)})") from None
+        raise UserError(_space_line(what, path, needed, free_bytes(path)) + f" (torch: {first_line(e)})") from None
 
 
 _FAILED_WRITE = ("unexpected pos", "file write failed", "No space left", "Disk quota")
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
