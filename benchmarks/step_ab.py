@@ -41,7 +41,7 @@ def main() -> None:
 
     model = build_model(ModelSource("hf", path=embedded_checkpoint_dir()), ModelConfig(), torch.float32, 0)
     torch.manual_seed(1)
-    model = apply_lora(model, LoraConfig(enabled=True))
+    model = apply_lora(model, LoraConfig(enabled=True), precision_policy("fp32"))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(params, OptimizerConfig(implementation="foreach", lr=1e-6), torch.device("cpu"))

@@ -17,7 +17,7 @@ single-process loss of the same global batch (see ``StepRunner.step``).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -126,7 +126,7 @@ def _fully_shard(model, stage: int, precision: Precision, device: torch.device, 
         # FSDP2 casts the gathered parameters to the compute dtype and reduces gradients in fp32;
         # autocast is then off (the policy does its work), the loss is still taken from fp32 logits.
         mp = MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
-        precision = Precision(precision.name, precision.param_dtype, None, precision.grad_scaler)
+        precision = replace(precision, autocast_dtype=None)
     else:
         mp = MixedPrecisionPolicy()
     for layer in decoder_layers(model):

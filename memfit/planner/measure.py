@@ -116,7 +116,7 @@ def measured_steady_step(spec, model=None) -> Breakdown:
         model = AutoModelForCausalLM.from_config(spec.model_config, dtype=precision.param_dtype)
     model.config.use_cache = False
     if spec.lora:
-        model = apply_lora(model, spec.lora)
+        model = apply_lora(model, spec.lora, precision)
     apply_activation_checkpointing(model, strategy.activation_checkpointing)
     apart = not spec.host_is_device
     runner = StepRunner.for_strategy(model, strategy, torch.device("cpu"), copies_back=apart)

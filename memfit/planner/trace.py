@@ -75,7 +75,7 @@ def _build_fake_model(spec: StepSpec, num_layers: int, fake_mode: FakeTensorMode
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=precision.param_dtype)
     if spec.lora is not None:
-        model = apply_lora(model, spec.lora)
+        model = apply_lora(model, spec.lora, precision)
     apply_activation_checkpointing(model, spec.strategy.activation_checkpointing)
     with fake_mode:
         model.to_empty(device=CPU)

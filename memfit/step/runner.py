@@ -147,7 +147,9 @@ class DeepSpeedRunner:
         n_tokens = global_token_count(batches, self.ctx, self.device)
         world = self.ctx.world_size
         loss_sum = torch.zeros((), device=self.device)
-        no_autocast = Precision("deepspeed", torch.float32, None, False)  # DeepSpeed casts the module itself
+        no_autocast = Precision(
+            "deepspeed", torch.float32, None, False, torch.float32
+        )  # DeepSpeed casts the module itself
         for tokens, labels in batches:
             tokens, labels = tokens.to(self.device), labels.to(self.device)
             loss = token_loss_sum(self.engine, tokens, labels, no_autocast, self.device, self.chunked) / n_tokens

@@ -1,8 +1,10 @@
 """Numeric precision policies: which dtype weights live in, which dtype matmuls run in, and loss scaling.
 
     fp32         fp32 weights and compute.
-    bf16-mixed   fp32 master weights and optimizer state, bf16 autocast for compute.
-    fp16-mixed   fp32 master weights, fp16 autocast, dynamic loss scaling (GradScaler). GPU only.
+    bf16-mixed   fp32 master weights and optimizer state, bf16 autocast for compute. Weights that are not
+                 trained (a LoRA run's frozen base) are stored in bf16: they need no master copy.
+    fp16-mixed   fp32 master weights, fp16 autocast, dynamic loss scaling (GradScaler). GPU only. A frozen
+                 base stays fp32: in fp16 the residual stream it feeds could overflow (max 65504).
     bf16-pure    bf16 weights, gradients and optimizer state; no autocast.
     auto         bf16-mixed on GPUs with bf16 (MI200/MI300, A100+), fp16-mixed on older GPUs, fp32 on CPU.
 
@@ -22,10 +24,14 @@ from memfit.errors import UserError
 
 @dataclass(frozen=True)
 class Precision:
+    """``param_dtype``: the trained weights' storage; ``frozen_dtype``: the storage of weights that are not
+    trained (``memfit.strategies.lora.apply_lora`` casts them)."""
+
     name: str
     param_dtype: torch.dtype
     autocast_dtype: torch.dtype | None
     grad_scaler: bool
+    frozen_dtype: torch.dtype
 
     def autocast(self, device: torch.device):
         """The autocast context for forward passes (a no-op context when there is none)."""
@@ -35,10 +41,10 @@ class Precision:
 
 
 _POLICIES = {
-    "fp32": Precision("fp32", torch.float32, None, False),
-    "bf16-mixed": Precision("bf16-mixed", torch.float32, torch.bfloat16, False),
-    "fp16-mixed": Precision("fp16-mixed", torch.float32, torch.float16, True),
-    "bf16-pure": Precision("bf16-pure", torch.bfloat16, None, False),
+    "fp32": Precision("fp32", torch.float32, None, False, torch.float32),
+    "bf16-mixed": Precision("bf16-mixed", torch.float32, torch.bfloat16, False, torch.bfloat16),
+    "fp16-mixed": Precision("fp16-mixed", torch.float32, torch.float16, True, torch.float32),
+    "bf16-pure": Precision("bf16-pure", torch.bfloat16, None, False, torch.bfloat16),
 }
 
 

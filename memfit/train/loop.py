@@ -48,7 +48,7 @@ from memfit.strategies.optimizer import (
     build_scheduler,
     resolve_implementation,
 )
-from memfit.strategies.precision import Precision, resolve_precision
+from memfit.strategies.precision import resolve_precision
 from memfit.telemetry.allocator_watch import AllocatorWatch
 from memfit.telemetry.display import TrainDisplay, summary_tables
 from memfit.telemetry.metrics_file import MetricsLog, NullLog
@@ -223,7 +223,7 @@ class Trainer:
         preset on the run's device when it runs alone, everything else on CPU."""
         init_device = self.device if not self.ctx.distributed else torch.device("cpu")  # ranks shard from CPU
         model = build_model(self.source, self.cfg.model, self.precision.param_dtype, self.cfg.train.seed, init_device)
-        return apply_lora(model, self.cfg.lora) if self.cfg.lora.enabled else model
+        return apply_lora(model, self.cfg.lora, self.precision) if self.cfg.lora.enabled else model
 
     def _deepspeed(self, model):
 
@@ -238,7 +238,7 @@ class Trainer:
         optimizer = build_optimizer(params, self.cfg.optimizer, self.device)
         engine = initialize(model, optimizer, ds_config)
         self.scaler = None
-        no_autocast = Precision(self.precision.name, self.precision.param_dtype, None, False)
+        no_autocast = replace(self.precision, autocast_dtype=None, grad_scaler=False)
         return Parallel("deepspeed", engine, engine.module, optimizer, params, no_autocast), DeepSpeedRunner(
             engine, self.ctx, self.device, self.chunked
         )

@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 def _model(lora: bool, ac: str):
     model = build_model(ModelSource("preset", preset="tiny"), ModelConfig(), torch.float32, seed=0)
     if lora:
-        model = apply_lora(model, LoraConfig(enabled=True, rank=4))
+        model = apply_lora(model, LoraConfig(enabled=True, rank=4), resolve_precision("fp32", CPU))
         with torch.no_grad():  # non-zero B so adapters contribute
             for n, p in model.named_parameters():
                 if "lora_B" in n:
