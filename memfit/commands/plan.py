@@ -80,6 +80,7 @@ def _from_train_config(path: str, req: PlanRequest) -> None:
         if section == "strategy" and name not in req.pins and value != "auto":
             req.pins[name] = (value, where + lever.config_key)
     req.pins["optimizer_in_backward"] = (cfg.optimizer.in_backward, where + "optimizer.in_backward")
+    req.pins["optimizer_name"] = (cfg.optimizer.name, where + "optimizer.name")
 
 
 def _from_deepspeed(path: str, req: PlanRequest) -> None:

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from memfit.config.strategy import OPTIMIZER_CHOICES, ZERO_STAGES, Strategy, levers
+from memfit.config.strategy import OPTIMIZER_CHOICES, OPTIMIZER_NAMES, ZERO_STAGES, Strategy, levers
 from memfit.errors import UserError, did_you_mean
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
@@ -98,7 +98,14 @@ class OptimizerConfig:
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
-    implementation: str = _f("auto", "auto (fused on GPU, foreach on CPU) | for-loop | foreach | fused")
+    name: str = _f(
+        "adamw",
+        "adamw (moments in the weights' dtype) | adamw8bit | adamw4bit (torchao's block-quantized moments, "
+        "one process or DDP; needs the lowbit extra)",
+    )
+    implementation: str = _f(
+        "auto", "auto (fused on GPU, foreach on CPU; for-loop for low-bit states) | for-loop | foreach | fused"
+    )
     warmup_steps: int = _f(10, "linear warmup steps")
     min_lr_ratio: float = _f(0.1, "cosine decay floor as a fraction of lr")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this value (0 = off)")
@@ -229,6 +236,7 @@ def check(cfg: RunConfig) -> RunConfig:
         if section == "strategy":
             (lever.config_parse or lever.parse)(getattr(cfg.strategy, key), lever.config_key)
     _choice("optimizer.implementation", o.implementation, OPTIMIZER_CHOICES)
+    _choice("optimizer.name", o.name, OPTIMIZER_NAMES)
     _choice("distributed.engine", cfg.distributed.engine, DIST_ENGINES)
     _choice("distributed.backend", cfg.distributed.backend, DIST_BACKENDS)
     _need(
@@ -307,6 +315,8 @@ def check(cfg: RunConfig) -> RunConfig:
         f"allocator.max_split_size_mb must be > 20 (PyTorch's floor) (got {a.max_split_size_mb})",
     )
     in_backward = Strategy(
+        optimizer_name=o.name,
+        optimizer="for-loop" if o.implementation == "auto" else o.implementation,
         optimizer_in_backward=o.in_backward,
         grad_accum_steps=t.grad_accum_steps,
         precision="fp16-mixed" if cfg.strategy.precision == "fp16-mixed" else "fp32",

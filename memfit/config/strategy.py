@@ -28,6 +28,10 @@ PRECISION_PREFERENCE = ("bf16-mixed", "fp16-mixed", "bf16-pure", "fp32")
 OPTIMIZER_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
 """AdamW implementations, in the planner's order of preference; ``auto`` (config only) picks by device."""
 OPTIMIZER_CHOICES = ("auto", *OPTIMIZER_IMPLEMENTATIONS)
+OPTIMIZER_NAMES = ("adamw", "adamw8bit", "adamw4bit")
+"""AdamW with fp32 (or, under bf16-pure, bf16) moments, then torchao's block-quantized 8-bit and 4-bit moments:
+numerically safest first."""
+LOW_BIT_STATE = {"adamw8bit": "8-bit", "adamw4bit": "4-bit"}
 ZERO_STAGES = (0, 1, 2, 3)
 
 _EVERY_K = re.compile(r"^every_k:(\d+)$")
@@ -105,8 +109,9 @@ class Lever:
         help: the config key's help text (``memfit train --help-config``), for ``strategy`` levers.
         config_default: the config's default where it differs from the concrete one (``auto``).
         config_parse: validates the config's value where it admits more than ``parse`` (``auto``).
-        fallback: a yes/no lever that trades time for memory and saves nothing a faster twin needs: the
-            planner tries it only for candidates whose twin without it does not fit (unless pinned).
+        fallback: a lever that trades time or accuracy for memory and saves nothing a faster twin needs: the
+            planner tries its other values only for candidates whose twin (its first searched value: off, or
+            32-bit AdamW) does not fit (unless pinned).
         last_resort: a fallback whose traces cost several times a plain candidate's: tried only when no
             candidate without it fits (unless pinned).
     """
@@ -216,6 +221,14 @@ class Strategy:
         OPTIMIZER_IMPLEMENTATIONS,
         _choice(OPTIMIZER_IMPLEMENTATIONS),
     )
+    optimizer_name: str = _lever(
+        "adamw",
+        "optimizer.name",
+        "--optimizer-name",
+        OPTIMIZER_NAMES,
+        _choice(OPTIMIZER_NAMES),
+        fallback=True,
+    )
     optimizer_in_backward: bool = _lever(
         False,
         "optimizer.in_backward",
@@ -248,6 +261,18 @@ class Strategy:
         gradient at once (accumulation, global-norm clipping, a loss scaler's unscale and inf check) and no
         engine may still have to reduce the gradient (several ranks).
         """
+        if self.optimizer_name != "adamw":
+            why = f"optimizer.name {self.optimizer_name} (torchao's block-quantized states)"
+            if self.optimizer != "for-loop":
+                return (
+                    f"{why} steps one parameter at a time: set optimizer.implementation auto or for-loop "
+                    f"(got {self.optimizer})"
+                )
+            if engine not in ("single", "ddp") or self.zero_stage > 0:
+                return (
+                    f"{why} runs on one process or DDP without ZeRO (got {engine}, ZeRO-{self.zero_stage}); "
+                    "use optimizer.name adamw there"
+                )
         if self.activation_offload and engine == "deepspeed":
             return (
                 "strategy.activation_offload does not reach into DeepSpeed's engine; use distributed.engine fsdp2, "
@@ -277,13 +302,21 @@ class Strategy:
         in_backward = " in backward" if self.optimizer_in_backward else ""
         return (
             f"AC {self.activation_checkpointing}, {self.precision}{chunks}, ZeRO-{self.zero_stage}, micro-batch "
-            f"{self.micro_batch_size} x accum {self.grad_accum_steps}, AdamW {self.optimizer}{in_backward}"
+            f"{self.micro_batch_size} x accum {self.grad_accum_steps}, AdamW {self.adamw_label()}{in_backward}"
         )
 
+    def adamw_label(self) -> str:
+        """The AdamW column of tables: the implementation, or the low-bit states (stepped one by one)."""
+        return LOW_BIT_STATE.get(self.optimizer_name, self.optimizer)
 
-def fallbacks(strategy: Strategy, pins: dict[str, Any]) -> dict[str, bool]:
-    """The unpinned fallback levers ``strategy`` turns on (see ``Lever.fallback``), each set to False: its twin."""
-    return {n: False for n, lever in levers().items() if lever.fallback and n not in pins and getattr(strategy, n)}
+
+def fallbacks(strategy: Strategy, pins: dict[str, Any]) -> dict[str, Any]:
+    """The unpinned fallback levers ``strategy`` turns on (see ``Lever.fallback``), each set to its twin's value."""
+    return {
+        n: lever.searched[0]
+        for n, lever in levers().items()
+        if lever.fallback and n not in pins and getattr(strategy, n) != lever.searched[0]
+    }
 
 
 def levers() -> dict[str, Lever]:

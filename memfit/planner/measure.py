@@ -17,6 +17,7 @@ from memfit.step.runner import StepRunner
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora
 from memfit.strategies.offload import Offloaded, observing
+from memfit.strategies.optimizer import state_tensors
 from memfit.strategies.precision import precision_policy
 from memfit.telemetry.profiler import all_events, allocation_events, live_blocks, split_host
 
@@ -128,7 +129,7 @@ def measured_steady_step(spec, model=None) -> Breakdown:
     batches = [(tokens, tokens)] * strategy.grad_accum_steps
     runner.step(batches)  # step 1 creates the optimizer state
     runner.zero_grad()
-    state = [v for st in opt.state.values() for v in st.values()]
+    state = state_tensors(opt)
 
     measured = profiled_breakdown(
         lambda: runner.step(batches),

@@ -5,8 +5,8 @@ micro-batch B runs the same ops as at B = 2 and 3 with every tensor's batch dime
 bytes after each op are linear in B (but see ``_traced_as_is``): the timelines at B = 2 and 3 are
 combined op by op, and only then is the peak taken (the moment of the peak may move with B). Each
 phase's peak is then linear in depth (identical decoder layers): two depths extrapolate to any depth. The
-optimizer and clipping phases depend on (precision, optimizer implementation, LoRA) only. Traces are cached, so a search
-over hundreds of candidates costs a few dozen traces of two to four layers.
+optimizer and clipping phases depend on (precision, optimizer implementation and states, LoRA) only. Traces
+are cached, so a search over hundreds of candidates costs a few dozen traces of two to four layers.
 """
 
 from __future__ import annotations
@@ -61,17 +61,26 @@ class Predictor:
     def _step_spec(self, strategy: Strategy) -> StepSpec:
         """Forward and backward do not depend on the optimizer, the accumulation or the ZeRO stage (applied
         afterwards), nor on the micro-batch (extrapolated): one spec per remaining levers traces them all.
-        With the optimizer step in backward, backward holds the steps: its implementation is kept."""
-        optimizer = strategy.optimizer if strategy.optimizer_in_backward else "for-loop"
+        With the optimizer step in backward, backward holds the steps: its optimizer is kept."""
+        if strategy.optimizer_in_backward:
+            optimizer = {}
+        else:
+            optimizer = {"optimizer": "for-loop", "optimizer_name": "adamw"}
         return replace(
             self.base,
-            strategy=strategy.replace(optimizer=optimizer, micro_batch_size=1, grad_accum_steps=1, zero_stage=0),
+            strategy=strategy.replace(**optimizer, micro_batch_size=1, grad_accum_steps=1, zero_stage=0),
         )
 
-    def _optimizer_spec(self, spec: StepSpec, optimizer: str) -> StepSpec:
+    def _optimizer_spec(self, spec: StepSpec, strategy: Strategy) -> StepSpec:
         """Clipping and the optimizer step depend on the precision and the optimizer only."""
         return replace(
-            spec, strategy=Strategy(precision=spec.strategy.precision, optimizer=optimizer, micro_batch_size=2)
+            spec,
+            strategy=Strategy(
+                precision=spec.strategy.precision,
+                optimizer=strategy.optimizer,
+                optimizer_name=strategy.optimizer_name,
+                micro_batch_size=2,
+            ),
         )
 
     def _optimizer_depths(self) -> tuple[int, ...]:
@@ -98,7 +107,7 @@ class Predictor:
                 ]
         if strategy.optimizer_in_backward:  # no optimizer phase: the steps are traced inside backward
             return out
-        return out + [(self._optimizer_spec(spec, strategy.optimizer), n) for n in self._optimizer_depths()]
+        return out + [(self._optimizer_spec(spec, strategy), n) for n in self._optimizer_depths()]
 
     def _loss_delta_specs(self, spec: StepSpec) -> tuple[StepSpec, StepSpec]:
         """(chunked, plain) specs of the shallow traces ``_with_chunked_loss`` reads."""
@@ -178,7 +187,7 @@ class Predictor:
 
     def _optimizer_moments(self, spec: StepSpec) -> dict[str, tuple[int, ...]]:
         """Clipping and optimizer-step peaks: independent of micro-batch and checkpointing."""
-        key = (spec.strategy.precision, spec.strategy.optimizer)
+        key = (spec.strategy.precision, spec.strategy.optimizer, spec.strategy.optimizer_name)
         if key not in self._opt:
             depths = self._optimizer_depths()
             if len(depths) == 2:
@@ -214,12 +223,15 @@ class Predictor:
                 regions = self._with_chunked_loss(regions, spec, micro_batch)
         regions = {k: v for k, v in regions.items() if k.startswith(("forward", "backward"))}
         if not strategy.optimizer_in_backward:
-            regions.update(self._optimizer_moments(self._optimizer_spec(spec, strategy.optimizer)))
+            regions.update(self._optimizer_moments(self._optimizer_spec(spec, strategy)))
         cats = list(Category)
         gi, oi = cats.index(Category.GRADS), cats.index(Category.OPTIMIZER)
         g_total = max(row[gi] for row in regions.values())
         grads_done = {k: (row[gi] / g_total if g_total else 0.0) for k, row in regions.items()}
-        state = max(row[oi] for row in regions.values())  # created lazily in step 1, whole afterwards
+        # created lazily in step 1, whole afterwards; traced with the forward and backward only when the step
+        # runs inside backward (else those traces ran 32-bit AdamW, whatever the optimizer: ``_step_spec``)
+        own = [k for k in regions if k in ("clip", "optimizer")] or list(regions)
+        state = max(regions[k][oi] for k in own)
         steady = {}
         for key, row in regions.items():
             row = list(row)

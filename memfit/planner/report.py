@@ -122,7 +122,7 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
             "yes" if s.activation_offload else "-",
             str(s.zero_stage),
             f"{s.micro_batch_size}x{s.grad_accum_steps}",
-            s.optimizer,
+            s.adamw_label(),
             "yes" if s.optimizer_in_backward else "-",
             _g(p[Category.PARAMS]),
             _g(p[Category.GRADS]),
@@ -139,8 +139,8 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
     console.print(
         f"{len(r.fitting)} of {len(r.fitting) + len(r.pruned)} candidates fit ({r.traces} traces"
         + (
-            f"; {r.untried} with offloading or the step in backward not tried: offloading only when nothing "
-            "else fits, the step in backward only where no candidate as fast fits"
+            f"; {r.untried} with offloading, the step in backward or low-bit AdamW states not tried: offloading "
+            "only when nothing else fits, the others only where no candidate as fast fits"
             if r.untried
             else ""
         )
@@ -198,7 +198,7 @@ def write_train_config(
             if lever.config_key.startswith("strategy.")
         },
         "lora": {"enabled": w.lora is not None, **(_lora_dict(w.lora) if w.lora else {})},
-        "optimizer": {"implementation": s.optimizer, "in_backward": s.optimizer_in_backward}
+        "optimizer": {"name": s.optimizer_name, "implementation": s.optimizer, "in_backward": s.optimizer_in_backward}
         | ({"grad_clip": 0.0} if s.optimizer_in_backward else {}),
         "train": {
             "device": "cuda",

@@ -1,7 +1,8 @@
 """Search: every candidate configuration's per-rank peak, whether it fits, and how fast it should be.
 
 Candidates are every combination of the ``Strategy`` levers (``memfit.config.strategy``): checkpointing
-policy x precision x loss chunks x optimizer implementation x optimizer step after or in backward (one GPU,
+policy x precision x loss chunks x optimizer implementation x AdamW states (32-bit, or 8-/4-bit on one GPU,
+stepped one parameter at a time) x optimizer step after or in backward (one GPU,
 no accumulation, the preferred implementation) x micro-batch (with the gradient accumulation that keeps the
 global batch) x ZeRO stage. Memory comes from the
 ``Predictor`` (traces of the trainer's own step) and ``sharding.per_rank``; on top of the predicted
@@ -24,6 +25,7 @@ from transformers import PretrainedConfig
 from memfit.config.schema import LoraConfig
 from memfit.config.strategy import (
     OPTIMIZER_IMPLEMENTATIONS,
+    OPTIMIZER_NAMES,
     PRECISION_PREFERENCE,
     ZERO_STAGES,
     Strategy,
@@ -145,6 +147,13 @@ def _check_pins(pins: Pins, w: Workload, c: Cluster) -> None:
             f"--optimizer-in-backward steps each parameter before its gradient is reduced: one GPU only "
             f"(got {c.world_size}); drop it or plan --gpus-per-node 1"
         )
+    name = pins.levers.get("optimizer_name", "adamw")
+    if name != "adamw":
+        conflict = Strategy(
+            optimizer_name=name, optimizer=pins.levers.get("optimizer", "for-loop"), zero_stage=zero or 0
+        ).conflict(engine="single" if c.world_size == 1 else pins.engine)
+        if conflict:
+            raise UserError(conflict)
     if micro_batch is not None:
         per_rank_batch = w.global_batch // c.world_size
         if micro_batch <= 0 or per_rank_batch % micro_batch:
@@ -161,13 +170,15 @@ def time_bucket(step_time_s: float) -> int:
 
 def _rank_key(c: Candidate) -> tuple:
     """Fastest first; the cost model cannot tell apart candidates with equal FLOPs and traffic, so
-    ties (within 0.5%) go to fp32 master weights, then to the optimizer step after backward (it can clip
+    ties (within 0.5%) go to fp32 master weights, then to full-precision AdamW states, then to the optimizer
+    step after backward (it can clip
     the gradient norm), then the larger micro-batch (better kernel efficiency, not modelled), then the
     fused optimizer, then the smaller footprint."""
     s = c.strategy
     return (
         time_bucket(c.step_time_s),
         PRECISION_PREFERENCE.index(s.precision),
+        OPTIMIZER_NAMES.index(s.optimizer_name),
         s.optimizer_in_backward,
         -s.micro_batch_size,
         OPTIMIZER_IMPLEMENTATIONS.index(s.optimizer),
@@ -185,6 +196,7 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
         "micro_batch_size": micro_batches(w.global_batch, c.world_size),
         "zero_stage": ZERO_STAGES if c.world_size > 1 else (0,),
         "optimizer_in_backward": (False, True) if c.world_size == 1 else (False,),
+        "optimizer_name": OPTIMIZER_NAMES if c.world_size == 1 else ("adamw",),
     }
     # stepped in backward, parameters are stepped one at a time, where implementations differ by one
     # parameter's temporaries at most: the preferred one stands for them (a quarter of the traces)
@@ -194,6 +206,8 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
         s = Strategy(**chosen, grad_accum_steps=per_rank_batch // chosen["micro_batch_size"])
         if s.optimizer_in_backward and (s.conflict() or s.optimizer != in_backward_optimizer):
             continue  # it cannot accumulate or scale the loss; one implementation stands for all
+        if s.optimizer_name != "adamw" and s.conflict():
+            continue  # low-bit states are stepped one parameter at a time: one implementation
         out.append(s)
     return out
 
@@ -230,9 +244,14 @@ def search(
         if anything_fits and any(getattr(s, n) for n in last_resorts):
             return False
         twin = twin_of(s)
-        # neither lever touches the parameters or the optimizer state: what the twin holds of them at every
-        # moment is a floor no fallback goes under
-        floor = min(b[Category.PARAMS] + b[Category.OPTIMIZER] for b in twin.memory.phase_peaks.values())
+        # offloading and the step in backward touch neither the parameters nor the optimizer state (low-bit
+        # states do): what the twin holds of them at every moment is a floor no fallback goes under
+        kept = (
+            (Category.PARAMS,)
+            if s.optimizer_name != twin.strategy.optimizer_name
+            else (Category.PARAMS, Category.OPTIMIZER)
+        )
+        floor = min(sum(b[k] for k in kept) for b in twin.memory.phase_peaks.values())
         could_fit = reserved_estimate(floor) <= usable
         return not twin.fits and could_fit and (fastest is None or time_bucket(twin.step_time_s) <= fastest)
 

@@ -44,12 +44,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from memfit.models.load import decoder_layers
 from memfit.planner.categories import Breakdown, Category, StepMemory
 from memfit.strategies.offload import Offloaded, observing
+from memfit.strategies.optimizer import plain_tensors, state_tensors
 
 
 def _storage(t: torch.Tensor):
@@ -189,6 +190,10 @@ class StepTracker(TorchDispatchMode):
         return n if r <= 1 else (n + r - 1) // r * r
 
     def _add(self, t: torch.Tensor) -> int | None:
+        if is_traceable_wrapper_subclass(t):  # its storage is a stand-in of its apparent dtype: count its inner ones
+            for inner in plain_tensors(t):
+                self._add(inner)
+            return None
         st = _storage(t)
         if st is None:
             return None
@@ -272,7 +277,15 @@ class StepTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY:  # a third of all ops; allocates nothing, so it adds no moment
             return args[0].device
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        sub = next((t for t in tree_flatten((args, kwargs))[0] if is_traceable_wrapper_subclass(t)), None)
+        if sub is not None:
+            # a tensor subclass (a torchao quantized optimizer state) runs its op as ops on its inner tensors:
+            # run its handler with this mode on, so those ops (and their temporaries) are seen one by one
+            with self:
+                out = type(sub).__torch_dispatch__(func, types, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._add(t)
@@ -286,8 +299,7 @@ class StepTracker(TorchDispatchMode):
 
         def post(*_):
             self._in_optimizer = False
-            state = (v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
-            self._mark(state, Category.OPTIMIZER)
+            self._mark(state_tensors(self.optimizer), Category.OPTIMIZER)
 
         def forward_starts(*_):
             self._after_backward = False
@@ -305,7 +317,10 @@ class StepTracker(TorchDispatchMode):
 
             def param_post(p):
                 state = self.optimizer.state.get(p, {})
-                self._mark((v for v in state.values() if isinstance(v, torch.Tensor)), Category.OPTIMIZER)
+                self._mark(
+                    (x for v in state.values() if isinstance(v, torch.Tensor) for x in plain_tensors(v)),
+                    Category.OPTIMIZER,
+                )
 
             self._hooks.append(self.optimizer.register_param_step_hooks(param_pre, param_post))
 

@@ -67,7 +67,9 @@ class StepRunner:
         trainable parameters (clipping at 1.0 unless the step runs in backward), the loss chunked as set,
         activations offloaded as set (``copies_back``: see ``ActivationOffload``)."""
         params = [p for p in model.parameters() if p.requires_grad]
-        opt_cfg = OptimizerConfig(implementation=strategy.optimizer, in_backward=strategy.optimizer_in_backward)
+        opt_cfg = OptimizerConfig(
+            name=strategy.optimizer_name, implementation=strategy.optimizer, in_backward=strategy.optimizer_in_backward
+        )
         optimizer = build_optimizer(params, opt_cfg, device)
         clip = 0.0 if strategy.optimizer_in_backward else 1.0
         chunked = ChunkedLoss.attach(model, strategy.loss_chunks)

@@ -5,6 +5,17 @@ The implementation matters for memory: ``foreach`` groups all parameters into mu
 and materialises temporaries the size of a whole parameter group (several GiB at 7B); ``for-loop``
 steps one parameter at a time; ``fused`` runs one kernel per group with almost no temporaries.
 
+``optimizer.name`` chooses the moments' storage: ``adamw`` keeps them in the weights' dtype (PyTorch's AdamW);
+``adamw8bit`` / ``adamw4bit`` are torchao's AdamW with block-quantized moments (8-bit codes with one fp32 scale
+per 256 values, 4-bit codes with one per 128; tensors under 4,096 values, or not a whole number of blocks, stay
+fp32, as in bitsandbytes). Their update runs in fp32 one parameter at a time, and memfit runs torchao's update
+function eagerly (``torch.compiler.set_stance("force_eager")``) on every device: the planner's fake tensors
+cannot run a compiled kernel, so only the eager step is one it can trace, and inductor would compile every
+parameter shape (5-25 s each on a 2-core CPU). The eager step holds the fp32 and int64 temporaries of one
+parameter at a time, about 13x that parameter's fp32 bytes (the embedding's, the largest): the planner
+counts them, and they are why low-bit states save memory on a model whose embedding is a small part of it
+(Llama-2-7B: 2%) but not on SmolLM2-135M (21%).
+
 ``optimizer.in_backward`` (``OptimizerInBackward``) steps each parameter from its post-accumulate-grad
 hook and frees the gradient there, so at most a few gradients exist at any moment instead of all of
 them (torchtune's ``optimizer_in_bwd``). The update is AdamW's own, parameter by parameter.
@@ -19,20 +30,49 @@ Known limitations of the step in backward:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.hooks import RemovableHandle
 
 from memfit.config.schema import OptimizerConfig
+from memfit.errors import UserError, first_line
+
+LOW_BIT_BLOCK = {"adamw8bit": 256, "adamw4bit": 128}
+"""Values per fp32 scale of torchao's quantized states (its defaults)."""
 
 
-def resolve_implementation(name: str, device: torch.device) -> str:
+def resolve_implementation(name: str, device: torch.device, optimizer_name: str = "adamw") -> str:
+    """``optimizer.implementation`` made concrete: ``auto`` is fused on GPUs and foreach on CPU for AdamW, and
+    for-loop (one parameter at a time, the only way torchao steps) for low-bit states."""
     if name == "auto":
+        if optimizer_name != "adamw":
+            return "for-loop"
         return "fused" if device.type == "cuda" else "foreach"
     return name
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``t``: itself, or the inner tensors of a wrapper subclass (a torchao
+    quantized state's codes, scales and code map; a DTensor's local shard), recursively."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in plain_tensors(getattr(t, n))]
+    return [t]
+
+
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every plain tensor of the optimizer's state (see ``plain_tensors``): what its state occupies."""
+    out = []
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                out += plain_tensors(v)
+    return out
 
 
 def adamw_groups(params: list[torch.nn.Parameter], cfg: OptimizerConfig) -> list[dict]:
@@ -59,16 +99,64 @@ def adamw_kwargs(cfg: OptimizerConfig, impl: str) -> dict:
 def build_optimizer(
     params: list[torch.nn.Parameter], cfg: OptimizerConfig, device: torch.device
 ) -> torch.optim.Optimizer:
-    """AdamW over ``params`` with the implementation ``optimizer.implementation`` resolves to, stepped
-    after backward, or inside it (``OptimizerInBackward``) with ``optimizer.in_backward``."""
-    kwargs = adamw_kwargs(cfg, resolve_implementation(cfg.implementation, device))
+    """AdamW (``optimizer.name``) over ``params`` with the implementation ``optimizer.implementation`` resolves to,
+    stepped after backward, or inside it (``OptimizerInBackward``) with ``optimizer.in_backward``."""
+    if cfg.name == "adamw":
+        kind, kwargs = torch.optim.AdamW, adamw_kwargs(cfg, resolve_implementation(cfg.implementation, device))
+    else:
+        kind, kwargs = low_bit_adamw(cfg.name), adamw_kwargs(cfg, "for-loop")
+        del kwargs["foreach"], kwargs["fused"]
     if cfg.in_backward:
-        return OptimizerInBackward(adamw_groups(params, cfg), kwargs)
-    return torch.optim.AdamW(adamw_groups(params, cfg), **kwargs)
+        return OptimizerInBackward(adamw_groups(params, cfg), kwargs, kind)
+    return kind(adamw_groups(params, cfg), **kwargs)
+
+
+def low_bit_adamw(name: str) -> type[torch.optim.Optimizer]:
+    """torchao's AdamW with ``name``'s quantized states, its update run eagerly (see the module's docstring).
+
+    Raises:
+        UserError: when torchao is not installed (the ``lowbit`` extra).
+    """
+    try:
+        from torchao.optim import AdamW4bit, AdamW8bit
+    except ImportError as e:
+        raise UserError(
+            f"optimizer.name {name} needs torchao: pip install 'memfit[lowbit]' (or torchao); {first_line(e)}"
+        ) from None
+    kind = {"adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}[name]
+    _code_maps_computed()
+    return _eager_step(kind)
+
+
+def _code_maps_computed() -> None:
+    """torchao computes its quantization code maps once, from real tensors, and caches them; on the planner's
+    fake tensors that computation cannot run (it reads values), so it runs here first, outside any fake mode."""
+    import torchao.optim.subclass_4bit as four
+    import torchao.optim.subclass_8bit as eight
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        for module in (four, eight):
+            for fn in ("get_qmap_signed", "get_qmap_unsigned"):
+                getattr(module, fn, lambda: None)()
+
+
+@functools.cache
+def _eager_step(kind: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """``kind`` with its compiled per-parameter update run eagerly (the same function, uncompiled)."""
+
+    class Eager(kind):
+        def step(self, closure=None):
+            with torch.compiler.set_stance("force_eager"):
+                return super().step(closure)
+
+    Eager.__name__ = Eager.__qualname__ = f"{kind.__name__}Eager"
+    return Eager
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
-    """One AdamW per parameter, stepped from the parameter's post-accumulate-grad hook during backward.
+    """One AdamW (of class ``kind``) per parameter, stepped from the parameter's post-accumulate-grad hook during
+    backward.
 
     To the LR scheduler and the checkpoint it is one optimizer: its ``param_groups`` are the per-parameter
     AdamWs' own groups (one parameter each, so a scheduler's learning rate reaches them) and its ``state``
@@ -80,11 +168,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
         kwargs: AdamW's other arguments (``adamw_kwargs``).
     """
 
-    def __init__(self, groups: list[dict], kwargs: dict):
-        self._inner: dict[torch.nn.Parameter, torch.optim.AdamW] = {}
+    def __init__(self, groups: list[dict], kwargs: dict, kind: type[torch.optim.Optimizer] = torch.optim.AdamW):
+        self._inner: dict[torch.nn.Parameter, torch.optim.Optimizer] = {}
         for group in groups:
             for p in group["params"]:
-                self._inner[p] = torch.optim.AdamW([p], weight_decay=group["weight_decay"], **kwargs)
+                self._inner[p] = kind([p], weight_decay=group["weight_decay"], **kwargs)
         super().__init__(groups, dict(kwargs, weight_decay=0.0))
         self._relink()
         self._pre_param: OrderedDict[int, Callable] = OrderedDict()  # RemovableHandle holds weak references

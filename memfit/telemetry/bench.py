@@ -43,6 +43,7 @@ BENCH_AXES = {
     "loss_chunks": "0",
     "activation_offload": "false",
     "optimizer_in_backward": "false",
+    "optimizer_name": "adamw",
     "micro_batch_size": "2",
 }
 """Levers every cell sets explicitly, with the command's default values (the others follow the base config,
@@ -83,6 +84,7 @@ class Cell:
         chunks = f"_ce{s.loss_chunks}" if s.loss_chunks else ""
         chunks += "_offload" if s.activation_offload else ""
         chunks += "_optbwd" if s.optimizer_in_backward else ""
+        chunks += f"_{s.optimizer_name}" if s.optimizer_name != "adamw" else ""
         return f"ac-{ac}_{s.precision}{chunks}_mb{s.micro_batch_size}_{'lora' if self.lora else 'full'}{ranks}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -103,6 +105,8 @@ def matrix(axes: dict[str, list], loras: list[bool], zeros: list[int | None] = (
     for values in itertools.product(*(axes[n] for n in names)):
         for lora, zero in itertools.product(loras, zeros):
             strategy = Strategy(**dict(zip(names, values)), zero_stage=zero or 0)
+            if strategy.optimizer_name != "adamw" and "optimizer" not in names:  # auto: low-bit steps one by one
+                strategy = strategy.replace(optimizer="for-loop")
             cells.append(Cell(strategy, lora, 1 if zero is None else nproc, tuple(names)))
     return cells
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from memfit.strategies.optimizer import state_tensors
+
 
 def process_rss_bytes() -> int:
     """Resident set size of this process now (Linux ``/proc/self/statm``)."""
@@ -112,6 +114,5 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
             grads_b += _tensor_bytes(p.grad)
     opt_b = 0
     if optimizer is not None:
-        for state in optimizer.state.values():
-            opt_b += sum(_tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+        opt_b = sum(_tensor_bytes(t) for t in state_tensors(optimizer))
     return StateBytes(params_b, trainable_b, grads_b, opt_b, n, n_train)

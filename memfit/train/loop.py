@@ -47,6 +47,7 @@ from memfit.strategies.optimizer import (
     build_optimizer,
     build_scheduler,
     resolve_implementation,
+    state_tensors,
 )
 from memfit.strategies.precision import resolve_precision
 from memfit.telemetry.allocator_watch import AllocatorWatch
@@ -116,7 +117,10 @@ class Trainer:
         self.accum = grad_accum_steps(cfg, ctx.world_size)
         self.precision = resolve_precision(cfg.strategy.precision, self.device)
         self.strategy = run_strategy(
-            cfg, self.precision.name, resolve_implementation(cfg.optimizer.implementation, self.device), ctx.world_size
+            cfg,
+            self.precision.name,
+            resolve_implementation(cfg.optimizer.implementation, self.device, cfg.optimizer.name),
+            ctx.world_size,
         )
         if d.deepspeed_config is not None:  # a missing file is one line wherever it would be read
             resolve_ds_path(d.deepspeed_config)
@@ -346,7 +350,7 @@ class Trainer:
         else:
             opt = self.par.local_optimizer()
             live = [local_tensor(x) for x in (*self.par.module.parameters(), *self.par.module.buffers())]
-            live += [local_tensor(v) for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+            live += state_tensors(opt)
             live += [x for b in batches for x in b]
             held = collectives_release_on_caller() if self.ctx.distributed else contextlib.nullcontext()
             private = ("c10d::",) if self.ctx.distributed else ()  # gloo's own copies, freed where it is blind
@@ -431,7 +435,8 @@ class Trainer:
         display.log(
             f"memfit train: {cfg.model.source} on {label}{ranks}, "
             f"{'LoRA r=' + str(cfg.lora.rank) if cfg.lora.enabled else 'full fine-tune'}, "
-            f"AdamW {self.strategy.optimizer}{' stepped in backward' if self.strategy.optimizer_in_backward else ''}, "
+            f"AdamW {self.strategy.adamw_label()}"
+            f"{' stepped in backward' if self.strategy.optimizer_in_backward else ''}, "
             f"{len(self.train_ds)} train / {sum(len(b[0]) for b in self.eval)} eval sequences of "
             f"{cfg.data.seq_len} tokens, "
             f"global batch {ctx.world_size * t.micro_batch_size * self.accum}"
@@ -484,7 +489,7 @@ class Trainer:
                     self.watch.before_step(step)
                     start = time.perf_counter()
                     batches = [next(loader) for _ in range(self.accum)]
-                    lr = self.scheduler.get_last_lr()[0]
+                    lr = float(self.scheduler.get_last_lr()[0])  # a tensor under torchao
                     if step == t.profile_step:
                         (loss, grad_norm), profiled = self._profiled_step(batches)
                     else:
