@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from memfit.config.strategy import OPTIMIZER_CHOICES, OPTIMIZER_NAMES, ZERO_STAGES, Strategy, levers
+from memfit.config.strategy import OPTIMIZER_CHOICES, OPTIMIZER_NAMES, QUANTIZED_BASES, ZERO_STAGES, Strategy, levers
 from memfit.errors import UserError, did_you_mean
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
@@ -85,6 +85,11 @@ class LoraConfig:
     rank: int = _f(8, "LoRA rank r")
     alpha: float = _f(16.0, "LoRA alpha (scaling = alpha / rank)")
     dropout: float = _f(0.0, "dropout on the LoRA input")
+    quantize_base: str = _f(
+        "none",
+        "none | nf4: store the frozen decoder Linear weights as torchao's 4-bit NormalFloat with double-quantized "
+        "block scales (QLoRA; one process or DDP; needs the lowbit extra)",
+    )
     target_modules: list = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "names of the Linear modules that get adapters",
@@ -290,6 +295,12 @@ def check(cfg: RunConfig) -> RunConfig:
     _need(0 <= o.min_lr_ratio <= 1, f"optimizer.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
     _need(0 <= lo.dropout < 1, f"lora.dropout must be in [0, 1) (got {lo.dropout})")
     _need(len(lo.target_modules) > 0, "lora.target_modules must name at least one module (got [])")
+    _choice("lora.quantize_base", lo.quantize_base, QUANTIZED_BASES)
+    _need(
+        lo.quantize_base == "none" or lo.enabled,
+        f"lora.quantize_base {lo.quantize_base} quantizes the frozen base of a LoRA run, and a full fine-tune trains "
+        "every weight: set lora.enabled=true or lora.quantize_base=none",
+    )
     for name, value in (("data.max_documents", d.max_documents), ("data.prefetch_factor", d.prefetch_factor)):
         _need(value is None or value > 0, f"{name} must be > 0 or null (got {value})")
     _need(d.num_workers is None or d.num_workers >= 0, f"data.num_workers must be >= 0 (got {d.num_workers})")

@@ -32,6 +32,8 @@ OPTIMIZER_NAMES = ("adamw", "adamw8bit", "adamw4bit")
 """AdamW with fp32 (or, under bf16-pure, bf16) moments, then torchao's block-quantized 8-bit and 4-bit moments:
 numerically safest first."""
 LOW_BIT_STATE = {"adamw8bit": "8-bit", "adamw4bit": "4-bit"}
+QUANTIZED_BASES = ("none", "nf4")
+"""How a LoRA run stores its frozen decoder Linear weights: as the precision says, or 4-bit NF4 (QLoRA)."""
 ZERO_STAGES = (0, 1, 2, 3)
 
 _EVERY_K = re.compile(r"^every_k:(\d+)$")
@@ -193,6 +195,14 @@ class Strategy:
         config_default="auto",
         config_parse=_choice(PRECISION_CHOICES),
     )
+    quantize_base: str = _lever(
+        "none",
+        "lora.quantize_base",
+        "--quantize-base",
+        QUANTIZED_BASES,
+        _choice(QUANTIZED_BASES),
+        fallback=True,
+    )
     loss_chunks: int = _lever(
         0,
         "strategy.loss_chunks",
@@ -261,6 +271,11 @@ class Strategy:
         gradient at once (accumulation, global-norm clipping, a loss scaler's unscale and inf check) and no
         engine may still have to reduce the gradient (several ranks).
         """
+        if self.quantize_base != "none" and (engine not in ("single", "ddp") or self.zero_stage > 0):
+            return (
+                f"lora.quantize_base {self.quantize_base} (torchao's NF4 weights) runs on one process or DDP without "
+                f"ZeRO (got {engine}, ZeRO-{self.zero_stage}); use lora.quantize_base none there"
+            )
         if self.optimizer_name != "adamw":
             why = f"optimizer.name {self.optimizer_name} (torchao's block-quantized states)"
             if self.optimizer != "for-loop":
@@ -297,7 +312,8 @@ class Strategy:
 
     def label(self) -> str:
         """The strategy in one line, as tables and messages print it (the loss chunks only when on)."""
-        chunks = f", loss in {self.loss_chunks} chunks" if self.loss_chunks else ""
+        chunks = f", base {self.quantize_base.upper()}" if self.quantize_base != "none" else ""
+        chunks += f", loss in {self.loss_chunks} chunks" if self.loss_chunks else ""
         chunks += ", activations offloaded" if self.activation_offload else ""
         in_backward = " in backward" if self.optimizer_in_backward else ""
         return (

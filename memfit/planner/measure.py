@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM
 from memfit.planner.categories import Breakdown, Category
 from memfit.step.runner import StepRunner
 from memfit.strategies.checkpointing import apply_activation_checkpointing
-from memfit.strategies.lora import apply_lora
+from memfit.strategies.lora import apply_lora, quantize_base
 from memfit.strategies.offload import Offloaded, observing
 from memfit.strategies.optimizer import state_tensors
 from memfit.strategies.precision import precision_policy
+from memfit.strategies.tensors import plain_tensors
 from memfit.telemetry.profiler import all_events, allocation_events, live_blocks, split_host
 
 _SAVED = "memfit::saved:"  # a profiler marker per tensor autograd saves: "memfit::saved:<storage address>"
@@ -26,8 +27,9 @@ _HOST = "memfit::host:"  # a profiler marker per offloaded activation's host cop
 
 
 def _mark_saved(t: torch.Tensor) -> torch.Tensor:
-    with record_function(f"{_SAVED}{t.untyped_storage().data_ptr()}"):
-        pass
+    for inner in plain_tensors(t):  # an NF4 weight saved by its matmul: its codes and scalers
+        with record_function(f"{_SAVED}{inner.untyped_storage().data_ptr()}"):
+            pass
     return t
 
 
@@ -65,7 +67,7 @@ def profiled_breakdown(
     highest the host copies reach by themselves (as on a GPU, whose memory they leave)."""
     base: dict[int, tuple[int, Category | None]] = {}
     for tensors, category in ((params, Category.PARAMS), (optimizer_state, Category.OPTIMIZER), (other_live, None)):
-        for t in tensors:
+        for t in (x for t in tensors for x in plain_tensors(t)):
             st = t.untyped_storage()
             base.setdefault(st.data_ptr(), (st.nbytes(), category))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -118,6 +120,7 @@ def measured_steady_step(spec, model=None) -> Breakdown:
     model.config.use_cache = False
     if spec.lora:
         model = apply_lora(model, spec.lora, precision)
+    quantize_base(model, strategy.quantize_base)
     apply_activation_checkpointing(model, strategy.activation_checkpointing)
     apart = not spec.host_is_device
     runner = StepRunner.for_strategy(model, strategy, torch.device("cpu"), copies_back=apart)

@@ -72,11 +72,13 @@ class Predictor:
         )
 
     def _optimizer_spec(self, spec: StepSpec, strategy: Strategy) -> StepSpec:
-        """Clipping and the optimizer step depend on the precision and the optimizer only."""
+        """Clipping and the optimizer step depend on the precision, the frozen weights' storage and the optimizer
+        only."""
         return replace(
             spec,
             strategy=Strategy(
                 precision=spec.strategy.precision,
+                quantize_base=spec.strategy.quantize_base,
                 optimizer=strategy.optimizer,
                 optimizer_name=strategy.optimizer_name,
                 micro_batch_size=2,
@@ -187,7 +189,12 @@ class Predictor:
 
     def _optimizer_moments(self, spec: StepSpec) -> dict[str, tuple[int, ...]]:
         """Clipping and optimizer-step peaks: independent of micro-batch and checkpointing."""
-        key = (spec.strategy.precision, spec.strategy.optimizer, spec.strategy.optimizer_name)
+        key = (
+            spec.strategy.precision,
+            spec.strategy.quantize_base,
+            spec.strategy.optimizer,
+            spec.strategy.optimizer_name,
+        )
         if key not in self._opt:
             depths = self._optimizer_depths()
             if len(depths) == 2:

@@ -117,7 +117,7 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
         t.add_row(
             str(i),
             str(s.activation_checkpointing),
-            s.precision,
+            s.precision + (f" {s.quantize_base.upper()}" if s.quantize_base != "none" else ""),
             str(s.loss_chunks or "-"),
             "yes" if s.activation_offload else "-",
             str(s.zero_stage),
@@ -197,7 +197,11 @@ def write_train_config(
             for name, lever in levers().items()
             if lever.config_key.startswith("strategy.")
         },
-        "lora": {"enabled": w.lora is not None, **(_lora_dict(w.lora) if w.lora else {})},
+        "lora": {
+            "enabled": w.lora is not None,
+            **(_lora_dict(w.lora) if w.lora else {}),
+            **({"quantize_base": s.quantize_base} if w.lora else {}),
+        },
         "optimizer": {"name": s.optimizer_name, "implementation": s.optimizer, "in_backward": s.optimizer_in_backward}
         | ({"grad_clip": 0.0} if s.optimizer_in_backward else {}),
         "train": {

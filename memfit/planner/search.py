@@ -27,6 +27,7 @@ from memfit.config.strategy import (
     OPTIMIZER_IMPLEMENTATIONS,
     OPTIMIZER_NAMES,
     PRECISION_PREFERENCE,
+    QUANTIZED_BASES,
     ZERO_STAGES,
     Strategy,
     candidates,
@@ -147,6 +148,15 @@ def _check_pins(pins: Pins, w: Workload, c: Cluster) -> None:
             f"--optimizer-in-backward steps each parameter before its gradient is reduced: one GPU only "
             f"(got {c.world_size}); drop it or plan --gpus-per-node 1"
         )
+    base = pins.levers.get("quantize_base", "none")
+    if base != "none" and w.lora is None:
+        raise UserError(f"--quantize-base {base} quantizes the frozen base of a LoRA run: add --lora")
+    if base != "none":
+        conflict = Strategy(quantize_base=base, zero_stage=zero or 0).conflict(
+            engine="single" if c.world_size == 1 else pins.engine
+        )
+        if conflict:
+            raise UserError(conflict)
     name = pins.levers.get("optimizer_name", "adamw")
     if name != "adamw":
         conflict = Strategy(
@@ -170,7 +180,8 @@ def time_bucket(step_time_s: float) -> int:
 
 def _rank_key(c: Candidate) -> tuple:
     """Fastest first; the cost model cannot tell apart candidates with equal FLOPs and traffic, so
-    ties (within 0.5%) go to fp32 master weights, then to full-precision AdamW states, then to the optimizer
+    ties (within 0.5%) go to fp32 master weights, then to an unquantized base, then to full-precision AdamW
+    states, then to the optimizer
     step after backward (it can clip
     the gradient norm), then the larger micro-batch (better kernel efficiency, not modelled), then the
     fused optimizer, then the smaller footprint."""
@@ -178,6 +189,7 @@ def _rank_key(c: Candidate) -> tuple:
     return (
         time_bucket(c.step_time_s),
         PRECISION_PREFERENCE.index(s.precision),
+        QUANTIZED_BASES.index(s.quantize_base),
         OPTIMIZER_NAMES.index(s.optimizer_name),
         s.optimizer_in_backward,
         -s.micro_batch_size,
@@ -197,6 +209,7 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
         "zero_stage": ZERO_STAGES if c.world_size > 1 else (0,),
         "optimizer_in_backward": (False, True) if c.world_size == 1 else (False,),
         "optimizer_name": OPTIMIZER_NAMES if c.world_size == 1 else ("adamw",),
+        "quantize_base": QUANTIZED_BASES if c.world_size == 1 and w.lora is not None else ("none",),
     }
     # stepped in backward, parameters are stepped one at a time, where implementations differ by one
     # parameter's temporaries at most: the preferred one stands for them (a quarter of the traces)
@@ -245,12 +258,12 @@ def search(
             return False
         twin = twin_of(s)
         # offloading and the step in backward touch neither the parameters nor the optimizer state (low-bit
-        # states do): what the twin holds of them at every moment is a floor no fallback goes under
-        kept = (
-            (Category.PARAMS,)
-            if s.optimizer_name != twin.strategy.optimizer_name
-            else (Category.PARAMS, Category.OPTIMIZER)
-        )
+        # states and an NF4 base do): what the twin holds of them at every moment is a floor no fallback goes under
+        kept = [Category.PARAMS, Category.OPTIMIZER]
+        if s.optimizer_name != twin.strategy.optimizer_name:
+            kept.remove(Category.OPTIMIZER)
+        if s.quantize_base != twin.strategy.quantize_base:
+            kept.remove(Category.PARAMS)
         floor = min(sum(b[k] for k in kept) for b in twin.memory.phase_peaks.values())
         could_fit = reserved_estimate(floor) <= usable
         return not twin.fits and could_fit and (fastest is None or time_bucket(twin.step_time_s) <= fastest)
@@ -261,20 +274,28 @@ def search(
     # by their twins' speed, fastest first, a bucket at a time, until a fitting candidate is at least as fast as
     # the next twins (a fallback is never faster than its twin)
     needed = sorted((s for s in strategies if s not in done and worth_trying(s)), key=twin_bucket)
-    for bucket, group in itertools.groupby(needed, key=twin_bucket):
-        if fastest is not None and fastest <= bucket:
+    # last resorts (offloading) only when no other fallback (the step in backward, low-bit states, an NF4 base) fits
+    tiers = (
+        [s for s in needed if not any(getattr(s, n) for n in last_resorts)],
+        [s for s in needed if any(getattr(s, n) for n in last_resorts)],
+    )
+    for tier in tiers:
+        if tier is tiers[1] and fastest is not None:
             break
-        # within a bucket the twins tie: in the ranking's order of preference, a few at a time, until one fits
-        group = sorted(group, key=lambda s: _rank_key(twin_of(s))[1:])
-        for i in range(0, len(group), FALLBACKS_AT_ONCE):
-            chunk = group[i : i + FALLBACKS_AT_ONCE]
-            predictor.prefetch(chunk)
-            tried = {s: _candidate(s, w, c, pins, predictor, usable) for s in chunk}
-            done.update(tried)
-            fits = [time_bucket(cand.step_time_s) for cand in tried.values() if cand.fits]
-            if fits:
-                fastest = min(fits) if fastest is None else min(fastest, *fits)
+        for bucket, group in itertools.groupby(tier, key=twin_bucket):
+            if fastest is not None and fastest <= bucket:
                 break
+            # within a bucket the twins tie: in the ranking's order of preference, a few at a time, until one fits
+            group = sorted(group, key=lambda s: _rank_key(twin_of(s))[1:])
+            for i in range(0, len(group), FALLBACKS_AT_ONCE):
+                chunk = group[i : i + FALLBACKS_AT_ONCE]
+                predictor.prefetch(chunk)
+                tried = {s: _candidate(s, w, c, pins, predictor, usable) for s in chunk}
+                done.update(tried)
+                fits = [time_bucket(cand.step_time_s) for cand in tried.values() if cand.fits]
+                if fits:
+                    fastest = min(fits) if fastest is None else min(fastest, *fits)
+                    break
     for cand in done.values():
         (result.fitting if cand.fits else result.pruned).append(cand)
     result.untried = len(strategies) - len(done)

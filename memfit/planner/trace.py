@@ -38,7 +38,7 @@ from memfit.planner.categories import StepMemory
 from memfit.planner.tracker import StepTracker, Timeline, collapse_regions
 from memfit.step.runner import StepRunner
 from memfit.strategies.checkpointing import apply_activation_checkpointing
-from memfit.strategies.lora import apply_lora
+from memfit.strategies.lora import apply_lora, quantize_base
 from memfit.strategies.offload import PREFETCH
 from memfit.strategies.precision import precision_policy
 
@@ -76,9 +76,10 @@ def _build_fake_model(spec: StepSpec, num_layers: int, fake_mode: FakeTensorMode
         model = AutoModelForCausalLM.from_config(config, dtype=precision.param_dtype)
     if spec.lora is not None:
         model = apply_lora(model, spec.lora, precision)
-    apply_activation_checkpointing(model, spec.strategy.activation_checkpointing)
     with fake_mode:
         model.to_empty(device=CPU)
+        quantize_base(model, spec.strategy.quantize_base)  # from (fake) values, as a real run does
+    apply_activation_checkpointing(model, spec.strategy.activation_checkpointing)
     if getattr(config, "tie_word_embeddings", False):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight  # to_empty untied them
     return model

@@ -50,7 +50,8 @@ from torch.utils._pytree import tree_flatten
 from memfit.models.load import decoder_layers
 from memfit.planner.categories import Breakdown, Category, StepMemory
 from memfit.strategies.offload import Offloaded, observing
-from memfit.strategies.optimizer import plain_tensors, state_tensors
+from memfit.strategies.optimizer import state_tensors
+from memfit.strategies.tensors import plain_tensors
 
 
 def _storage(t: torch.Tensor):
@@ -216,7 +217,7 @@ class StepTracker(TorchDispatchMode):
         return serial
 
     def _mark(self, tensors: Iterable[torch.Tensor], category: Category) -> None:
-        for t in tensors:
+        for t in (x for t in tensors for x in plain_tensors(t)):
             serial = self._add(t)
             if serial is not None:
                 self._category.setdefault(serial, category)
@@ -317,10 +318,7 @@ class StepTracker(TorchDispatchMode):
 
             def param_post(p):
                 state = self.optimizer.state.get(p, {})
-                self._mark(
-                    (x for v in state.values() if isinstance(v, torch.Tensor) for x in plain_tensors(v)),
-                    Category.OPTIMIZER,
-                )
+                self._mark((v for v in state.values() if isinstance(v, torch.Tensor)), Category.OPTIMIZER)
 
             self._hooks.append(self.optimizer.register_param_step_hooks(param_pre, param_post))
 

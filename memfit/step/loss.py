@@ -72,7 +72,10 @@ class ChunkedLoss:
         # for each chunk, in forward and in the recomputation in backward; targets are hidden meanwhile
         held, self._targets = self._targets, None
         try:
-            logits = self.head(hidden)  # (B, T/N, V)
+            # a chunk of the sequence is a strided view; contiguous, its matmul is one (B*T/N, C) x (C, V) mm in
+            # forward and in the recomputation alike (a strided one may be a batched matmul that saves an expanded
+            # weight, and whether it is depends on the layout, which offloading's copies do not keep)
+            logits = self.head(hidden.contiguous())  # (B, T/N, V)
         finally:
             self._targets = held
         return F.cross_entropy(

@@ -5,6 +5,13 @@ needs no fp32 master copy), the adapters in its ``param_dtype`` (fp32 under bf16
 HF Trainer / torchtune recipe does. Under autocast the adapters' matmuls run in the compute dtype; PEFT's own
 cast of each adapted input to the adapter dtype is turned off, since autocast casts it already and an fp32
 copy of the input is only a temporary of the size of the activations.
+
+``lora.quantize_base=nf4`` (QLoRA, ``quantize_base``) then stores every frozen Linear weight of the decoder layers,
+adapted or not, as torchao's ``NF4Tensor``: 4-bit NormalFloat codes in blocks of 64 values, each block's
+absolute maximum quantized to int8 against one bf16 scale per ``scaler block`` of such maxima (256, or the
+largest power of two that divides the block count). The embeddings, norms and output head stay as they were.
+A matmul dequantizes its weight to the input's dtype for that matmul (and again in backward), so a layer's
+weight exists at full width only while it is used.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 
 from memfit.config.schema import LoraConfig
-from memfit.errors import UserError, did_you_mean
+from memfit.errors import UserError, did_you_mean, first_line
+from memfit.models.load import decoder_layers
 from memfit.strategies.precision import Precision
 
 
@@ -58,3 +66,37 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, precision: Precision):
         if hasattr(m, "cast_input_dtype_enabled"):  # a PEFT tuner layer
             m.cast_input_dtype_enabled = False
     return peft_model
+
+
+NF4_BLOCK = 64
+"""Values per NF4 code block (torchao's and QLoRA's default)."""
+NF4_SCALER_BLOCKS = (256, 128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def quantize_base(model: torch.nn.Module, kind: str) -> int:
+    """Store the frozen Linear weights of ``model``'s decoder layers as ``kind`` (``none`` leaves them); returns
+    how many were quantized. A weight whose size is not a whole number of 64-value blocks stays as it is.
+
+    Raises:
+        UserError: for nf4 when torchao is not installed (the ``lowbit`` extra).
+    """
+    if kind == "none":
+        return 0
+    try:
+        from torchao.quantization import to_nf4
+    except ImportError as e:
+        raise UserError(
+            f"lora.quantize_base {kind} needs torchao: pip install 'memfit[lowbit]' (or torchao); {first_line(e)}"
+        ) from None
+    count = 0
+    for layer in decoder_layers(model):
+        for module in layer.modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(module, torch.nn.Linear) or weight.requires_grad or weight.numel() % NF4_BLOCK:
+                continue
+            blocks = weight.numel() // NF4_BLOCK
+            scaler_block = next(b for b in NF4_SCALER_BLOCKS if blocks % b == 0)
+            nf4 = to_nf4(weight.detach(), NF4_BLOCK, scaler_block)
+            module.weight = torch.nn.Parameter(nf4, requires_grad=False)
+            count += 1
+    return count

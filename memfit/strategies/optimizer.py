@@ -36,11 +36,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils.hooks import RemovableHandle
 
 from memfit.config.schema import OptimizerConfig
 from memfit.errors import UserError, first_line
+from memfit.strategies.tensors import plain_tensors
 
 LOW_BIT_BLOCK = {"adamw8bit": 256, "adamw4bit": 128}
 """Values per fp32 scale of torchao's quantized states (its defaults)."""
@@ -54,15 +54,6 @@ def resolve_implementation(name: str, device: torch.device, optimizer_name: str 
             return "for-loop"
         return "fused" if device.type == "cuda" else "foreach"
     return name
-
-
-def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors that hold ``t``: itself, or the inner tensors of a wrapper subclass (a torchao
-    quantized state's codes, scales and code map; a DTensor's local shard), recursively."""
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        return [x for n in names for x in plain_tensors(getattr(t, n))]
-    return [t]
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

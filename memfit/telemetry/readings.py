@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from memfit.strategies.optimizer import state_tensors
+from memfit.strategies.tensors import held_bytes, plain_tensors
 
 
 def process_rss_bytes() -> int:
@@ -77,8 +78,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    t = local_tensor(t)
-    return t.numel() * t.element_size()
+    return held_bytes(local_tensor(t))
 
 
 @dataclass(frozen=True)
@@ -101,9 +101,10 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
     seen: set[int] = set()
     params_b = trainable_b = grads_b = n = n_train = 0
     for p in model.parameters():
-        if local_tensor(p).data_ptr() in seen:
+        key = plain_tensors(local_tensor(p))[0].data_ptr()  # an NF4 weight's codes stand for it
+        if key in seen:
             continue
-        seen.add(local_tensor(p).data_ptr())
+        seen.add(key)
         params_b += _tensor_bytes(p)
         numel = getattr(p, "ds_numel", p.numel())  # the model's count (global); bytes are what this rank holds
         n += numel

@@ -41,7 +41,7 @@ from memfit.strategies.allocator import (
     refuse_unsafe,
 )
 from memfit.strategies.checkpointing import apply_activation_checkpointing
-from memfit.strategies.lora import apply_lora
+from memfit.strategies.lora import apply_lora, quantize_base
 from memfit.strategies.offload import activation_offload
 from memfit.strategies.optimizer import (
     build_optimizer,
@@ -227,7 +227,11 @@ class Trainer:
         preset on the run's device when it runs alone, everything else on CPU."""
         init_device = self.device if not self.ctx.distributed else torch.device("cpu")  # ranks shard from CPU
         model = build_model(self.source, self.cfg.model, self.precision.param_dtype, self.cfg.train.seed, init_device)
-        return apply_lora(model, self.cfg.lora, self.precision) if self.cfg.lora.enabled else model
+        if not self.cfg.lora.enabled:
+            return model
+        model = apply_lora(model, self.cfg.lora, self.precision)
+        quantize_base(model, self.strategy.quantize_base)
+        return model
 
     def _deepspeed(self, model):
 
