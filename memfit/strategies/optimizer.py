@@ -132,17 +132,76 @@ def _code_maps_computed() -> None:
                 getattr(module, fn, lambda: None)()
 
 
+SLICE_VALUES = 1 << 22
+"""Values of a parameter the eager low-bit update works on at once (16 MiB in fp32): a larger parameter is stepped
+in slices of whole rows, so the update's fp32 and int64 temporaries stay the size of a slice."""
+
+
 @functools.cache
 def _eager_step(kind: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
-    """``kind`` with its compiled per-parameter update run eagerly (the same function, uncompiled)."""
+    """``kind`` with torchao's per-parameter update (``single_param_adam``) run eagerly, on slices of at most
+    ``SLICE_VALUES`` values: the same elementwise update on each value (block-aligned slices of a quantized state
+    are views of its codes and scales, torchao's own ``aten.slice``), so the result is the same to the bit."""
+    from torchao.optim.adam import single_param_adam
 
     class Eager(kind):
+        @torch.no_grad()
         def step(self, closure=None):
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
             with torch.compiler.set_stance("force_eager"):
-                return super().step(closure)
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            self._step_param(p, group)
+            return loss
+
+        def _step_param(self, p: torch.Tensor, group: dict) -> None:
+            state = self.state[p]
+            if not state:  # as torchao's step creates it
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = self._new_buffer(p, True)
+                state["exp_avg_sq"] = self._new_buffer(p, False)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = self._new_buffer(p, False)
+            state["step"] += 1
+            beta1, beta2 = group["betas"]
+            moments = [state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")]
+            param, grad = p.detach(), p.grad
+            for rows in _row_slices(p, self.block_size):
+
+                def part(t: torch.Tensor | None, rows: slice | None = rows) -> torch.Tensor | None:
+                    return t if t is None or rows is None else t[rows]
+
+                single_param_adam(
+                    part(param),
+                    part(grad),
+                    state["step"],
+                    *(part(m) for m in moments),
+                    group["lr"],
+                    beta1,
+                    beta2,
+                    group["weight_decay"],
+                    group["eps"],
+                    self.is_adamw,
+                    self.bf16_stochastic_round and p.dtype is torch.bfloat16,
+                )
 
     Eager.__name__ = Eager.__qualname__ = f"{kind.__name__}Eager"
     return Eager
+
+
+def _row_slices(p: torch.Tensor, block: int) -> list[slice | None]:
+    """Slices of ``p``'s first dimension of at most ``SLICE_VALUES`` values each, every one a whole number of
+    quantization blocks (``[None]``: the whole parameter at once)."""
+    if p.numel() <= SLICE_VALUES or p.ndim < 2:
+        return [None]
+    row = math.prod(p.shape[1:])
+    step = max(1, SLICE_VALUES // row)
+    step = math.lcm(step, block // math.gcd(block, row))  # row * step is a whole number of blocks
+    return [slice(i, min(i + step, p.shape[0])) for i in range(0, p.shape[0], step)]
 
 
 class OptimizerInBackward(torch.optim.Optimizer):

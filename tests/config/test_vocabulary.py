@@ -52,6 +52,7 @@ def test_one_process_runs_zero_stage_0_whatever_the_config_says():
         ("precision", "auto"),
         ("optimizer", "adam"),
         ("optimizer_name", "adam8bit"),
+        ("quantize_base", "int4"),
         ("micro_batch_size", "0"),
         ("zero_stage", "4"),
     ],
@@ -68,8 +69,8 @@ def test_candidates_walk_searched_levers_in_field_order_last_fastest():
     expected = 1
     for name, lever in levers().items():
         expected *= given.get(name, len(lever.searched) or 1)
-    # ac, precision, chunks, offload, AdamW, AdamW states, in bwd, micro, zero
-    assert expected == 4 * 1 * 2 * 2 * 3 * 3 * 2 * 2 * 1
+    # ac, precision, base storage, chunks, offload, AdamW, AdamW states, in bwd, micro, zero
+    assert expected == 4 * 1 * 2 * 2 * 2 * 3 * 3 * 2 * 2 * 1
     assert len(combos) == expected
     assert [c["micro_batch_size"] for c in combos[:2]] == [1, 2]
     assert {c["precision"] for c in combos} == {"fp32"}

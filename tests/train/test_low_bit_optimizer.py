@@ -9,6 +9,7 @@ import pytest
 import torch
 from support.tiny import wide_tiny_config
 
+import memfit.strategies.optimizer as optimizer_module
 from memfit.config.schema import OptimizerConfig
 from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.errors import UserError
@@ -30,13 +31,26 @@ def _spec(name: str, precision: str = "fp32") -> StepSpec:
     return StepSpec(wide_tiny_config(6), 128, strategy, host_is_device=True)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
-@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
-def test_the_planner_predicts_low_bit_states_as_the_profiler_measures_them(name, precision):
+@pytest.mark.parametrize(
+    "name, precision, sliced",
+    [
+        ("adamw8bit", "fp32", False),
+        ("adamw8bit", "bf16-mixed", False),
+        ("adamw4bit", "fp32", False),
+        ("adamw4bit", "bf16-mixed", False),
+        ("adamw8bit", "fp32", True),
+        ("adamw4bit", "bf16-mixed", True),
+    ],
+)
+def test_the_planner_predicts_low_bit_states_as_the_profiler_measures_them(name, precision, sliced, monkeypatch):
     """A full fine-tune of a 6-layer wide tiny model: the planner's prediction as the trainer asks for it
     (shallow traces extrapolated to 6 layers, the optimizer step traced on its own) against torch.profiler on
     real tensors, every category within 3% (measured: equal to the byte), the optimizer step's eager
-    temporaries included; the state is a quarter (8-bit) or an eighth (4-bit) of 32-bit AdamW's at most."""
+    temporaries included; the state is a quarter (8-bit) or an eighth (4-bit) of 32-bit AdamW's at most.
+    ``sliced``: parameters above 32K values stepped in slices (as a real model's above 4M values are), which
+    holds the optimizer step's temporaries to a slice's."""
+    if sliced:
+        monkeypatch.setattr(optimizer_module, "SLICE_VALUES", 1 << 15)
     spec = _spec(name, precision)
     predicted = predict_run(spec.model_config, spec.seq_len, spec.strategy, None, on_gpu=False).peak
     measured = measured_steady_step(spec)
@@ -44,6 +58,28 @@ def test_the_planner_predicts_low_bit_states_as_the_profiler_measures_them(name,
         assert abs(predicted[c] - measured[c]) <= 0.03 * measured[c], (c, predicted.as_dict(), measured.as_dict())
     full = measured_steady_step(_spec("adamw", precision))[Category.OPTIMIZER]
     assert measured[Category.OPTIMIZER] <= full * (0.26 if name == "adamw8bit" else 0.14)
+    if sliced:  # the largest parameter (the 2048 x 256 embedding) is stepped in 16 slices
+        monkeypatch.setattr(optimizer_module, "SLICE_VALUES", 1 << 30)
+        whole = measured_steady_step(spec)
+        assert measured[Category.TEMPORARIES] < 0.5 * whole[Category.TEMPORARIES]
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+def test_a_parameter_stepped_in_slices_is_stepped_to_the_bit_as_a_whole(name, monkeypatch):
+    """Block-aligned row slices of a quantized state are views of its codes and scales: three steps of a
+    (1000, 96) parameter in slices of 9,600 values leave the parameter and every state tensor bit-equal."""
+
+    def three_steps(slice_values: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(optimizer_module, "SLICE_VALUES", slice_values)
+        p = torch.nn.Parameter(torch.randn(1000, 96, generator=torch.Generator().manual_seed(0)))
+        opt = build_optimizer([p], OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1), CPU)
+        for i in range(3):
+            p.grad = torch.randn(1000, 96, generator=torch.Generator().manual_seed(1 + i))
+            opt.step()
+        return [p.detach().clone(), *(t.clone() for t in state_tensors(opt))]
+
+    whole, sliced = three_steps(1 << 30), three_steps(9600)
+    assert len(whole) == len(sliced) and all(torch.equal(a, b) for a, b in zip(whole, sliced))
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
