@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import platform
+import tempfile
 from datetime import datetime, timezone
 
 import torch
@@ -90,11 +91,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--set", choices=sorted(SETS), required=True)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--out", default="runs/bench-default-job-variants")
     a = ap.parse_args()
     rows = {}
-    for i, (override, label, dtype) in enumerate(SETS[a.set]):
-        rows[label] = run(override, dtype, a.steps, f"{a.out}/{i}", "bf16-mixed" if a.set == "qlora" else None)
+    with tempfile.TemporaryDirectory(prefix="memfit-variants-") as out:  # each variant a fresh run directory
+        for i, (override, label, dtype) in enumerate(SETS[a.set]):
+            rows[label] = run(override, dtype, a.steps, f"{out}/{i}", "bf16-mixed" if a.set == "qlora" else None)
     base = next(iter(rows.values()))["losses"]
     print(f"default job, {a.steps} steps, CPU ({platform.processor() or platform.machine()}); MiB")
     print(

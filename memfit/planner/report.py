@@ -139,8 +139,8 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
     console.print(
         f"{len(r.fitting)} of {len(r.fitting) + len(r.pruned)} candidates fit ({r.traces} traces"
         + (
-            f"; {r.untried} with offloading, the step in backward or low-bit AdamW states not tried: offloading "
-            "only when nothing else fits, the others only where no candidate as fast fits"
+            f"; {r.untried} with a fallback (offloading, the step in backward, low-bit AdamW states, an NF4 base) "
+            "not tried: each only where no candidate as fast fits without it, offloading only where no other does"
             if r.untried
             else ""
         )

@@ -21,12 +21,15 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from memfit.strategies.tensors import plain_tensors
+
 
 def live_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (tied and viewed tensors count once)."""
+    """Bytes of the distinct storages behind ``tensors`` (tied and viewed tensors count once; a wrapper subclass,
+    an NF4 weight, by its inner tensors)."""
     seen: set[int] = set()
     total = 0
-    for t in tensors:
+    for t in (x for t in tensors for x in plain_tensors(t)):
         st = t.untyped_storage()
         if st.data_ptr() not in seen:
             seen.add(st.data_ptr())

@@ -438,7 +438,8 @@ class Trainer:
             ranks = f" x {ctx.world_size} ranks ({self.kind}, ZeRO-{cfg.distributed.zero_stage}, {ctx.backend})"
         display.log(
             f"memfit train: {cfg.model.source} on {label}{ranks}, "
-            f"{'LoRA r=' + str(cfg.lora.rank) if cfg.lora.enabled else 'full fine-tune'}, "
+            f"{'LoRA r=' + str(cfg.lora.rank) if cfg.lora.enabled else 'full fine-tune'}"
+            f"{', base NF4' if self.strategy.quantize_base == 'nf4' else ''}, "
             f"AdamW {self.strategy.adamw_label()}"
             f"{' stepped in backward' if self.strategy.optimizer_in_backward else ''}, "
             f"{len(self.train_ds)} train / {sum(len(b[0]) for b in self.eval)} eval sequences of "
