@@ -31,14 +31,19 @@ Parts, each in its own subprocess(es) with its own time limit, so one failure le
    with activations offloaded and not (``strategy.activation_offload``: device peak, step time, host RSS
    against the planner's device and host bytes), and the full fine-tune (bf16-pure, AC full) with the
    optimizer step after and in backward (``optimizer.in_backward``).
+7. ``bench-lowbit`` / ``bench-qlora`` (issue 16; named in ``--parts``, not yet in the default list): the full
+   fine-tune (bf16-pure, AC full) with 32-, 8- and 4-bit AdamW states (``optimizer.name``), and the LoRA cell
+   (bf16-mixed, AC none and full) with the base unquantized and in NF4 (``lora.quantize_base``). torchao comes
+   from ``.gpu_carry/wheels`` (``gpu_prepare.sh``). ``bench-lora`` measures the bf16 frozen base of
+   bf16-mixed LoRA (issue 16 item 0) as it is.
 
 Parts run only when named in ``--parts``:
 
-7. ``diag``: one bench cell (7B LoRA, ffn, bf16-pure) once more, its last step both profiled (torch.profiler's
+8. ``diag``: one bench cell (7B LoRA, ffn, bf16-pure) once more, its last step both profiled (torch.profiler's
    memory events, written to ``diag_events.json.gz``) and traced by the allocator (``diag_snapshot.pickle.gz``),
    then ``memfit frag --simulate`` on that snapshot (its plots come back as ``diag_*.png``).
-8. ``oom``: a cell under ``allocator.memory_fraction=0.25`` must exit 3 with the bytes requested and a snapshot.
-9. ``exporter``: ``memfit exporter`` on loopback, scraped and parsed with prometheus_client.
+9. ``oom``: a cell under ``allocator.memory_fraction=0.25`` must exit 3 with the bytes requested and a snapshot.
+10. ``exporter``: ``memfit exporter`` on loopback, scraped and parsed with prometheus_client.
 
 ``--budget-s`` bounds the whole run: each part's time limit is clipped to what is left, and a part with
 under 30 s left is skipped. Work files live in a temporary directory, so only the summaries, tables and
@@ -497,6 +502,10 @@ def main() -> int:
         ns.offload += ["--activation-offload", "false,true"]
         ns.in_backward = ["--ac", "full", "--precision", "fp32", "--micro-batch", "2", "--lora", "false"]
         ns.in_backward += ["--optimizer-in-backward", "false,true"]
+        ns.lowbit = ["--ac", "full", "--precision", "fp32", "--micro-batch", "2", "--lora", "false"]
+        ns.lowbit += ["--optimizer-name", "adamw,adamw8bit,adamw4bit"]
+        ns.qlora = ["--ac", "none,full", "--precision", "bf16-mixed", "--micro-batch", "2", "--lora", "true"]
+        ns.qlora += ["--quantize-base", "none,nf4"]
         ns.diag_cell = [
             "strategy.precision=fp32",
             "strategy.activation_checkpointing=ffn",
@@ -547,6 +556,10 @@ def main() -> int:
         ns.offload += ["--activation-offload", "false,true"]
         ns.in_backward = ["--ac", "full", "--precision", "bf16-pure", "--micro-batch", "4", "--lora", "false"]
         ns.in_backward += ["--optimizer-in-backward", "false,true"]
+        ns.lowbit = ["--ac", "full", "--precision", "bf16-pure", "--micro-batch", "4", "--lora", "false"]
+        ns.lowbit += ["--optimizer-name", "adamw,adamw8bit,adamw4bit"]
+        ns.qlora = ["--ac", "none,full", "--precision", "bf16-mixed", "--micro-batch", "4", "--lora", "true"]
+        ns.qlora += ["--quantize-base", "none,nf4"]
         ns.diag_cell = [
             "strategy.precision=bf16-pure",
             "strategy.activation_checkpointing=ffn",
@@ -580,6 +593,8 @@ def main() -> int:
         "bench-chunks": lambda log: part_bench(ns, out, log, "bench_chunks", ns.chunks),
         "bench-offload": lambda log: part_bench(ns, out, log, "bench_offload", ns.offload),
         "bench-in-backward": lambda log: part_bench(ns, out, log, "bench_in_backward", ns.in_backward),
+        "bench-lowbit": lambda log: part_bench(ns, out, log, "bench_lowbit", ns.lowbit),
+        "bench-qlora": lambda log: part_bench(ns, out, log, "bench_qlora", ns.qlora),
         "diag": lambda log: part_diag(ns, out, log),
         "oom": lambda log: part_oom(ns, out, log),
         "exporter": lambda log: part_exporter(ns, out, log),

@@ -7,4 +7,5 @@ export MEMFIT_CACHE=$PWD/.gpu_carry/cache
 OUT=${OUT:-runs/gpu_check}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
+python3 -c "import torchao" 2>/dev/null || python3 -m pip install --no-deps --no-index .gpu_carry/wheels/torchao-*.whl
 python3 benchmarks/gpu_check.py --out "$OUT" "$@"

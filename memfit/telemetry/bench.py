@@ -40,6 +40,7 @@ DEFAULT_TOLERANCE = 3e-2
 BENCH_AXES = {
     "activation_checkpointing": "none,full",
     "precision": "fp32",
+    "quantize_base": "none",
     "loss_chunks": "0",
     "activation_offload": "false",
     "optimizer_in_backward": "false",
@@ -85,6 +86,7 @@ class Cell:
         chunks += "_offload" if s.activation_offload else ""
         chunks += "_optbwd" if s.optimizer_in_backward else ""
         chunks += f"_{s.optimizer_name}" if s.optimizer_name != "adamw" else ""
+        chunks += f"_{s.quantize_base}" if s.quantize_base != "none" else ""
         return f"ac-{ac}_{s.precision}{chunks}_mb{s.micro_batch_size}_{'lora' if self.lora else 'full'}{ranks}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -104,6 +106,8 @@ def matrix(axes: dict[str, list], loras: list[bool], zeros: list[int | None] = (
     cells = []
     for values in itertools.product(*(axes[n] for n in names)):
         for lora, zero in itertools.product(loras, zeros):
+            if not lora and dict(zip(names, values)).get("quantize_base", "none") != "none":
+                continue  # an NF4 base is a LoRA run's: a full fine-tune trains every weight
             strategy = Strategy(**dict(zip(names, values)), zero_stage=zero or 0)
             if strategy.optimizer_name != "adamw" and "optimizer" not in names:  # auto: low-bit steps one by one
                 strategy = strategy.replace(optimizer="for-loop")
