@@ -47,7 +47,7 @@ def test_the_planner_predicts_low_bit_states_as_the_profiler_measures_them(name,
     (shallow traces extrapolated to 6 layers, the optimizer step traced on its own) against torch.profiler on
     real tensors, every category within 3% (measured: equal to the byte), the optimizer step's eager
     temporaries included; the state is a quarter (8-bit) or an eighth (4-bit) of 32-bit AdamW's at most.
-    ``sliced``: parameters above 32K values stepped in slices (as a real model's above 4M values are), which
+    ``sliced``: parameters above 32K values stepped in slices (as a real model's above 16M values are), which
     holds the optimizer step's temporaries to a slice's."""
     if sliced:
         monkeypatch.setattr(optimizer_module, "SLICE_VALUES", 1 << 15)
