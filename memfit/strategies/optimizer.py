@@ -11,10 +11,9 @@ per 256 values, 4-bit codes with one per 128; tensors under 4,096 values, or not
 fp32, as in bitsandbytes). Their update runs in fp32 one parameter at a time, and memfit runs torchao's update
 function eagerly (``torch.compiler.set_stance("force_eager")``) on every device: the planner's fake tensors
 cannot run a compiled kernel, so only the eager step is one it can trace, and inductor would compile every
-parameter shape (5-25 s each on a 2-core CPU). The eager step holds the fp32 and int64 temporaries of one
-parameter at a time, about 13x that parameter's fp32 bytes (the embedding's, the largest): the planner
-counts them, and they are why low-bit states save memory on a model whose embedding is a small part of it
-(Llama-2-7B: 2%) but not on SmolLM2-135M (21%).
+parameter shape (5-25 s each on a 2-core CPU). The eager update holds fp32 and int64 temporaries of about 13x
+the fp32 bytes it works on, so a parameter above ``SLICE_VALUES`` values is stepped in block-aligned row slices
+(bit-equal to the whole update): the temporaries are one slice's, and the planner counts them.
 
 ``optimizer.in_backward`` (``OptimizerInBackward``) steps each parameter from its post-accumulate-grad
 hook and frees the gradient there, so at most a few gradients exist at any moment instead of all of
