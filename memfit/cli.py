@@ -46,6 +46,11 @@ def add_plan_parser(sub) -> None:
     hw.add_argument("--gpus-per-node", type=int, default=1)
     hw.add_argument("--nodes", type=int, default=1)
     hw.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free (default 0.05)")
+    hw.add_argument(
+        "--host-mem",
+        help="host memory per node that offloaded activations and optimizer state may use, e.g. 512GiB "
+        "(default: this machine's)",
+    )
     pin = plan.add_argument_group("pins (restrict the search)")
     for lever in levers().values():  # one pin per strategy lever
         if lever.flag:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 from memfit.errors import UserError
@@ -33,3 +34,11 @@ def parse_memory(text: str, flag: str = "--gpu-mem") -> int:
     if not m:
         raise UserError(f"{flag} must look like 64GiB, 80GB or 512MiB (got '{text}')")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "GiB").lower()])
+
+
+def this_machine_memory() -> int:
+    """This machine's physical memory in bytes (``os.sysconf``; 0 where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

@@ -37,7 +37,7 @@ from memfit.planner.search import (
     search,
     step_allocations,
 )
-from memfit.units import GIB, parse_memory
+from memfit.units import GIB, parse_memory, this_machine_memory
 
 
 @dataclass
@@ -81,6 +81,7 @@ def _from_train_config(path: str, req: PlanRequest) -> None:
             req.pins[name] = (value, where + lever.config_key)
     req.pins["optimizer_in_backward"] = (cfg.optimizer.in_backward, where + "optimizer.in_backward")
     req.pins["optimizer_name"] = (cfg.optimizer.name, where + "optimizer.name")
+    req.pins["optimizer_offload"] = (cfg.optimizer.offload, where + "optimizer.offload")
 
 
 def _from_deepspeed(path: str, req: PlanRequest) -> None:
@@ -209,7 +210,8 @@ def run(ns) -> int:
         raise UserError(f"--gpus-per-node and --nodes must be >= 1 (got {ns.gpus_per_node}, {ns.nodes})")
     if not 0 <= ns.headroom < 1:
         raise UserError(f"--headroom must be in [0, 1) (got {ns.headroom})")
-    cluster = Cluster(gpu, ns.gpus_per_node, ns.nodes)
+    host_mem = parse_memory(ns.host_mem, "--host-mem") if ns.host_mem else (this_machine_memory() or None)
+    cluster = Cluster(gpu, ns.gpus_per_node, ns.nodes, host_mem)
     pinned = req.typed_pins()
     if req.global_batch is None:
         per_gpu = pinned.get("micro_batch_size", 4) * (req.grad_accum or 1)
@@ -227,10 +229,8 @@ def run(ns) -> int:
         render_table(result, console, ns.top)
     if result.best is None:
         closest = result.pruned[0]
-        over = closest.reserved_bytes - closest.usable_bytes
         raise UserError(
-            f"nothing fits on {gpu.name}: the closest candidate ({closest.strategy.label()}) is "
-            f"{over / GIB:.2f} GiB over; "
+            f"nothing fits on {gpu.name}: the closest candidate ({closest.strategy.label()}) {closest.why_not()}; "
             "try LoRA, more GPUs with ZeRO, or a shorter --seq-len"
         )
     if ns.explain is not None:

@@ -119,6 +119,11 @@ class OptimizerConfig:
         "step each parameter in its gradient hook during backward and free its gradient there, so the "
         "model's gradients never coexist (one process; needs grad_clip 0 and grad_accum_steps 1)",
     )
+    offload: bool = _f(
+        False,
+        "keep the optimizer state, a master copy of each trainable weight and its gradient in host memory and "
+        "step there (after backward and clipping; pinned buffers and a side stream on GPUs); one process",
+    )
 
 
 @dataclass

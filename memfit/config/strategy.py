@@ -247,6 +247,15 @@ class Strategy:
         _flag,
         fallback=True,
     )
+    optimizer_offload: bool = _lever(
+        False,
+        "optimizer.offload",
+        "--optimizer-offload",
+        (False, True),
+        _flag,
+        fallback=True,
+        last_resort=True,
+    )
     micro_batch_size: int = _lever(1, "train.micro_batch_size", "--micro-batch", (), _int_in(None))
     zero_stage: int = _lever(0, "distributed.zero_stage", "--zero", ZERO_STAGES, _int_in(ZERO_STAGES))
     grad_accum_steps: int = _lever(1, "train.grad_accum_steps", None, (), _int_in(None))
@@ -288,6 +297,15 @@ class Strategy:
                     f"{why} runs on one process or DDP without ZeRO (got {engine}, ZeRO-{self.zero_stage}); "
                     "use optimizer.name adamw there"
                 )
+        if self.optimizer_offload:
+            why = "optimizer.offload (the optimizer state and step on the host)"
+            if self.optimizer_in_backward:
+                return f"{why} steps after backward: it cannot run with optimizer.in_backward=true"
+            if world_size > 1 or engine != "single":
+                return (
+                    f"{why} runs on one process (got {world_size} ranks, {engine}); with several ranks use "
+                    "DeepSpeed's zero_optimization.offload_optimizer in its JSON"
+                )
         if self.activation_offload and engine == "deepspeed":
             return (
                 "strategy.activation_offload does not reach into DeepSpeed's engine; use distributed.engine fsdp2, "
@@ -322,8 +340,9 @@ class Strategy:
         )
 
     def adamw_label(self) -> str:
-        """The AdamW column of tables: the implementation, or the low-bit states (stepped one by one)."""
-        return LOW_BIT_STATE.get(self.optimizer_name, self.optimizer)
+        """The AdamW column of tables: the implementation, or the low-bit states (stepped one by one); ``@host``
+        when the optimizer is offloaded."""
+        return LOW_BIT_STATE.get(self.optimizer_name, self.optimizer) + ("@host" if self.optimizer_offload else "")
 
 
 def fallbacks(strategy: Strategy, pins: dict[str, Any]) -> dict[str, Any]:

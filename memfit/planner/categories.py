@@ -12,10 +12,13 @@ class Category(str, Enum):
     OPTIMIZER = "optimizer"
     ACTIVATIONS = "activations"  # tensors autograd saved for backward
     TEMPORARIES = "temporaries"  # everything else alive at the moment (logits, workspaces, inputs)
-    HOST = "host"  # saved for backward, offloaded to host memory: not device bytes (not in ``total_bytes``)
+    HOST = "host"  # host memory that comes and goes: offloaded activations, the host optimizer step's temporaries
+    HOST_STATE = "host_state"  # with optimizer.offload: master weights, gradient copies and optimizer state on the host
 
 
-DEVICE_CATEGORIES = tuple(c for c in Category if c is not Category.HOST)
+HOST_CATEGORIES = (Category.HOST, Category.HOST_STATE)
+"""The categories in host memory: not device bytes (not in ``Breakdown.total_bytes``)."""
+DEVICE_CATEGORIES = tuple(c for c in Category if c not in HOST_CATEGORIES)
 """The categories that occupy device memory."""
 
 
@@ -33,12 +36,12 @@ class Breakdown:
 
     @property
     def total_bytes(self) -> int:
-        """Device bytes: every category but ``HOST``."""
-        return sum(v for c, v in self.bytes_by_category.items() if c is not Category.HOST)
+        """Device bytes: every category but the host ones."""
+        return sum(v for c, v in self.bytes_by_category.items() if c not in HOST_CATEGORIES)
 
     @property
     def host_bytes(self) -> int:
-        return self[Category.HOST]
+        return self[Category.HOST] + self[Category.HOST_STATE]
 
     def as_dict(self) -> dict[str, int]:
         return {c.value: self[c] for c in Category}
@@ -51,7 +54,7 @@ class StepMemory:
     peak: Breakdown
     phase_peaks: dict[str, Breakdown]
     peak_phase: str
-    host_peak_bytes: int = 0  # the most host memory offloaded tensors hold at any moment of the step
+    host_peak_bytes: int = 0  # the most host memory the step holds at any moment (offloaded tensors, host state)
 
     @property
     def peak_bytes(self) -> int:

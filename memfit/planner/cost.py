@@ -10,6 +10,10 @@
                host bandwidth, less OFFLOAD_OVERLAP of the forward's (to host) or the backward's (back)
                compute time; so offloading costs little where compute per saved byte is high (long
                sequences, large models) and much where it is low.
+               + with the optimizer offloaded, the copies of every gradient to the host and of every updated
+               weight back (the device's gradient bytes each way at host bandwidth) and the host's step, which
+               reads and writes its state once (twice the host state's bytes at HOST_MEMORY_GBPS), without
+               overlap with each other or with compute.
 
 The numbers are for ranking candidates against each other; the assumptions are printed with every
 plan. Known limitations: the optimizer step, kernel launch overheads and the loss of efficiency at
@@ -26,6 +30,7 @@ MFU = 0.40  # assumed model-FLOPs utilisation at bf16/fp16
 FP32_SLOWDOWN = 4.0  # fp32 matmuls vs the bf16 peak (TF32 on NVIDIA is ~2x, MI200 fp32 matrix ~4x)
 INTER_NODE_GBPS = 25.0  # per GPU across nodes (200 Gb/s InfiniBand / RoCE)
 OFFLOAD_OVERLAP = 0.5  # share of a phase's compute time that hides its host copies (they share HBM bandwidth)
+HOST_MEMORY_GBPS = 20.0  # host memory traffic of the offloaded optimizer's step (a fused CPU AdamW is memory-bound)
 
 
 @dataclass(frozen=True)
@@ -116,13 +121,31 @@ def offload_time_s(offload_bytes: int, host_GBps: float, compute_s: float, lora:
     return exposed + max(0.0, copy_s - OFFLOAD_OVERLAP * (compute_s - forward_s))
 
 
-def assumptions(peak_tflops: float, link_GBps: float, nodes: int, host_GBps: float | None = None) -> str:
+def optimizer_offload_time_s(grad_bytes: int, host_state_bytes: int, host_GBps: float) -> float:
+    """Seconds an offloaded optimizer step adds: ``grad_bytes`` to the host and the same back (the weights), at
+    ``host_GBps`` each way, and the host's step over ``host_state_bytes`` (read and written once)."""
+    return 2 * grad_bytes / (host_GBps * 1e9) + 2 * host_state_bytes / (HOST_MEMORY_GBPS * 1e9)
+
+
+def assumptions(
+    peak_tflops: float,
+    link_GBps: float,
+    nodes: int,
+    host_GBps: float | None = None,
+    activations: bool = True,
+    optimizer: bool = False,
+) -> str:
+    """The step-time model's assumptions in words (the host's where ``host_GBps`` is given: offloaded
+    ``activations`` and/or an ``optimizer`` on the host)."""
     bw = INTER_NODE_GBPS if nodes > 1 else link_GBps
-    host = (
-        ""
-        if host_GBps is None
-        else (f"; offloaded activations at {host_GBps:g} GB/s each way, {OFFLOAD_OVERLAP:.0%} of compute hiding them")
-    )
+    host = ""
+    if host_GBps is not None and activations:
+        host += f"; offloaded activations at {host_GBps:g} GB/s each way, {OFFLOAD_OVERLAP:.0%} of compute hiding them"
+    if host_GBps is not None and optimizer:
+        host += (
+            f"; an offloaded optimizer's gradient and weight copies at {host_GBps:g} GB/s and its host step at "
+            f"{HOST_MEMORY_GBPS:g} GB/s of host memory traffic, not hidden"
+        )
     return (
         f"step time assumes {MFU:.0%} of {peak_tflops:g} TFLOP/s bf16 (fp32 {FP32_SLOWDOWN:g}x slower) "
         f"and {bw:g} GB/s per GPU for collectives, without overlap{host}"

@@ -15,15 +15,16 @@ from transformers import AutoModelForCausalLM
 from memfit.planner.categories import Breakdown, Category
 from memfit.step.runner import StepRunner
 from memfit.strategies.checkpointing import apply_activation_checkpointing
+from memfit.strategies.host_optimizer import host_tensors, observing_host
 from memfit.strategies.lora import apply_lora, quantize_base
 from memfit.strategies.offload import Offloaded, observing
-from memfit.strategies.optimizer import state_tensors
 from memfit.strategies.precision import precision_policy
-from memfit.strategies.tensors import plain_tensors
+from memfit.strategies.tensors import plain_tensors, state_tensors
 from memfit.telemetry.profiler import all_events, allocation_events, live_blocks, split_host
 
 _SAVED = "memfit::saved:"  # a profiler marker per tensor autograd saves: "memfit::saved:<storage address>"
 _HOST = "memfit::host:"  # a profiler marker per offloaded activation's host copy
+_HOST_SIDE = "memfit::host_side"  # a profiler range around the offloaded optimizer's host work
 
 
 def _mark_saved(t: torch.Tensor) -> torch.Tensor:
@@ -51,6 +52,7 @@ def profiled_breakdown(
     other_live: Iterable[torch.Tensor],
     grads: Callable[[], Iterable[torch.Tensor]],
     host_apart: bool = False,
+    host_state: Iterable[torch.Tensor] = (),
 ) -> Breakdown:
     """Bytes per category at the peak while ``fn()`` runs on CPU, measured with the planner's rules
     but without its code: parameters and optimizer state by the storages passed in; gradients, the
@@ -64,19 +66,47 @@ def profiled_breakdown(
     Offloaded activations (``strategy.activation_offload``): their host copies (a host marker while the
     block lived) are ``host``, at the peak of everything (host and device are one memory on a CPU); with
     ``host_apart``, the device categories are those at the peak of everything else, and ``host`` is the
-    highest the host copies reach by themselves (as on a GPU, whose memory they leave)."""
+    highest the host copies reach by themselves (as on a GPU, whose memory they leave).
+
+    An offloaded optimizer (``optimizer.offload``): ``host_state`` (its masters, gradient copies and state) is
+    ``host_state``, and with ``host_apart`` the blocks it allocates in its host work (a profiler range around it)
+    are host blocks too; without, they are optimizer state and temporaries of the one memory."""
     base: dict[int, tuple[int, Category | None]] = {}
-    for tensors, category in ((params, Category.PARAMS), (optimizer_state, Category.OPTIMIZER), (other_live, None)):
+    held = Category.HOST_STATE if host_apart else Category.OPTIMIZER
+    for tensors, category in (
+        (params, Category.PARAMS),
+        (host_state, held),
+        (optimizer_state, Category.OPTIMIZER),
+        (other_live, None),
+    ):
         for t in (x for t in tensors for x in plain_tensors(t)):
             st = t.untyped_storage()
             base.setdefault(st.data_ptr(), (st.nbytes(), category))
+    ranges: list[record_function] = []
+
+    def host_range(on: bool) -> None:
+        if on:
+            ranges.append(record_function(_HOST_SIDE))
+            ranges[-1].__enter__()
+        else:
+            ranges.pop().__exit__(None, None, None)
+
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with torch.autograd.graph.saved_tensors_hooks(_mark_saved, lambda t: t), observing(_on_pack, _ignore):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(_mark_saved, lambda t: t),
+            observing(_on_pack, _ignore),
+            observing_host(host_range),
+        ):
             fn()
     grad_ptrs = {g.untyped_storage().data_ptr() for g in grads()}
     events = allocation_events(prof, "cpu")
     saved, host = _markers(prof, _SAVED), _markers(prof, _HOST)
     blocks, at_peak = live_blocks(events, saved, host)
+    if host_apart:
+        spans = [(ev.start_time_ns, ev.end_time_ns) for ev in all_events(prof) if ev.name == _HOST_SIDE]
+        for b in blocks:
+            at = events[b.start][0]
+            b.host = b.host or any(start <= at <= end for start, end in spans)
     host_peak = None
     if host_apart:
         events, host_peak = split_host(events, blocks)
@@ -132,15 +162,14 @@ def measured_steady_step(spec, model=None) -> Breakdown:
     batches = [(tokens, tokens)] * strategy.grad_accum_steps
     runner.step(batches)  # step 1 creates the optimizer state
     runner.zero_grad()
-    state = state_tensors(opt)
-
     measured = profiled_breakdown(
         lambda: runner.step(batches),
         params=model.parameters(),
-        optimizer_state=state,
+        optimizer_state=state_tensors(opt),
         other_live=[*model.buffers(), tokens],
         grads=lambda: [p.grad for p in params if p.grad is not None],
         host_apart=apart,
+        host_state=host_tensors(opt),
     )
     runner.zero_grad()
     return measured

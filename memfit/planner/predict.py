@@ -26,7 +26,7 @@ from memfit.planner.trace import (
     extrapolation_depths,
     steady_timeline,
 )
-from memfit.planner.tracker import Timeline, collapse_regions
+from memfit.planner.tracker import Timeline, collapse_regions, steady_rows
 
 LOSS_DELTA_DEPTH = 2  # decoder layers of the traces that measure what a chunked loss changes
 
@@ -65,7 +65,7 @@ class Predictor:
         if strategy.optimizer_in_backward:
             optimizer = {}
         else:
-            optimizer = {"optimizer": "for-loop", "optimizer_name": "adamw"}
+            optimizer = {"optimizer": "for-loop", "optimizer_name": "adamw", "optimizer_offload": False}
         return replace(
             self.base,
             strategy=strategy.replace(**optimizer, micro_batch_size=1, grad_accum_steps=1, zero_stage=0),
@@ -81,6 +81,7 @@ class Predictor:
                 quantize_base=spec.strategy.quantize_base,
                 optimizer=strategy.optimizer,
                 optimizer_name=strategy.optimizer_name,
+                optimizer_offload=strategy.optimizer_offload,
                 micro_batch_size=2,
             ),
         )
@@ -194,6 +195,7 @@ class Predictor:
             spec.strategy.quantize_base,
             spec.strategy.optimizer,
             spec.strategy.optimizer_name,
+            spec.strategy.optimizer_offload,
         )
         if key not in self._opt:
             depths = self._optimizer_depths()
@@ -231,21 +233,17 @@ class Predictor:
         regions = {k: v for k, v in regions.items() if k.startswith(("forward", "backward"))}
         if not strategy.optimizer_in_backward:
             regions.update(self._optimizer_moments(self._optimizer_spec(spec, strategy)))
-        cats = list(Category)
-        gi, oi = cats.index(Category.GRADS), cats.index(Category.OPTIMIZER)
+        gi = list(Category).index(Category.GRADS)
         g_total = max(row[gi] for row in regions.values())
         grads_done = {k: (row[gi] / g_total if g_total else 0.0) for k, row in regions.items()}
         # created lazily in step 1, whole afterwards; traced with the forward and backward only when the step
-        # runs inside backward (else those traces ran 32-bit AdamW, whatever the optimizer: ``_step_spec``)
-        own = [k for k in regions if k in ("clip", "optimizer")] or list(regions)
-        state = max(regions[k][oi] for k in own)
+        # runs inside backward (else those traces ran 32-bit AdamW on the device, whatever the optimizer: _step_spec)
+        own = [row for k, row in regions.items() if k in ("clip", "optimizer")] or list(regions.values())
         steady = {}
-        for key, row in regions.items():
-            row = list(row)
-            row[oi] = state
+        for key, row in zip(regions, steady_rows(list(regions.values()), own)):
             if grad_accum > 1 and key.startswith(("forward", "backward")):
-                row[gi] = g_total  # later micro-batches run with every gradient alive
-            steady[key] = tuple(row)
+                row = (*row[:gi], g_total, *row[gi + 1 :])  # later micro-batches run with every gradient alive
+            steady[key] = row
         if sharding is not None:
             return per_rank_moments(steady, sharding, grads_done, accumulated=grad_accum > 1)
         return collapse_regions(steady)

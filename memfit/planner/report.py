@@ -43,6 +43,7 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
         "peak_bytes": c.memory.peak_bytes,
         "peak_phase": c.memory.peak_phase,
         "host_peak_bytes": c.memory.host_peak_bytes,
+        "host_node_bytes": c.host_node_bytes,
         "peak_by_category_bytes": c.memory.peak.as_dict(),
         "phase_peaks_bytes": {p: b.as_dict() for p, b in c.memory.phase_peaks.items()},
         "predicted_reserved_bytes": c.reserved_bytes,
@@ -65,10 +66,11 @@ def plan_dict(r: PlanResult) -> dict[str, Any]:
         "gpu_memory_bytes": cl.gpu.memory_bytes,
         "gpus_per_node": cl.gpus_per_node,
         "nodes": cl.nodes,
+        "host_mem_bytes": cl.host_mem_bytes,
         "headroom": r.headroom,
         "allocator_margin": ALLOCATOR_MARGIN,
         "context_bytes": CONTEXT_BYTES,
-        "assumptions": assumptions(cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes, _host_GBps(r)),
+        "assumptions": _assumptions(r),
         "traces": r.traces,
         "untried": r.untried,
         "fitting": [candidate_dict(c) for c in r.fitting],
@@ -76,10 +78,18 @@ def plan_dict(r: PlanResult) -> dict[str, Any]:
     }
 
 
-def _host_GBps(r: PlanResult) -> float | None:
-    """The host bandwidth the step times assumed, where any candidate offloads activations."""
-    offloads = any(c.strategy.activation_offload for c in (*r.fitting, *r.pruned))
-    return r.cluster.gpu.host_GBps if offloads else None
+def _assumptions(r: PlanResult) -> str:
+    """The step-time model's assumptions, with the host's where any candidate offloads."""
+    cl, every = r.cluster, (*r.fitting, *r.pruned)
+    activations = any(c.strategy.activation_offload for c in every)
+    optimizer = any(c.strategy.optimizer_offload for c in every)
+    host = cl.gpu.host_GBps if activations or optimizer else None
+    return assumptions(cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes, host, activations, optimizer)
+
+
+def _offloaded(s) -> str:
+    """The table's offload column: what the candidate keeps in host memory."""
+    return "+".join(n for n, on in (("activ", s.activation_offload), ("optim", s.optimizer_offload)) if on) or "-"
 
 
 def render_table(r: PlanResult, console: Console, top: int) -> None:
@@ -119,7 +129,7 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
             str(s.activation_checkpointing),
             s.precision + (f" {s.quantize_base.upper()}" if s.quantize_base != "none" else ""),
             str(s.loss_chunks or "-"),
-            "yes" if s.activation_offload else "-",
+            _offloaded(s),
             str(s.zero_stage),
             f"{s.micro_batch_size}x{s.grad_accum_steps}",
             s.adamw_label(),
@@ -146,8 +156,9 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
         )
         + "). "
         f"*reserved = peak x {1 + ALLOCATOR_MARGIN:g} + {CONTEXT_BYTES >> 20} MiB context; usable = "
-        f"{(1 - r.headroom):.0%} of the GPU. Relative step time: "
-        f"{assumptions(cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes, _host_GBps(r))}.",
+        f"{(1 - r.headroom):.0%} of the GPU; host = host memory per rank at its peak"
+        + (f", at most {cl.host_mem_bytes / GIB:.2f} GiB per node (--host-mem)" if cl.host_mem_bytes else "")
+        + f". Relative step time: {_assumptions(r)}.",
         highlight=False,
     )
     if r.pruned:

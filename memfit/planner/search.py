@@ -35,8 +35,8 @@ from memfit.config.strategy import (
     levers,
 )
 from memfit.errors import UserError
-from memfit.planner.categories import Category, StepMemory
-from memfit.planner.cost import Shape, step_flops, step_time_s
+from memfit.planner.categories import DEVICE_CATEGORIES, Category, StepMemory
+from memfit.planner.cost import Shape, optimizer_offload_time_s, step_flops, step_time_s
 from memfit.planner.hardware import Gpu
 from memfit.planner.predict import Predictor
 from memfit.planner.sharding import ShardingSpec, comm_bytes_per_step, validate
@@ -59,9 +59,12 @@ class Workload:
 
 @dataclass(frozen=True)
 class Cluster:
+    """The GPUs planned for, and the host memory of each node (None: not checked)."""
+
     gpu: Gpu
     gpus_per_node: int = 1
     nodes: int = 1
+    host_mem_bytes: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -88,20 +91,33 @@ class Candidate:
     usable_bytes: int
     step_time_s: float
     comm_bytes: int
+    host_node_bytes: int = 0  # host memory a node's ranks hold at their peak (offloaded activations and state)
+    host_usable_bytes: int | None = None  # a node's host memory (None: not checked)
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_usable_bytes is None or self.host_node_bytes <= self.host_usable_bytes
 
     @property
     def fits(self) -> bool:
-        return self.reserved_bytes <= self.usable_bytes
+        return self.reserved_bytes <= self.usable_bytes and self.fits_host
 
     @property
     def headroom_bytes(self) -> int:
         return self.usable_bytes - self.reserved_bytes
 
     def why_not(self) -> str:
+        if self.reserved_bytes <= self.usable_bytes and not self.fits_host:
+            return (
+                f"needs {self.host_node_bytes / GIB:.2f} GiB of host memory per node > "
+                f"{self.host_usable_bytes / GIB:.2f} GiB (--host-mem); its {self.reserved_bytes / GIB:.2f} GiB of "
+                "device memory would fit"
+            )
         return (
             f"needs {self.reserved_bytes / GIB:.2f} GiB > {self.usable_bytes / GIB:.2f} GiB usable "
             f"(peak in {self.memory.peak_phase}: "
-            + ", ".join(f"{c.value} {self.memory.peak[c] / GIB:.2f}" for c in Category if self.memory.peak[c])
+            + ", ".join(f"{c.value} {self.memory.peak[c] / GIB:.2f}" for c in DEVICE_CATEGORIES if self.memory.peak[c])
+            + (f"; host {self.memory.host_peak_bytes / GIB:.2f}" if self.memory.host_peak_bytes else "")
             + ")"
         )
 
@@ -210,10 +226,11 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
         "optimizer_in_backward": (False, True) if c.world_size == 1 else (False,),
         "optimizer_name": OPTIMIZER_NAMES if c.world_size == 1 else ("adamw",),
         "quantize_base": QUANTIZED_BASES if c.world_size == 1 and w.lora is not None else ("none",),
+        "optimizer_offload": (False, True) if c.world_size == 1 else (False,),
     }
     # stepped in backward, parameters are stepped one at a time, where implementations differ by one
     # parameter's temporaries at most: the preferred one stands for them (a quarter of the traces)
-    in_backward_optimizer = pins.levers.get("optimizer", OPTIMIZER_IMPLEMENTATIONS[0])
+    in_backward_optimizer = host_optimizer = pins.levers.get("optimizer", OPTIMIZER_IMPLEMENTATIONS[0])
     out = []
     for chosen in candidates(pins.levers, choices):
         s = Strategy(**chosen, grad_accum_steps=per_rank_batch // chosen["micro_batch_size"])
@@ -221,6 +238,9 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
             continue  # it cannot accumulate or scale the loss; one implementation stands for all
         if s.optimizer_name != "adamw" and s.conflict():
             continue  # low-bit states are stepped one parameter at a time: one implementation
+        if s.optimizer_offload and (s.conflict() or s.optimizer not in (host_optimizer, "for-loop")):
+            continue  # on the host the implementation changes host temporaries only: the preferred one stands for
+            # all (and for-loop, the low-bit states' twin)
         out.append(s)
     return out
 
@@ -264,6 +284,8 @@ def search(
             kept.remove(Category.OPTIMIZER)
         if s.quantize_base != twin.strategy.quantize_base:
             kept.remove(Category.PARAMS)
+        if s.optimizer_offload and Category.OPTIMIZER in kept:
+            kept.remove(Category.OPTIMIZER)  # the state is host memory
         floor = min(sum(b[k] for k in kept) for b in twin.memory.phase_peaks.values())
         could_fit = reserved_estimate(floor) <= usable
         return not twin.fits and could_fit and (fastest is None or time_bucket(twin.step_time_s) <= fastest)
@@ -321,23 +343,31 @@ def _candidate(strategy: Strategy, w: Workload, c: Cluster, pins: Pins, predicto
     comm = comm_bytes_per_step(
         lowp_param_bytes, trained_bytes, strategy.zero_stage, c.world_size, strategy.grad_accum_steps
     )
+    host_state = mem.peak[Category.HOST_STATE]  # whole at every moment
+    activations_out = mem.host_peak_bytes - host_state if strategy.activation_offload else 0
+    seconds = step_time_s(
+        flops,
+        c.gpu.peak_tflops,
+        strategy.precision,
+        comm,
+        c.gpu.link_GBps,
+        c.nodes,
+        activations_out * strategy.grad_accum_steps,  # each micro-batch offloads its own
+        c.gpu.host_GBps,
+        w.lora is not None,
+    )
+    if strategy.optimizer_offload:
+        # every gradient to the host and every updated weight back: the device's gradient bytes each way
+        seconds += optimizer_offload_time_s(mem.phase_peaks["optimizer"][Category.GRADS], host_state, c.gpu.host_GBps)
     return Candidate(
         strategy,
         mem,
         reserved_estimate(mem.peak_bytes),
         usable,
-        step_time_s(
-            flops,
-            c.gpu.peak_tflops,
-            strategy.precision,
-            comm,
-            c.gpu.link_GBps,
-            c.nodes,
-            mem.host_peak_bytes * strategy.grad_accum_steps,  # each micro-batch offloads its own
-            c.gpu.host_GBps,
-            w.lora is not None,
-        ),
+        seconds,
         comm,
+        mem.host_peak_bytes * c.gpus_per_node,
+        c.host_mem_bytes,
     )
 
 

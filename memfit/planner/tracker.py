@@ -48,10 +48,10 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from memfit.models.load import decoder_layers
-from memfit.planner.categories import Breakdown, Category, StepMemory
+from memfit.planner.categories import HOST_CATEGORIES, Breakdown, Category, StepMemory
+from memfit.strategies.host_optimizer import host_tensors, observing_host
 from memfit.strategies.offload import Offloaded, observing
-from memfit.strategies.optimizer import state_tensors
-from memfit.strategies.tensors import plain_tensors
+from memfit.strategies.tensors import plain_tensors, state_tensors
 
 
 def _storage(t: torch.Tensor):
@@ -84,13 +84,11 @@ class Timeline:
         return Timeline(self.phases, rows)
 
     def steady(self) -> "Timeline":
-        """Every later step's moments from this first step's: the optimizer state, created lazily during
-        step 1 (in the optimizer step, or parameter by parameter in backward with ``optimizer.in_backward``)
-        and constant in size afterwards, is whole at every moment. Made steady before any peak is taken,
-        so a phase's peak is the moment that is highest with the state whole."""
-        oi = CATEGORIES.index(Category.OPTIMIZER)
-        state = max((row[oi] for row in self.rows), default=0)
-        return Timeline(self.phases, [(*row[:oi], state, *row[oi + 1 :]) for row in self.rows])
+        """Every later step's moments from this first step's: the optimizer state (and, offloaded, its host
+        state), created lazily during step 1 (in the optimizer step, or parameter by parameter in backward with
+        ``optimizer.in_backward``) and constant in size afterwards, is whole at every moment. Made steady before
+        any peak is taken, so a phase's peak is the moment that is highest with the state whole."""
+        return Timeline(self.phases, steady_rows(self.rows))
 
     def region_peaks(self) -> dict[str, tuple[int, ...]]:
         """Bytes per category (rows in Category order) at every moment that exists at any depth,
@@ -115,7 +113,7 @@ class Timeline:
             offset += 1
             total = device_bytes(row)
             if total > totals.get(key, -1) or (
-                total == totals.get(key, -1) and row[_HOST] > out[key][_HOST]
+                total == totals.get(key, -1) and host_bytes(row) > host_bytes(out[key])
             ):  # on a tie, the moment with more host bytes: the host peak is kept
                 out[key], totals[key] = row, total
         self._peaks = out
@@ -135,17 +133,34 @@ def collapse_regions(region_peaks: dict[str, tuple[int, ...]]) -> StepMemory:
             best[phase] = (total, row)
     phase_peaks = {p: Breakdown(dict(zip(CATEGORIES, row))) for p, (_, row) in best.items()}
     peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p].total_bytes)
-    host_peak = max((row[_HOST] for row in region_peaks.values()), default=0)
+    host_peak = max((host_bytes(row) for row in region_peaks.values()), default=0)
     return StepMemory(phase_peaks[peak_phase], phase_peaks, peak_phase, host_peak)
 
 
 CATEGORIES = tuple(Category)
 _HOST = CATEGORIES.index(Category.HOST)
+_HOST_STATE = CATEGORIES.index(Category.HOST_STATE)
+STATE_CATEGORIES = (Category.OPTIMIZER, Category.HOST_STATE)
+"""What exists whole from the end of step 1 on: the optimizer state, on the device or on the host."""
+_STATE = tuple(CATEGORIES.index(c) for c in STATE_CATEGORIES)
 
 
 def device_bytes(row: tuple[int, ...]) -> int:
-    """A moment's device bytes (rows in ``Category`` order): all but what is offloaded to host memory."""
-    return sum(row) - row[_HOST]
+    """A moment's device bytes (rows in ``Category`` order): all but what is in host memory."""
+    return sum(row) - row[_HOST] - row[_HOST_STATE]
+
+
+def host_bytes(row: tuple[int, ...]) -> int:
+    """A moment's host bytes (offloaded activations, the host optimizer's state and temporaries)."""
+    return row[_HOST] + row[_HOST_STATE]
+
+
+def steady_rows(rows: list[tuple[int, ...]], own: list[tuple[int, ...]] | None = None) -> list[tuple[int, ...]]:
+    """``rows`` with each ``STATE_CATEGORIES`` column at its highest over ``own`` (default ``rows``): the state
+    as it is at every moment once step 1 has created it."""
+    own = rows if own is None else own
+    state = {i: max((row[i] for row in own), default=0) for i in _STATE}
+    return [tuple(state.get(i, v) for i, v in enumerate(row)) for row in rows]
 
 
 # The layer of a saved tensor that several decoder layers saved (RoPE's cos/sin). Tagged with the last
@@ -169,7 +184,10 @@ class StepTracker(TorchDispatchMode):
         self.model, self.optimizer, self.round_to = model, optimizer, round_to
         # offloaded copies (strategy.activation_offload): host memory, or on a CPU run the same memory
         self._host_category = Category.ACTIVATIONS if host_is_device else Category.HOST
-        self._observer = None
+        self._host_is_device = host_is_device
+        self._on_host = False  # inside the offloaded optimizer's host work (optimizer.offload)
+        self._host_serials: set[int] = set()  # storages made there: host memory unless host_is_device
+        self._observer = self._host_observer = None
         self._serial_of: dict[int, int] = {}  # id(storage) -> serial, for live storages
         self._events: list[tuple[int, int]] = []  # (serial, +nbytes | -nbytes)
         self._ops: list[tuple[int, str]] = []  # (number of events after the op, phase)
@@ -211,6 +229,8 @@ class StepTracker(TorchDispatchMode):
                 self.total_bytes -= nbytes
 
         self._serial_of[key] = serial
+        if self._on_host:
+            self._host_serials.add(serial)
         self._refs[serial] = weakref.ref(st, gone)
         self._events.append((serial, nbytes))
         self.total_bytes += nbytes
@@ -300,6 +320,10 @@ class StepTracker(TorchDispatchMode):
 
         def post(*_):
             self._in_optimizer = False
+            # optimizer.offload: the host's master weights, gradient copies and state (on a CPU run, the state of
+            # the one memory there is, held as long as the optimizer's)
+            host = Category.OPTIMIZER if self._host_is_device else Category.HOST_STATE
+            self._mark(host_tensors(self.optimizer), host)
             self._mark(state_tensors(self.optimizer), Category.OPTIMIZER)
 
         def forward_starts(*_):
@@ -334,10 +358,13 @@ class StepTracker(TorchDispatchMode):
         self._saved_hooks.__enter__()
         self._observer = observing(self._on_pack, self._on_unpack)
         self._observer.__enter__()
+        self._host_observer = observing_host(lambda on: setattr(self, "_on_host", on))
+        self._host_observer.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
+        self._host_observer.__exit__(*exc)
         self._observer.__exit__(*exc)
         self._saved_hooks.__exit__(*exc)
         for h in self._hooks:
@@ -348,18 +375,23 @@ class StepTracker(TorchDispatchMode):
 
     def allocation_events(self) -> list[tuple[int, int]]:
         """Every device storage allocation (+bytes) and release (-bytes) in order, keyed by storage serial
-        (offloaded activations' host copies are not device memory: left out)."""
-        return [(s, d) for s, d in self._events if self._category.get(s) is not Category.HOST]
+        (host memory: offloaded activations' copies, the offloaded optimizer's storages, is left out)."""
+        return [(s, d) for s, d in self._events if self._category_of(s) not in HOST_CATEGORIES]
+
+    def _category_of(self, serial: int) -> Category:
+        """What a storage turned out to be; unmarked, a temporary (of the host, in the offloaded optimizer's work)."""
+        if serial in self._category:
+            return self._category[serial]
+        return Category.HOST if serial in self._host_serials and not self._host_is_device else Category.TEMPORARIES
 
     def timeline(self) -> Timeline:
         """Bytes per category after each op; categories as the storages turned out to be."""
         index = {c: i for i, c in enumerate(CATEGORIES)}
-        temp = index[Category.TEMPORARIES]
         totals = [0] * len(CATEGORIES)
         rows, phases, done = [], [], 0
         for end, phase in self._ops:
             for serial, delta in self._events[done:end]:
-                totals[index[self._category[serial]] if serial in self._category else temp] += delta
+                totals[index[self._category_of(serial)]] += delta
             done = end
             rows.append(tuple(totals))
             phases.append(phase)

@@ -68,7 +68,10 @@ class StepRunner:
         activations offloaded as set (``copies_back``: see ``ActivationOffload``)."""
         params = [p for p in model.parameters() if p.requires_grad]
         opt_cfg = OptimizerConfig(
-            name=strategy.optimizer_name, implementation=strategy.optimizer, in_backward=strategy.optimizer_in_backward
+            name=strategy.optimizer_name,
+            implementation=strategy.optimizer,
+            in_backward=strategy.optimizer_in_backward,
+            offload=strategy.optimizer_offload,
         )
         optimizer = build_optimizer(params, opt_cfg, device)
         clip = 0.0 if strategy.optimizer_in_backward else 1.0

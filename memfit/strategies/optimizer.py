@@ -39,30 +39,23 @@ from torch.utils.hooks import RemovableHandle
 
 from memfit.config.schema import OptimizerConfig
 from memfit.errors import UserError, first_line
-from memfit.strategies.tensors import plain_tensors
+from memfit.strategies.host_optimizer import HostOffloadOptimizer
 
 LOW_BIT_BLOCK = {"adamw8bit": 256, "adamw4bit": 128}
 """Values per fp32 scale of torchao's quantized states (its defaults)."""
 
 
-def resolve_implementation(name: str, device: torch.device, optimizer_name: str = "adamw") -> str:
-    """``optimizer.implementation`` made concrete: ``auto`` is fused on GPUs and foreach on CPU for AdamW, and
-    for-loop (one parameter at a time, the only way torchao steps) for low-bit states."""
+def resolve_implementation(
+    name: str, device: torch.device, optimizer_name: str = "adamw", offload: bool = False
+) -> str:
+    """``optimizer.implementation`` made concrete: ``auto`` is fused on GPUs and foreach on CPU for AdamW, fused on
+    the host for an offloaded AdamW (PyTorch's fused CPU kernel), and for-loop (one parameter at a time, the only
+    way torchao steps) for low-bit states."""
     if name == "auto":
         if optimizer_name != "adamw":
             return "for-loop"
-        return "fused" if device.type == "cuda" else "foreach"
+        return "fused" if device.type == "cuda" or offload else "foreach"
     return name
-
-
-def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every plain tensor of the optimizer's state (see ``plain_tensors``): what its state occupies."""
-    out = []
-    for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                out += plain_tensors(v)
-    return out
 
 
 def adamw_groups(params: list[torch.nn.Parameter], cfg: OptimizerConfig) -> list[dict]:
@@ -92,12 +85,17 @@ def build_optimizer(
     """AdamW (``optimizer.name``) over ``params`` with the implementation ``optimizer.implementation`` resolves to,
     stepped after backward, or inside it (``OptimizerInBackward``) with ``optimizer.in_backward``."""
     if cfg.name == "adamw":
-        kind, kwargs = torch.optim.AdamW, adamw_kwargs(cfg, resolve_implementation(cfg.implementation, device))
+        impl = resolve_implementation(cfg.implementation, device, offload=cfg.offload)
+        kind, kwargs = torch.optim.AdamW, adamw_kwargs(cfg, impl)
     else:
         kind, kwargs = low_bit_adamw(cfg.name), adamw_kwargs(cfg, "for-loop")
         del kwargs["foreach"], kwargs["fused"]
     if cfg.in_backward:
         return OptimizerInBackward(adamw_groups(params, cfg), kwargs, kind)
+    if cfg.offload:
+        return HostOffloadOptimizer(
+            adamw_groups(params, cfg), lambda groups: kind(groups, **kwargs), device, {**kwargs, "weight_decay": 0.0}
+        )
     return kind(adamw_groups(params, cfg), **kwargs)
 
 

@@ -1,6 +1,6 @@
 """What a tensor occupies when it is a wrapper subclass: torchao's quantized optimizer states and NF4 weights,
 DTensor shards. Their own storage is a stand-in of their apparent dtype and shape; their inner tensors hold
-the bytes."""
+the bytes. And what an optimizer's state occupies, in those terms."""
 
 from __future__ import annotations
 
@@ -25,3 +25,13 @@ def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 def held_bytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s elements, or of its inner tensors' for a wrapper subclass."""
     return sum(x.numel() * x.element_size() for x in plain_tensors(t))
+
+
+def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every plain tensor of the optimizer's state (see ``plain_tensors``): what its state occupies."""
+    out = []
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                out += plain_tensors(v)
+    return out

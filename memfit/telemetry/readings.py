@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.strategies.optimizer import state_tensors
-from memfit.strategies.tensors import held_bytes, plain_tensors
+from memfit.strategies.tensors import held_bytes, plain_tensors, state_tensors
 
 
 def process_rss_bytes() -> int:

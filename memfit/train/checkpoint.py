@@ -255,7 +255,9 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, device: torch.devic
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(tensors[name])
-    opt = torch.load(path / "optimizer.pt", map_location=device, weights_only=True)
+    # an offloaded optimizer's state goes straight to the host: never whole on the device it was moved off
+    where = getattr(optimizer, "state_device", device)
+    opt = torch.load(path / "optimizer.pt", map_location=where, weights_only=True)
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     set_rng_state(torch.load(path / "rng.pt", weights_only=True))

@@ -41,15 +41,16 @@ from memfit.strategies.allocator import (
     refuse_unsafe,
 )
 from memfit.strategies.checkpointing import apply_activation_checkpointing
+from memfit.strategies.host_optimizer import host_tensors
 from memfit.strategies.lora import apply_lora, quantize_base
 from memfit.strategies.offload import activation_offload
 from memfit.strategies.optimizer import (
     build_optimizer,
     build_scheduler,
     resolve_implementation,
-    state_tensors,
 )
 from memfit.strategies.precision import resolve_precision
+from memfit.strategies.tensors import state_tensors
 from memfit.telemetry.allocator_watch import AllocatorWatch
 from memfit.telemetry.display import TrainDisplay, summary_tables
 from memfit.telemetry.metrics_file import MetricsLog, NullLog
@@ -119,7 +120,9 @@ class Trainer:
         self.strategy = run_strategy(
             cfg,
             self.precision.name,
-            resolve_implementation(cfg.optimizer.implementation, self.device, cfg.optimizer.name),
+            resolve_implementation(
+                cfg.optimizer.implementation, self.device, cfg.optimizer.name, cfg.optimizer.offload
+            ),
             ctx.world_size,
         )
         if d.deepspeed_config is not None:  # a missing file is one line wherever it would be read
@@ -354,7 +357,7 @@ class Trainer:
         else:
             opt = self.par.local_optimizer()
             live = [local_tensor(x) for x in (*self.par.module.parameters(), *self.par.module.buffers())]
-            live += state_tensors(opt)
+            live += state_tensors(opt) + host_tensors(opt)
             live += [x for b in batches for x in b]
             held = collectives_release_on_caller() if self.ctx.distributed else contextlib.nullcontext()
             private = ("c10d::",) if self.ctx.distributed else ()  # gloo's own copies, freed where it is blind
@@ -441,7 +444,8 @@ class Trainer:
             f"{'LoRA r=' + str(cfg.lora.rank) if cfg.lora.enabled else 'full fine-tune'}"
             f"{', base NF4' if self.strategy.quantize_base == 'nf4' else ''}, "
             f"AdamW {self.strategy.adamw_label()}"
-            f"{' stepped in backward' if self.strategy.optimizer_in_backward else ''}, "
+            f"{' stepped in backward' if self.strategy.optimizer_in_backward else ''}"
+            f"{' (state and step in host memory)' if self.strategy.optimizer_offload else ''}, "
             f"{len(self.train_ds)} train / {sum(len(b[0]) for b in self.eval)} eval sequences of "
             f"{cfg.data.seq_len} tokens, "
             f"global batch {ctx.world_size * t.micro_batch_size * self.accum}"

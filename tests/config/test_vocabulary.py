@@ -69,8 +69,9 @@ def test_candidates_walk_searched_levers_in_field_order_last_fastest():
     expected = 1
     for name, lever in levers().items():
         expected *= given.get(name, len(lever.searched) or 1)
-    # ac, precision, base storage, chunks, offload, AdamW, AdamW states, in bwd, micro, zero
-    assert expected == 4 * 1 * 2 * 2 * 2 * 3 * 3 * 2 * 2 * 1
+    # ac, precision, base storage, chunks, activation offload, AdamW, AdamW states, in bwd, optimizer offload,
+    # micro, zero
+    assert expected == 4 * 1 * 2 * 2 * 2 * 3 * 3 * 2 * 2 * 2 * 1
     assert len(combos) == expected
     assert [c["micro_batch_size"] for c in combos[:2]] == [1, 2]
     assert {c["precision"] for c in combos} == {"fp32"}

@@ -19,7 +19,8 @@ from memfit.planner.hardware import gpu_preset
 from memfit.planner.measure import measured_steady_step
 from memfit.planner.search import Cluster, Pins, Workload, predict_run, search
 from memfit.planner.trace import StepSpec
-from memfit.strategies.optimizer import LOW_BIT_BLOCK, build_optimizer, state_tensors
+from memfit.strategies.optimizer import LOW_BIT_BLOCK, build_optimizer
+from memfit.strategies.tensors import state_tensors
 from memfit.train.loop import Trainer
 
 CPU = torch.device("cpu")
