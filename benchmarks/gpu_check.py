@@ -35,7 +35,9 @@ Parts, each in its own subprocess(es) with its own time limit, so one failure le
    fine-tune (bf16-pure, AC full) with 32-, 8- and 4-bit AdamW states (``optimizer.name``), and the LoRA cell
    (bf16-mixed, AC none and full) with the base unquantized and in NF4 (``lora.quantize_base``). torchao comes
    from ``.gpu_carry/wheels`` (``gpu_prepare.sh``). ``bench-lora`` measures the bf16 frozen base of
-   bf16-mixed LoRA (issue 16 item 0) as it is.
+   bf16-mixed LoRA (issue 16 item 0) as it is. ``bench-optimizer-offload`` (issue 16 item 2, also named only):
+   the full fine-tune (bf16-pure, AC full) with AdamW on the device and in host memory (``optimizer.offload``):
+   device peak, step time and host RSS against the planner's device and host bytes.
 
 Parts run only when named in ``--parts``:
 
@@ -506,6 +508,8 @@ def main() -> int:
         ns.lowbit += ["--optimizer-name", "adamw,adamw8bit,adamw4bit"]
         ns.qlora = ["--ac", "none,full", "--precision", "bf16-mixed", "--micro-batch", "2", "--lora", "true"]
         ns.qlora += ["--quantize-base", "none,nf4"]
+        ns.host_optimizer = ["--ac", "full", "--precision", "fp32", "--micro-batch", "2", "--lora", "false"]
+        ns.host_optimizer += ["--optimizer-offload", "false,true"]
         ns.diag_cell = [
             "strategy.precision=fp32",
             "strategy.activation_checkpointing=ffn",
@@ -560,6 +564,8 @@ def main() -> int:
         ns.lowbit += ["--optimizer-name", "adamw,adamw8bit,adamw4bit"]
         ns.qlora = ["--ac", "none,full", "--precision", "bf16-mixed", "--micro-batch", "4", "--lora", "true"]
         ns.qlora += ["--quantize-base", "none,nf4"]
+        ns.host_optimizer = ["--ac", "full", "--precision", "bf16-pure", "--micro-batch", "4", "--lora", "false"]
+        ns.host_optimizer += ["--optimizer-offload", "false,true"]
         ns.diag_cell = [
             "strategy.precision=bf16-pure",
             "strategy.activation_checkpointing=ffn",
@@ -595,6 +601,7 @@ def main() -> int:
         "bench-in-backward": lambda log: part_bench(ns, out, log, "bench_in_backward", ns.in_backward),
         "bench-lowbit": lambda log: part_bench(ns, out, log, "bench_lowbit", ns.lowbit),
         "bench-qlora": lambda log: part_bench(ns, out, log, "bench_qlora", ns.qlora),
+        "bench-optimizer-offload": lambda log: part_bench(ns, out, log, "bench_optimizer_offload", ns.host_optimizer),
         "diag": lambda log: part_diag(ns, out, log),
         "oom": lambda log: part_oom(ns, out, log),
         "exporter": lambda log: part_exporter(ns, out, log),

@@ -87,7 +87,7 @@ def measured_rows(name: str, on, batch: int, seq_len: int, ac: CheckpointPolicy)
                         name: value,
                         "measured_bytes": measured.total_bytes,
                         "predicted_bytes": predicted.total_bytes,
-                        "measured_host_bytes": measured[Category.HOST],
+                        "measured_host_bytes": measured.host_bytes,
                         "predicted_host_bytes": prediction.host_peak_bytes,
                         "error_pct": _pct(predicted.total_bytes, measured.total_bytes),
                         "worst_category_error_pct": _worst_category_pct(

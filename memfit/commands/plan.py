@@ -17,6 +17,7 @@ from memfit.commands.frag import render_whatif
 from memfit.config.loader import load_config, read_utf8
 from memfit.config.schema import EMBEDDED_MODEL, LoraConfig
 from memfit.config.strategy import levers
+from memfit.distributed.deepspeed_engine import offloaded
 from memfit.errors import UserError
 from memfit.models.load import config_for_planning
 from memfit.models.presets import PRESETS
@@ -51,6 +52,7 @@ class PlanRequest:
     lora: LoraConfig | None = None
     grad_accum: int | None = None  # only sizes the default global batch; the search derives its own
     engine: str = "fsdp2"
+    offload_params: bool = False  # a DeepSpeed JSON's offload_param
     pins: dict[str, tuple[Any, str]] = field(default_factory=dict)
 
     def typed_pins(self) -> dict[str, Any]:
@@ -108,6 +110,9 @@ def _from_deepspeed(path: str, req: PlanRequest) -> None:
     accum = ds.get("gradient_accumulation_steps")
     if accum is not None and accum != "auto":
         req.grad_accum = int(accum)
+    optimizer_off, req.offload_params = offloaded(ds, f"--deepspeed {path}")
+    if optimizer_off:
+        req.pins["optimizer_offload"] = (True, where + "zero_optimization.offload_optimizer")
     req.engine = "deepspeed"
 
 
@@ -220,7 +225,7 @@ def run(ns) -> int:
     if seq_len <= 0 or req.global_batch <= 0:
         raise UserError(f"--seq-len and --global-batch must be > 0 (got {seq_len}, {req.global_batch})")
     workload = Workload(config_for_planning(req.model), req.model, seq_len, req.global_batch, req.lora)
-    pins = Pins(pinned, req.engine)
+    pins = Pins(pinned, req.engine, req.offload_params)
     result = search(workload, cluster, pins, ns.headroom)
     console = Console() if sys.stdout.isatty() else Console(width=190)  # tables stay whole in logs and pipes
     if ns.json:

@@ -35,6 +35,8 @@ LOW_BIT_STATE = {"adamw8bit": "8-bit", "adamw4bit": "4-bit"}
 QUANTIZED_BASES = ("none", "nf4")
 """How a LoRA run stores its frozen decoder Linear weights: as the precision says, or 4-bit NF4 (QLoRA)."""
 ZERO_STAGES = (0, 1, 2, 3)
+ENGINE_OF_STAGE = {0: "ddp", 1: "zero1", 2: "fsdp2", 3: "fsdp2"}
+"""The engine a multi-rank run of ``distributed.engine fsdp2`` uses at each ZeRO stage."""
 
 _EVERY_K = re.compile(r"^every_k:(\d+)$")
 
@@ -301,10 +303,10 @@ class Strategy:
             why = "optimizer.offload (the optimizer state and step on the host)"
             if self.optimizer_in_backward:
                 return f"{why} steps after backward: it cannot run with optimizer.in_backward=true"
-            if world_size > 1 or engine != "single":
+            if engine not in ("single", "fsdp2", "deepspeed"):
                 return (
-                    f"{why} runs on one process (got {world_size} ranks, {engine}); with several ranks use "
-                    "DeepSpeed's zero_optimization.offload_optimizer in its JSON"
+                    f"{why} runs on one process, or on several with FSDP2 (distributed.zero_stage 2 or 3: "
+                    f"CPUOffloadPolicy) or DeepSpeed (zero_optimization.offload_optimizer in its JSON); got {engine}"
                 )
         if self.activation_offload and engine == "deepspeed":
             return (

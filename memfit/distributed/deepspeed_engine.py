@@ -83,12 +83,27 @@ def _agree(ds: dict, dotted: str, ours: Any, our_name: str, path: Path) -> None:
         )
 
 
-def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int, accum: int) -> dict[str, Any]:
-    """The DeepSpeed config to run: the user's JSON with memfit's values filled in where absent.
+def offloaded(ds: dict, where: str) -> tuple[bool, bool]:
+    """Whether a DeepSpeed config offloads (the optimizer state, the parameters) to host memory:
+    ``zero_optimization.offload_optimizer.device`` / ``offload_param.device`` ``cpu``.
 
     Raises:
-        UserError: unreadable JSON, a value that disagrees with memfit's config (naming both), a
-            ``scheduler`` section, or a ZeRO stage this engine does not run.
+        UserError: for NVMe offloading, which memfit neither plans nor measures.
+    """
+    out = []
+    for key in ("offload_optimizer", "offload_param"):
+        device = _get(ds, f"zero_optimization.{key}.device")
+        if device == "nvme":
+            raise UserError(f"{where}: zero_optimization.{key}.device nvme: memfit plans host memory only; use cpu")
+        out.append(device == "cpu")
+    return out[0], out[1]
+
+
+def read_ds(path: Path) -> dict[str, Any]:
+    """The user's DeepSpeed JSON as a dict.
+
+    Raises:
+        UserError: unreadable JSON or not an object.
     """
     try:
         ds = json.loads(read_utf8(path, "distributed.deepspeed_config", "save it as UTF-8 JSON"))
@@ -96,8 +111,23 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
         raise UserError(f"distributed.deepspeed_config: cannot read '{path}' as JSON ({e})") from None
     if not isinstance(ds, dict):
         raise UserError(f"distributed.deepspeed_config: '{path}' must hold a JSON object")
-    ds = copy.deepcopy(ds)
+    return ds
+
+
+def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int, accum: int) -> dict[str, Any]:
+    """The DeepSpeed config to run: the user's JSON with memfit's values filled in where absent.
+
+    ``optimizer.offload=true`` offloads the optimizer to the CPU where the JSON does not say (and a JSON that
+    offloads offloads, whatever memfit's config says).
+
+    Raises:
+        UserError: unreadable JSON, a value that disagrees with memfit's config (naming both), a
+            ``scheduler`` section, or a ZeRO stage this engine does not run.
+    """
+    ds = copy.deepcopy(read_ds(path))
     t, o = cfg.train, cfg.optimizer
+    if o.offload and not offloaded(ds, str(path))[0]:
+        _agree(ds, "zero_optimization.offload_optimizer.device", "cpu", "optimizer.offload (true)", path)
     _agree(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size", path)
     _agree(ds, "gradient_accumulation_steps", accum, "train.grad_accum_steps (derived)", path)
     _agree(
@@ -134,6 +164,8 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
             "for plain data parallelism use distributed.engine=fsdp2 distributed.zero_stage=0 (DDP)"
         )
     ds.setdefault("zero_allow_untested_optimizer", True)  # torch's AdamW as the client optimizer
+    if offloaded(ds, str(path))[0]:  # ... stepping DeepSpeed's host partitions (not its C++ CPU Adam, built apart)
+        ds.setdefault("zero_force_ds_cpu_optimizer", False)
     ds.setdefault("steps_per_print", 10**9)
     return ds
 

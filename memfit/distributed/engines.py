@@ -7,7 +7,9 @@
              ``reshard_after_forward`` False (gradients and optimizer state sharded, parameters kept
              whole from forward to backward) or True on the layers (parameters sharded too; the
              root group stays gathered between forward and backward, as FSDP2 does by default). Mixed precision goes
-             through ``MixedPrecisionPolicy`` (bf16/fp16 compute copies, fp32 gradient reduction).
+             through ``MixedPrecisionPolicy`` (bf16/fp16 compute copies, fp32 gradient reduction). With
+             ``optimizer.offload``, ``CPUOffloadPolicy``: the sharded parameters, their gradients and the AdamW
+             state live in host memory (pinned on GPUs) and AdamW steps there (fused CPU kernel under ``auto``).
 DeepSpeed lives in ``deepspeed_engine.py``; it drives its own backward and step.
 
 Gradients: every rank's loss is scaled so that the engines' mean over ranks equals the
@@ -23,6 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from memfit.config.schema import OptimizerConfig
+from memfit.config.strategy import ENGINE_OF_STAGE
 from memfit.distributed.runtime import DistContext
 from memfit.errors import UserError
 from memfit.models.load import decoder_layers
@@ -33,8 +36,6 @@ from memfit.strategies.optimizer import (
     resolve_implementation,
 )
 from memfit.strategies.precision import Precision
-
-ENGINE_OF_STAGE = {0: "ddp", 1: "zero1", 2: "fsdp2", 3: "fsdp2"}
 
 
 def engine_name(ctx: DistContext, engine: str, stage: int) -> str:
@@ -53,7 +54,14 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, 2.0)
     if isinstance(total, DTensor):
-        total = total.full_tensor()
+        local = total.to_local()
+        if local.device.type == "cpu" and torch.distributed.get_backend() == "nccl":
+            # CPU-offloaded shards on GPUs: NCCL reduces device tensors only, so the squares go over and back
+            squares = local.float().pow(2).to(torch.device("cuda", torch.cuda.current_device()))
+            torch.distributed.all_reduce(squares)
+            total = squares.sqrt().to(local.device)
+        else:
+            total = total.full_tensor()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
@@ -119,7 +127,7 @@ def parallelize(
 
 def _fully_shard(model, stage: int, precision: Precision, device: torch.device, opt: OptimizerConfig) -> Parallel:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     if precision.autocast_dtype is not None:
@@ -129,10 +137,14 @@ def _fully_shard(model, stage: int, precision: Precision, device: torch.device, 
         precision = replace(precision, autocast_dtype=None)
     else:
         mp = MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if opt.offload else OffloadPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=stage == 3, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=stage == 3, mp_policy=mp, offload_policy=offload)
     # the root group (embeddings, final norm, head) stays gathered from forward to backward at both
     # stages, FSDP2's own heuristic for the root: backward would all-gather it again at once
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     params = [p for p in model.parameters() if p.requires_grad]
+    if opt.offload:  # the shards are host tensors already: a plain AdamW over them steps on the host
+        host_impl = resolve_implementation(opt.implementation, torch.device("cpu"), opt.name, offload=True)
+        opt, device = replace(opt, offload=False, implementation=host_impl), torch.device("cpu")
     return Parallel("fsdp2", model, model, build_optimizer(params, opt, device), params, precision)

@@ -232,7 +232,10 @@ class Predictor:
                 regions = self._with_chunked_loss(regions, spec, micro_batch)
         regions = {k: v for k, v in regions.items() if k.startswith(("forward", "backward"))}
         if not strategy.optimizer_in_backward:
-            regions.update(self._optimizer_moments(self._optimizer_spec(spec, strategy)))
+            # with several ranks the engine offloads its shards (``ShardingSpec.offload``): the step is traced as
+            # the plain AdamW it runs on them
+            stepped = strategy if sharding is None else strategy.replace(optimizer_offload=False)
+            regions.update(self._optimizer_moments(self._optimizer_spec(spec, stepped)))
         gi = list(Category).index(Category.GRADS)
         g_total = max(row[gi] for row in regions.values())
         grads_done = {k: (row[gi] / g_total if g_total else 0.0) for k, row in regions.items()}

@@ -250,4 +250,6 @@ def write_deepspeed(c: Candidate, path: Path) -> None:
         "bf16": {"enabled": s.precision.startswith("bf16")},
         "fp16": {"enabled": s.precision == "fp16-mixed"},
     }
+    if s.optimizer_offload:
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     _atomic_write(path, json.dumps(ds, indent=2) + "\n")

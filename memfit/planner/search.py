@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 
 from memfit.config.schema import LoraConfig
 from memfit.config.strategy import (
+    ENGINE_OF_STAGE,
     OPTIMIZER_IMPLEMENTATIONS,
     OPTIMIZER_NAMES,
     PRECISION_PREFERENCE,
@@ -78,9 +79,10 @@ class Pins:
 
     levers: dict[str, Any] = field(default_factory=dict)
     engine: str = "fsdp2"
+    offload_params: bool = False  # DeepSpeed ZeRO-3's offload_param (from its JSON)
 
     def __hash__(self) -> int:
-        return hash((tuple(sorted(self.levers.items(), key=lambda kv: kv[0])), self.engine))
+        return hash((tuple(sorted(self.levers.items(), key=lambda kv: kv[0])), self.engine, self.offload_params))
 
 
 @dataclass(frozen=True)
@@ -226,11 +228,17 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
         "optimizer_in_backward": (False, True) if c.world_size == 1 else (False,),
         "optimizer_name": OPTIMIZER_NAMES if c.world_size == 1 else ("adamw",),
         "quantize_base": QUANTIZED_BASES if c.world_size == 1 and w.lora is not None else ("none",),
-        "optimizer_offload": (False, True) if c.world_size == 1 else (False,),
+        "optimizer_offload": (False, True),
     }
     # stepped in backward, parameters are stepped one at a time, where implementations differ by one
     # parameter's temporaries at most: the preferred one stands for them (a quarter of the traces)
     in_backward_optimizer = host_optimizer = pins.levers.get("optimizer", OPTIMIZER_IMPLEMENTATIONS[0])
+
+    def engine(s: Strategy) -> str:
+        if c.world_size == 1:
+            return "single"
+        return "deepspeed" if pins.engine == "deepspeed" else ENGINE_OF_STAGE[s.zero_stage]
+
     out = []
     for chosen in candidates(pins.levers, choices):
         s = Strategy(**chosen, grad_accum_steps=per_rank_batch // chosen["micro_batch_size"])
@@ -238,7 +246,8 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
             continue  # it cannot accumulate or scale the loss; one implementation stands for all
         if s.optimizer_name != "adamw" and s.conflict():
             continue  # low-bit states are stepped one parameter at a time: one implementation
-        if s.optimizer_offload and (s.conflict() or s.optimizer not in (host_optimizer, "for-loop")):
+        host_step = s.optimizer in (host_optimizer, "for-loop")
+        if s.optimizer_offload and (s.conflict(0.0, c.world_size, engine(s)) or not host_step):
             continue  # on the host the implementation changes host temporaries only: the preferred one stands for
             # all (and for-loop, the low-bit states' twin)
         out.append(s)
@@ -336,7 +345,13 @@ def _candidate(strategy: Strategy, w: Workload, c: Cluster, pins: Pins, predicto
     sharding = None
     if c.world_size > 1:
         sharding = ShardingSpec.for_model(
-            strategy.zero_stage, c.world_size, pins.engine, w.model_config, w.lora is not None
+            strategy.zero_stage,
+            c.world_size,
+            pins.engine,
+            w.model_config,
+            w.lora is not None,
+            offload=strategy.optimizer_offload,
+            offload_params=pins.offload_params,
         )
     mem = predictor.predict(strategy, sharding)
     trained_bytes = lowp_param_bytes if w.lora is None else 0  # LoRA: adapters only, negligible

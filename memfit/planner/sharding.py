@@ -22,6 +22,15 @@ FSDP2 semantics (``fully_shard`` per decoder layer and on the root; memfit's def
 DeepSpeed semantics
     stage 1  P, G, O/N.    stage 2  P, G/N plus the reduce bucket, O/N.
     stage 3  P/N plus the prefetch bucket and the largest layer, G/N, O/N.
+Offloaded (``offload``: FSDP2's ``CPUOffloadPolicy`` at stages 2 and 3, DeepSpeed's
+``zero_optimization.offload_optimizer``; ``offload_params``: DeepSpeed's ``offload_param`` at stage 3)
+    FSDP2    the sharded parameters, gradients and optimizer state (P/N, G/N, O/N) are host memory
+             (``host_state``); the device holds what is gathered or in flight: unsharded parameters and
+             the gradients before their reduce-scatter. The clipping and the step run on the host, their
+             temporaries too (``host``).
+    DeepSpeed O/N and the gradient partition G/N are host memory; at stage 2 the device keeps the reduce
+             bucket, at stage 3 with ``offload_params`` the parameter partition P/N is host memory too.
+    On a CPU run host and device are one memory: offloading moves nothing there, and is not applied.
 Activations and temporaries are per rank and unchanged (data parallel: each rank runs its own
 micro-batch). Model-state bytes are checked in tests against the ZeRO paper's formulas.
 
@@ -54,9 +63,20 @@ class ShardingSpec:
     bucket_bytes: int = 500_000_000 * 2  # DeepSpeed's default reduce/prefetch bucket: 5e8 bf16 elements
     root_param_fraction: float = 0.0
     root_grad_fraction: float = 0.0
+    offload: bool = False  # the sharded optimizer state (FSDP2: and parameters, gradients) in host memory
+    offload_params: bool = False  # DeepSpeed ZeRO-3's offload_param: the parameter partition in host memory
 
     @classmethod
-    def for_model(cls, stage: int, world_size: int, engine: str, config, lora: bool) -> "ShardingSpec":
+    def for_model(
+        cls,
+        stage: int,
+        world_size: int,
+        engine: str,
+        config,
+        lora: bool,
+        offload: bool = False,
+        offload_params: bool = False,
+    ) -> "ShardingSpec":
         """The spec for a Llama-family ``config`` (its depth and root-group share)."""
         root = root_fraction(config)
         return cls(
@@ -66,6 +86,8 @@ class ShardingSpec:
             config.num_hidden_layers,
             root_param_fraction=root,
             root_grad_fraction=0.0 if lora else root,
+            offload=offload,
+            offload_params=offload_params,
         )
 
 
@@ -91,7 +113,17 @@ def validate(stage: int, world_size: int, engine: str) -> None:
 
 
 _CATS = tuple(Category)
-_P, _G, _O, _T = (_CATS.index(c) for c in (Category.PARAMS, Category.GRADS, Category.OPTIMIZER, Category.TEMPORARIES))
+_P, _G, _O, _T, _H, _HS = (
+    _CATS.index(c)
+    for c in (
+        Category.PARAMS,
+        Category.GRADS,
+        Category.OPTIMIZER,
+        Category.TEMPORARIES,
+        Category.HOST,
+        Category.HOST_STATE,
+    )
+)
 
 
 def _shard_row(
@@ -137,7 +169,35 @@ def _shard_row(
     out[_P], out[_G], out[_O] = p2, g2 if g else 0, o2
     if phase == "optimizer" and s.stage >= 1:
         out[_T] = row[_T] // n  # each rank steps only its shard
+    if s.offload or s.offload_params:
+        _offloaded(out, s, phase, p // n, (g // n if phase in ("clip", "optimizer") or accumulated else sharded_g))
     return tuple(out)
+
+
+def _offloaded(out: list[int], s: ShardingSpec, phase: str, p_shard: int, g_shard: int) -> None:
+    """Move what ``s`` offloads of one rank's moment (``out``, sharded) to host memory, in place."""
+    o_shard, host = out[_O], 0
+    if s.engine == "fsdp2":  # CPUOffloadPolicy: every sharded state lives on the host, the step runs there
+        out[_P] -= p_shard
+        out[_G] -= min(out[_G], g_shard)
+        host = p_shard + g_shard + o_shard
+        if phase in ("clip", "optimizer"):
+            out[_H] += out[_T]
+            out[_T] = 0
+    else:  # DeepSpeed: optimizer state and the fp32 gradient partition; with offload_param the parameters
+        if s.offload:
+            out[_G] = min(out[_G], s.bucket_bytes) if s.stage == 2 else out[_G] - min(out[_G], g_shard)
+            host += g_shard + o_shard
+            if phase == "optimizer":
+                out[_H] += out[_T]
+                out[_T] = 0
+        else:
+            o_shard = 0
+        if s.offload_params and s.stage == 3:
+            out[_P] -= p_shard
+            host += p_shard
+    out[_O] -= o_shard
+    out[_HS] += host
 
 
 def _shard_phase(b: Breakdown, s: ShardingSpec, phase: str, grads_done: float, g_total: int) -> Breakdown:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from memfit.config.strategy import Strategy, levers
+from memfit.config.strategy import ENGINE_OF_STAGE, Strategy, levers
 from memfit.errors import EXIT_OUT_OF_MEMORY, UserError
 from memfit.telemetry.metrics_file import read_metrics
 from memfit.units import GIB
@@ -45,6 +45,7 @@ BENCH_AXES = {
     "activation_offload": "false",
     "optimizer_in_backward": "false",
     "optimizer_name": "adamw",
+    "optimizer_offload": "false",
     "micro_batch_size": "2",
 }
 """Levers every cell sets explicitly, with the command's default values (the others follow the base config,
@@ -87,6 +88,7 @@ class Cell:
         chunks += "_optbwd" if s.optimizer_in_backward else ""
         chunks += f"_{s.optimizer_name}" if s.optimizer_name != "adamw" else ""
         chunks += f"_{s.quantize_base}" if s.quantize_base != "none" else ""
+        chunks += "_opthost" if s.optimizer_offload else ""
         return f"ac-{ac}_{s.precision}{chunks}_mb{s.micro_batch_size}_{'lora' if self.lora else 'full'}{ranks}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -108,6 +110,8 @@ def matrix(axes: dict[str, list], loras: list[bool], zeros: list[int | None] = (
         for lora, zero in itertools.product(loras, zeros):
             if not lora and dict(zip(names, values)).get("quantize_base", "none") != "none":
                 continue  # an NF4 base is a LoRA run's: a full fine-tune trains every weight
+            if dict(zip(names, values)).get("optimizer_offload") and zero in (0, 1):
+                continue  # offloaded by FSDP2 (ZeRO-2/3) on several ranks, not by DDP
             strategy = Strategy(**dict(zip(names, values)), zero_stage=zero or 0)
             if strategy.optimizer_name != "adamw" and "optimizer" not in names:  # auto: low-bit steps one by one
                 strategy = strategy.replace(optimizer="for-loop")
@@ -128,7 +132,7 @@ def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: 
             f"--micro-batch {s.micro_batch_size} x {cell.nproc} rank(s) does not divide the global batch {global_batch}"
         )
     cell.strategy = s = s.replace(grad_accum_steps=global_batch // per_pass)
-    conflict = s.conflict(world_size=cell.nproc, engine="single" if cell.nproc == 1 else "fsdp2")
+    conflict = s.conflict(world_size=cell.nproc, engine="single" if cell.nproc == 1 else ENGINE_OF_STAGE[s.zero_stage])
     if conflict:
         raise UserError(f"bench cell {cell.name}: {conflict}")
     pins = s.overrides(cell.axes)

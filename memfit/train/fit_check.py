@@ -17,10 +17,17 @@ from memfit.strategies.allocator import conf_in_effect
 
 
 def planned_step(
-    cfg: RunConfig, strategy: Strategy, mconf, device: torch.device, ctx: DistContext, engine: str
+    cfg: RunConfig,
+    strategy: Strategy,
+    mconf,
+    device: torch.device,
+    ctx: DistContext,
+    engine: str,
+    offload_params: bool = False,
 ) -> tuple[StepMemory, Replay | None]:
     """This rank's predicted steady-state step peak (``memfit plan``'s engine), and on one GPU the
-    allocator model's replay of the planned steps (``None`` elsewhere).
+    allocator model's replay of the planned steps (``None`` elsewhere). Offloading moves nothing on a CPU (host
+    and device are one memory there): the ranks' sharding is then predicted as without it.
 
     Raises:
         UserError: on a GPU, when the prediction or the replay does not fit its memory (or memory_fraction).
@@ -35,6 +42,8 @@ def planned_step(
             "deepspeed" if engine == "deepspeed" else "fsdp2",
             mconf,
             cfg.lora.enabled,
+            offload=strategy.optimizer_offload and gpu,
+            offload_params=offload_params and gpu,
         )
     step = predict_run(mconf, cfg.data.seq_len, strategy, lora, on_gpu=gpu, sharding=sharding)
     replayed = None

@@ -25,6 +25,8 @@ from memfit.distributed.deepspeed_engine import (
     ds_writer,
     gathered,
     initialize,
+    offloaded,
+    read_ds,
     reconcile,
     resolve_ds_path,
 )
@@ -125,8 +127,12 @@ class Trainer:
             ),
             ctx.world_size,
         )
+        self.offload_params = False  # DeepSpeed ZeRO-3's offload_param (from its JSON)
         if d.deepspeed_config is not None:  # a missing file is one line wherever it would be read
-            resolve_ds_path(d.deepspeed_config)
+            ds_path = resolve_ds_path(d.deepspeed_config)
+            if self.kind == "deepspeed":  # its JSON offloads as it says (optimizer.offload=true fills it in)
+                optimizer_off, self.offload_params = offloaded(read_ds(ds_path), str(ds_path))
+                self.strategy = self.strategy.replace(optimizer_offload=optimizer_off or cfg.optimizer.offload)
         conflict = self.strategy.conflict(cfg.optimizer.grad_clip, ctx.world_size, self.kind)
         if conflict:  # levers that only combine once the device, precision and world size are known
             raise UserError(conflict)
@@ -172,7 +178,9 @@ class Trainer:
                 # the planner's traces draw random numbers; forked, they leave the run's stream as seeded
                 # (adapters on a loaded checkpoint are initialised from it next)
                 with torch.random.fork_rng(devices=[]):
-                    self.predicted, self.replayed = planned_step(cfg, self.strategy, mconf, self.device, ctx, self.kind)
+                    self.predicted, self.replayed = planned_step(
+                        cfg, self.strategy, mconf, self.device, ctx, self.kind, self.offload_params
+                    )
             except UserError:
                 raise
             except Exception as e:  # the check is advice: a planner defect must not stop a run it cannot judge

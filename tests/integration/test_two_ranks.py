@@ -1,5 +1,6 @@
 """Distributed tier: real 2-rank runs under torchrun with gloo on CPU (FSDP2 ZeRO-2/3, DDP, ZeRO-1,
-DeepSpeed ZeRO-2), sharded checkpoints, rank death and a 2-node rendezvous on localhost."""
+DeepSpeed ZeRO-2/3, the optimizer offloaded by FSDP2 and DeepSpeed), sharded checkpoints, rank death and a 2-node
+rendezvous on localhost."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ ENGINES = {
     "ddp-zero0": ("distributed.zero_stage=0",),
     "deepspeed-zero2": ("distributed.engine=deepspeed", "distributed.zero_stage=2"),
     "deepspeed-zero3": ("distributed.engine=deepspeed", "distributed.zero_stage=3"),
+    # optimizer.offload: FSDP2's CPUOffloadPolicy; DeepSpeed's offload_optimizer, filled into its JSON by memfit
+    "fsdp2-zero3-offload": ("distributed.zero_stage=3", "optimizer.offload=true"),
+    "deepspeed-zero2-offload": ("distributed.engine=deepspeed", "distributed.zero_stage=2", "optimizer.offload=true"),
 }
 CHUNKED = {  # strategy.loss_chunks under every kind of engine: the projection's weight is tied, sharded or gathered
     f"{name}-chunked": (*ENGINES[name], "strategy.loss_chunks=4")
@@ -123,7 +127,7 @@ def test_each_rank_holds_its_share_of_the_model_states(runs, engine):
             assert (p, g) == (P, G) and 0 < o <= OPT // 2 + largest_param, held
         elif engine == "ddp-zero0":
             assert (p, g, o) == (P, G, OPT), held
-        elif engine == "deepspeed-zero2":  # optimizer state of a flat, padded partition
+        elif engine.startswith("deepspeed-zero2"):  # optimizer state of a flat, padded partition (host or device)
             assert p == P and abs(o - OPT / 2) <= 0.01 * OPT, held
         else:  # DeepSpeed ZeRO-3: each parameter's own padded partition (ds_tensor), and its state
             assert abs(p - P / 2) <= 0.01 * P and abs(o - OPT / 2) <= 0.01 * OPT, held

@@ -157,13 +157,32 @@ def test_the_plan_refuses_a_candidate_whose_host_memory_does_not_fit_naming_the_
     "strategy, world, engine, needle",
     [
         (Strategy(optimizer_offload=True, optimizer_in_backward=True), 1, "single", "optimizer.in_backward"),
-        (Strategy(optimizer_offload=True), 2, "ddp", "one process"),
-        (Strategy(optimizer_offload=True, zero_stage=3), 2, "fsdp2", "offload_optimizer"),
+        (Strategy(optimizer_offload=True), 2, "ddp", "CPUOffloadPolicy"),
+        (Strategy(optimizer_offload=True, zero_stage=1), 2, "zero1", "offload_optimizer"),
     ],
 )
 def test_combinations_that_cannot_run_are_one_line(strategy, world, engine, needle):
     why = strategy.conflict(world_size=world, engine=engine)
     assert why is not None and needle in why and "\n" not in why
+    for engine, stage in (("fsdp2", 2), ("fsdp2", 3), ("deepspeed", 2)):
+        assert Strategy(optimizer_offload=True, zero_stage=stage).conflict(world_size=2, engine=engine) is None
+
+
+def test_on_two_gpus_fsdp2_offloads_each_ranks_shards_and_ddp_is_not_searched():
+    """Pinned to the offloaded optimizer on 2 GPUs: only ZeRO-2/3 candidates (FSDP2's CPUOffloadPolicy); each rank's
+    device holds no optimizer state and none of its sharded weights in the step (the gathered ones come and go), and
+    its host holds the shards: half of the single GPU's weights, gradients and state each."""
+    w = Workload(preset_config("tiny"), "tiny", 64, 4)
+    pins = Pins({"optimizer_offload": True, "precision": "fp32", "activation_checkpointing": CheckpointPolicy("none")})
+    result = search(w, Cluster(gpu_preset("h100"), 2, host_mem_bytes=64 << 30), pins)
+    assert result.fitting and {c.strategy.zero_stage for c in (*result.fitting, *result.pruned)} == {2, 3}
+    one = search(w.__class__(w.model_config, "tiny", 64, 2), Cluster(gpu_preset("h100")), pins).best
+    single_state = one.memory.peak[Category.HOST_STATE]  # masters + gradient copies + state on one GPU
+    for c in result.fitting:
+        optimizer = c.memory.phase_peaks["optimizer"]
+        assert optimizer[Category.OPTIMIZER] == optimizer[Category.PARAMS] == 0
+        assert abs(optimizer[Category.HOST_STATE] - single_state / 2) <= 0.01 * single_state
+        assert c.host_node_bytes == 2 * c.memory.host_peak_bytes
 
 
 def test_an_offloaded_step_in_backward_is_refused_before_anything_starts(tiny_cfg):
