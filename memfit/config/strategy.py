@@ -256,7 +256,6 @@ class Strategy:
         (False, True),
         _flag,
         fallback=True,
-        last_resort=True,
     )
     micro_batch_size: int = _lever(1, "train.micro_batch_size", "--micro-batch", (), _int_in(None))
     zero_stage: int = _lever(0, "distributed.zero_stage", "--zero", ZERO_STAGES, _int_in(ZERO_STAGES))

@@ -150,7 +150,8 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
         f"{len(r.fitting)} of {len(r.fitting) + len(r.pruned)} candidates fit ({r.traces} traces"
         + (
             f"; {r.untried} with a fallback (offloading, the step in backward, low-bit AdamW states, an NF4 base) "
-            "not tried: each only where no candidate as fast fits without it, offloading only where no other does"
+            "not tried: each only where no candidate as fast fits without it, activation offloading only where no "
+            "other does"
             if r.untried
             else ""
         )

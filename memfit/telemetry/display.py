@@ -114,6 +114,14 @@ def summary_tables(summary: RunSummary) -> tuple[Table, Table]:
                 f"fake-tensor trace ({100 * (predicted - peak_alloc) / max(1, peak_alloc):+.1f}% vs allocated)",
             )
         mem.add_row("peak reserved", f"{peak_res / GIB:.3f}", "torch.cuda.memory_stats")
+        if sm.host_state_bytes is not None:
+            mem.add_row("host: offloaded model states", f"{sm.host_state_bytes / GIB:.3f}", "sum of their host tensors")
+            if sm.predicted_host_bytes is not None:
+                mem.add_row(
+                    "planner's predicted host peak",
+                    f"{sm.predicted_host_bytes / GIB:.3f}",
+                    "fake-tensor trace (the states, and what offloading copies come and go)",
+                )
         modelled = sm.modelled_peak_reserved_bytes
         if modelled is not None:
             mem.add_row(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memfit.strategies.host_optimizer import host_tensors
 from memfit.strategies.tensors import held_bytes, plain_tensors, state_tensors
 
 
@@ -90,13 +91,28 @@ class StateBytes:
     optimizer_bytes: int
     params: int
     trainable_params: int
+    host_bytes: int = 0  # a GPU run's model states in host memory (offloaded), the offloaded optimizer's copies too
+    host_counted_bytes: int = 0  # the part of the three byte counts above that is host memory
 
     @property
     def total_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+        """The model states' device bytes (all their bytes on a CPU run)."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes - self.host_counted_bytes
 
 
-def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> StateBytes:
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, on_gpu: bool = False) -> StateBytes:
+    """Bytes of the parameters, gradients and optimizer state as this rank holds them. ``on_gpu``: those in host
+    memory (``optimizer.offload``: the offloaded optimizer's state, masters and gradient copies, or FSDP2's
+    CPU-offloaded shards) are ``host_bytes``; on a CPU run the offloaded optimizer's copies count as optimizer
+    state, as the planner counts them there."""
+    on_host = 0
+
+    def held(t: torch.Tensor) -> int:
+        nonlocal on_host
+        n = _tensor_bytes(t)
+        on_host += n if on_gpu and local_tensor(t).device.type == "cpu" else 0
+        return n
+
     seen: set[int] = set()
     params_b = trainable_b = grads_b = n = n_train = 0
     for p in model.parameters():
@@ -104,15 +120,18 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
         if key in seen:
             continue
         seen.add(key)
-        params_b += _tensor_bytes(p)
+        params_b += held(p)
         numel = getattr(p, "ds_numel", p.numel())  # the model's count (global); bytes are what this rank holds
         n += numel
         if p.requires_grad:
             trainable_b += _tensor_bytes(p)
             n_train += numel
         if p.grad is not None:
-            grads_b += _tensor_bytes(p.grad)
-    opt_b = 0
+            grads_b += held(p.grad)
+    opt_b = copies = 0
     if optimizer is not None:
-        opt_b = sum(_tensor_bytes(t) for t in state_tensors(optimizer))
-    return StateBytes(params_b, trainable_b, grads_b, opt_b, n, n_train)
+        opt_b = sum(held(t) for t in state_tensors(optimizer))
+        copies = sum(_tensor_bytes(t) for t in host_tensors(optimizer)) - opt_b  # masters and gradient buffers
+    if not on_gpu:
+        return StateBytes(params_b, trainable_b, grads_b, opt_b + copies, n, n_train)
+    return StateBytes(params_b, trainable_b, grads_b, opt_b, n, n_train, on_host + copies, on_host)

@@ -40,6 +40,8 @@ class RunSummary:
     baseline_rss_bytes: int | None = None
     # predictions beside measurements
     predicted_peak_bytes: int | None = None
+    host_state_bytes: int | None = None  # a GPU run's model states in host memory (offloaded), measured
+    predicted_host_bytes: int | None = None  # the planner's host peak for this rank
     modelled_peak_reserved_bytes: int | None = None
     profiled_peak_bytes: int | None = None
     profiled_step: int | None = None
@@ -83,6 +85,8 @@ class RunSummary:
             "profiled_step",
             "rank_peak_bytes",
             "predicted_peak_bytes",
+            "host_state_bytes",
+            "predicted_host_bytes",
             "world_size",
             "engine",
             "zero_stage",
@@ -103,6 +107,7 @@ def summarize(
     device_label: str,
     predicted_peak_bytes: int | None = None,
     modelled_reserved_bytes: int | None = None,
+    predicted_host_bytes: int | None = None,
 ) -> RunSummary:
     """The summary of a run from its step and eval records (as ``metrics.jsonl`` holds them).
 
@@ -123,6 +128,8 @@ def summarize(
         "states": states,
         "predicted_peak_bytes": predicted_peak_bytes,
     }
+    if states.host_bytes or predicted_host_bytes:  # a GPU run offloading to host memory
+        out.update(host_state_bytes=states.host_bytes, predicted_host_bytes=predicted_host_bytes)
     readings = [r for r in steps if "fragmentation_ratio" in r]
     if readings:
         worst = max(readings, key=lambda r: r["fragmentation_ratio"])

@@ -293,7 +293,7 @@ class Trainer:
         """Write the checkpoint of ``state`` (refused in one line, the previous one untouched, when the disk
         cannot hold it)."""
         keep = self.cfg.train.keep_checkpoints
-        held = state_bytes(self.model, self.par.local_optimizer())
+        held = state_bytes(self.model, self.par.local_optimizer(), self.device.type == "cuda")
         needed = (held.trainable_params_bytes + held.optimizer_bytes) * self.ctx.world_size
         with guarded_write(f"checkpoint step {state.step}", checkpoint_dir(self.run.checkpoints, state.step), needed):
             if self.kind == "single":
@@ -514,7 +514,8 @@ class Trainer:
                     scaled = self.precision.grad_scaler or self.kind == "deepspeed"
                     check_finite(step, loss, grad_norm, scaled, cfg.optimizer.lr)
                     if states_at_step is None:
-                        states_at_step = state_bytes(self.model, self.par.local_optimizer())  # grads still alive here
+                        # grads still alive here
+                        states_at_step = state_bytes(self.model, self.par.local_optimizer(), self.device.type == "cuda")
                     self.runner.zero_grad()
                     self.scheduler.step()
                     if self.device.type == "cuda":
@@ -569,7 +570,7 @@ class Trainer:
             raise self._out_of_memory(state.step + 1, requested) from None
         if cfg.output.export:
             self._export(display)
-        states = states_at_step or state_bytes(self.model, self.par.local_optimizer())
+        states = states_at_step or state_bytes(self.model, self.par.local_optimizer(), self.device.type == "cuda")
         where = device_name(self.device) + (f"; model states of rank 0 of {ctx.world_size}" if ctx.distributed else "")
         summary = summarize(
             result.steps,
@@ -579,6 +580,7 @@ class Trainer:
             where,
             self.predicted.peak_bytes if self.predicted else None,
             self.replayed.peak_reserved_bytes if self.replayed else None,
+            self.predicted.host_peak_bytes if self.predicted else None,
         )
         if ctx.distributed:
             held = ctx.gather_numbers([states.params_bytes, states.grads_bytes, states.optimizer_bytes])

@@ -188,3 +188,20 @@ def test_on_two_gpus_fsdp2_offloads_each_ranks_shards_and_ddp_is_not_searched():
 def test_an_offloaded_step_in_backward_is_refused_before_anything_starts(tiny_cfg):
     with pytest.raises(UserError, match="optimizer.offload"):
         Trainer(tiny_cfg("optimizer.offload=true", "optimizer.in_backward=true", "optimizer.grad_clip=0"))
+
+
+def test_a_cpu_runs_summary_counts_the_offloaded_copies_as_optimizer_state():
+    """On a CPU run the offloaded optimizer's masters and gradient copies are optimizer state of the one memory (as
+    the planner counts them there): the state plus two copies of every trained weight, and nothing host-apart."""
+    from memfit.telemetry.readings import state_bytes
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    opt = build_optimizer(list(model.parameters()), OptimizerConfig(offload=True), CPU)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    held = state_bytes(model, opt)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    counts = 4 * 4  # one fp32 step count per tensor
+    assert held.optimizer_bytes == 2 * weights + counts + 2 * weights
+    assert held.host_bytes == held.host_counted_bytes == 0
+    assert held.total_bytes == held.params_bytes + held.grads_bytes + held.optimizer_bytes
