@@ -246,10 +246,11 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
             continue  # it cannot accumulate or scale the loss; one implementation stands for all
         if s.optimizer_name != "adamw" and s.conflict():
             continue  # low-bit states are stepped one parameter at a time: one implementation
-        host_step = s.optimizer in (host_optimizer, "for-loop")
+        # on the host the implementation changes host temporaries only: the preferred one stands for all; low-bit
+        # states on the host (two fallbacks at once) only where the user pins them
+        host_step = s.optimizer == host_optimizer if s.optimizer_name == "adamw" else "optimizer_name" in pins.levers
         if s.optimizer_offload and (s.conflict(0.0, c.world_size, engine(s)) or not host_step):
-            continue  # on the host the implementation changes host temporaries only: the preferred one stands for
-            # all (and for-loop, the low-bit states' twin)
+            continue
         out.append(s)
     return out
 
