@@ -202,6 +202,15 @@ def _simulate(
         )
 
 
+def _with_more_host_memory(pruned: list[Candidate]) -> str:
+    """The least host memory that would make a candidate fit whose device memory already does, in words."""
+    host_only = [c for c in pruned if c.reserved_bytes <= c.usable_bytes and not c.fits_host]
+    if not host_only:
+        return ""
+    c = min(host_only, key=lambda k: (k.host_node_bytes, k.step_time_s))
+    return f"; with --host-mem {math.ceil(c.host_node_bytes / GIB)}GiB, {c.strategy.label()} would fit"
+
+
 def run(ns) -> int:
     req = plan_request(ns)
     if ns.gpu and ns.gpu_mem:
@@ -236,7 +245,9 @@ def run(ns) -> int:
         closest = result.pruned[0]
         raise UserError(
             f"nothing fits on {gpu.name}: the closest candidate ({closest.strategy.label()}) {closest.why_not()}; "
-            "try LoRA, more GPUs with ZeRO, or a shorter --seq-len"
+            + ("give it more host memory (--host-mem), or " if not closest.fits_host else "")
+            + "try LoRA, more GPUs with ZeRO, or a shorter --seq-len"
+            + _with_more_host_memory(result.pruned)
         )
     if ns.explain is not None:
         if not 1 <= ns.explain <= len(result.fitting):

@@ -108,6 +108,12 @@ class Candidate:
     def headroom_bytes(self) -> int:
         return self.usable_bytes - self.reserved_bytes
 
+    @property
+    def shortfall_bytes(self) -> int:
+        """By how much it misses: device bytes over the usable, plus host bytes over a node's host memory."""
+        host_over = 0 if self.host_usable_bytes is None else max(0, self.host_node_bytes - self.host_usable_bytes)
+        return max(0, -self.headroom_bytes) + host_over
+
     def why_not(self) -> str:
         if self.reserved_bytes <= self.usable_bytes and not self.fits_host:
             return (
@@ -332,7 +338,7 @@ def search(
         (result.fitting if cand.fits else result.pruned).append(cand)
     result.untried = len(strategies) - len(done)
     result.fitting.sort(key=_rank_key)
-    result.pruned.sort(key=lambda k: k.reserved_bytes)
+    result.pruned.sort(key=lambda k: (k.shortfall_bytes, k.reserved_bytes))
     result.traces = predictor.traces
     return result
 

@@ -205,3 +205,28 @@ def test_a_cpu_runs_summary_counts_the_offloaded_copies_as_optimizer_state():
     assert held.optimizer_bytes == 2 * weights + counts + 2 * weights
     assert held.host_bytes == held.host_counted_bytes == 0
     assert held.total_bytes == held.params_bytes + held.grads_bytes + held.optimizer_bytes
+
+
+def test_memfit_plan_names_the_host_memory_that_would_make_it_fit_and_writes_deepspeeds_offload(capsys, tmp_path):
+    """The tiny preset pinned to the offloaded optimizer with 1 MiB of host memory: one line that names the host
+    memory per node that would do (exit 2); with enough, the JSON carries each candidate's host bytes, and a
+    DeepSpeed JSON written for the winner offloads its optimizer, which --deepspeed reads back as the pin."""
+    import json
+
+    from memfit.cli import main
+
+    base = ["plan", "--model", "tiny", "--gpu", "h100", "--seq-len", "64", "--global-batch", "2"]
+    assert main([*base, "--optimizer-offload", "true", "--host-mem", "1MiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "GiB of host memory per node >" in err and "with --host-mem 1GiB," in err
+    ds = tmp_path / "ds.json"
+    code = main([*base, "--optimizer-offload", "true", "--host-mem", "8GiB", "--json", "--write-deepspeed", str(ds)])
+    out = capsys.readouterr().out
+    assert code == 0
+    plan = json.loads(out.splitlines()[0])
+    assert plan["host_mem_bytes"] == 8 << 30
+    assert all(c["host_node_bytes"] == c["host_peak_bytes"] > 0 for c in plan["fitting"])
+    assert json.loads(ds.read_text())["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert main(["plan", "--model", "tiny", "--gpu", "h100", "--seq-len", "64", "--deepspeed", str(ds), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert all(c["optimizer_offload"] for c in again["fitting"])
