@@ -5,6 +5,7 @@ beside the planner's prediction, and the median step time.
     python benchmarks/default_job_variants.py --steps 30 --set optimizer     # adamw, adamw8bit, adamw4bit
     python benchmarks/default_job_variants.py --steps 10 --set frozen-base   # bf16-mixed LoRA, base fp32 / bf16
     python benchmarks/default_job_variants.py --steps 10 --set qlora         # bf16-mixed LoRA, base bf16 / NF4
+    python benchmarks/default_job_variants.py --steps 10 --set optimizer-offload   # AdamW on the device / host
 
 ``--set frozen-base`` runs the job under ``strategy.precision=bf16-mixed`` twice: with the frozen base in fp32
 (memfit before 2026-12-01: ``Precision.frozen_dtype`` patched back to fp32 for that run) and in bf16 (now).
@@ -35,6 +36,10 @@ SETS = {
     "qlora": [
         ("lora.quantize_base=none", "bf16-mixed LoRA", None),
         ("lora.quantize_base=nf4", "bf16-mixed QLoRA (NF4 base)", None),
+    ],
+    "optimizer-offload": [
+        ("optimizer.offload=false", "AdamW on the device", None),
+        ("optimizer.offload=true", "AdamW in host memory", None),
     ],
     "frozen-base": [
         ("strategy.precision=bf16-mixed", "bf16-mixed, base fp32 (before)", torch.float32),
