@@ -84,7 +84,7 @@ def profiled_breakdown(
             base.setdefault(st.data_ptr(), (st.nbytes(), category))
     ranges: list[record_function] = []
 
-    def host_range(on: bool) -> None:
+    def host_range(on: bool, _pinned: bool) -> None:
         if on:
             ranges.append(record_function(_HOST_SIDE))
             ranges[-1].__enter__()

@@ -145,6 +145,10 @@ STATE_CATEGORIES = (Category.OPTIMIZER, Category.HOST_STATE)
 _STATE = tuple(CATEGORIES.index(c) for c in STATE_CATEGORIES)
 
 
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length() if n > 0 else 0
+
+
 def device_bytes(row: tuple[int, ...]) -> int:
     """A moment's device bytes (rows in ``Category`` order): all but what is in host memory."""
     return sum(row) - row[_HOST] - row[_HOST_STATE]
@@ -185,7 +189,10 @@ class StepTracker(TorchDispatchMode):
         # offloaded copies (strategy.activation_offload): host memory, or on a CPU run the same memory
         self._host_category = Category.ACTIVATIONS if host_is_device else Category.HOST
         self._host_is_device = host_is_device
-        self._on_host = False  # inside the offloaded optimizer's host work (optimizer.offload)
+        self._on_host = self._on_pinned = False  # inside the offloaded optimizer's host work (optimizer.offload)
+        # planning for a GPU (its allocator's rounding): the pinned host blocks are rounded up as PyTorch's pinned
+        # allocator rounds them, to a power of two
+        self._pow2_pinned = round_to > 1 and not host_is_device
         self._host_serials: set[int] = set()  # storages made there: host memory unless host_is_device
         self._observer = self._host_observer = None
         self._serial_of: dict[int, int] = {}  # id(storage) -> serial, for live storages
@@ -220,7 +227,11 @@ class StepTracker(TorchDispatchMode):
         if key in self._serial_of:
             return self._serial_of[key]
         serial, self._next = self._next, self._next + 1
-        nbytes = self._round(st.nbytes())
+        nbytes = st.nbytes()
+        if not (self._on_host and not self._host_is_device):  # host blocks are not the device allocator's
+            nbytes = self._round(nbytes)
+        elif self._on_pinned and self._pow2_pinned:
+            nbytes = _pow2_ceil(nbytes)
 
         def gone(_ref, key=key, serial=serial, nbytes=nbytes):
             if self._serial_of.get(key) == serial:
@@ -358,7 +369,11 @@ class StepTracker(TorchDispatchMode):
         self._saved_hooks.__enter__()
         self._observer = observing(self._on_pack, self._on_unpack)
         self._observer.__enter__()
-        self._host_observer = observing_host(lambda on: setattr(self, "_on_host", on))
+
+        def on_host(on: bool, pinned: bool) -> None:
+            self._on_host, self._on_pinned = on, on and pinned
+
+        self._host_observer = observing_host(on_host)
         self._host_observer.__enter__()
         return super().__enter__()
 

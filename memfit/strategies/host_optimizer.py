@@ -38,13 +38,14 @@ from memfit.strategies.tensors import state_tensors
 
 HOST = torch.device("cpu")
 
-_host_observers: list[Callable[[bool], None]] = []
+_host_observers: list[Callable[[bool, bool], None]] = []
 
 
 @contextlib.contextmanager
-def observing_host(on_host: Callable[[bool], None]) -> Iterator[None]:
-    """While open, ``on_host(True)`` runs when the offloaded optimizer starts work on host memory (allocating
-    its host copies, stepping a parameter) and ``on_host(False)`` when it stops."""
+def observing_host(on_host: Callable[[bool, bool], None]) -> Iterator[None]:
+    """While open, ``on_host(True, pinned)`` runs when the offloaded optimizer starts work on host memory
+    (allocating its host copies, which a GPU run pins, or stepping a parameter) and ``on_host(False, pinned)``
+    when it stops."""
     _host_observers.append(on_host)
     try:
         yield
@@ -53,15 +54,16 @@ def observing_host(on_host: Callable[[bool], None]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def host_side() -> Iterator[None]:
-    """The offloaded optimizer's host work: what it allocates in here is host memory."""
+def host_side(pinned: bool = False) -> Iterator[None]:
+    """The offloaded optimizer's host work: what it allocates in here is host memory, pinned on a GPU run
+    where ``pinned`` (PyTorch's pinned-memory allocator rounds each block up to a power of two)."""
     for on_host in list(_host_observers):
-        on_host(True)
+        on_host(True, pinned)
     try:
         yield
     finally:
         for on_host in list(_host_observers):
-            on_host(False)
+            on_host(False, pinned)
 
 
 class HostOffloadOptimizer(torch.optim.Optimizer):
@@ -88,7 +90,7 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         """``p``'s host master and gradient buffer, made from the device value on first use."""
         host = self._host.get(p)
         if host is None:
-            with host_side():
+            with host_side(pinned=True):
                 host = torch.empty_like(p, device=HOST, pin_memory=self._pinned)
                 host.copy_(p.detach())
                 host.grad = torch.empty_like(host, pin_memory=self._pinned)

@@ -176,8 +176,13 @@ def test_on_two_gpus_fsdp2_offloads_each_ranks_shards_and_ddp_is_not_searched():
     pins = Pins({"optimizer_offload": True, "precision": "fp32", "activation_checkpointing": CheckpointPolicy("none")})
     result = search(w, Cluster(gpu_preset("h100"), 2, host_mem_bytes=64 << 30), pins)
     assert result.fitting and {c.strategy.zero_stage for c in (*result.fitting, *result.pruned)} == {2, 3}
-    one = search(w.__class__(w.model_config, "tiny", 64, 2), Cluster(gpu_preset("h100")), pins).best
-    single_state = one.memory.peak[Category.HOST_STATE]  # masters + gradient copies + state on one GPU
+    one = search(
+        w.__class__(w.model_config, "tiny", 64, 2),
+        Cluster(gpu_preset("h100")),
+        Pins({**pins.levers, "optimizer_offload": False}),
+    ).best
+    at_step = one.memory.phase_peaks["optimizer"]  # on one GPU, the state on the device
+    single_state = sum(at_step[c] for c in (Category.PARAMS, Category.GRADS, Category.OPTIMIZER))
     for c in result.fitting:
         optimizer = c.memory.phase_peaks["optimizer"]
         assert optimizer[Category.OPTIMIZER] == optimizer[Category.PARAMS] == 0
@@ -230,3 +235,19 @@ def test_memfit_plan_names_the_host_memory_that_would_make_it_fit_and_writes_dee
     assert main(["plan", "--model", "tiny", "--gpu", "h100", "--seq-len", "64", "--deepspeed", str(ds), "--json"]) == 0
     again = json.loads(capsys.readouterr().out.splitlines()[0])
     assert all(c["optimizer_offload"] for c in again["fitting"])
+
+
+def test_planned_for_a_gpu_the_pinned_copies_are_rounded_as_pytorchs_pinned_allocator_rounds_them():
+    """PyTorch's pinned host allocator rounds every block up to a power of two (CachingHostAllocator), and the
+    offloaded optimizer pins its masters and gradient buffers: planned for a GPU (512-byte device rounding), each
+    of those two per trained tensor is its power-of-two ceiling; the AdamW state (not pinned) is exact."""
+    cfg = preset_config("tiny")  # its 49,152 x 64 embedding is not a power of two
+    strategy = _strategy("fp32", "fused")
+    exact = Predictor(StepSpec(cfg, 64, round_to=1)).predict(strategy).peak[Category.HOST_STATE]
+    gpu = Predictor(StepSpec(cfg, 64, round_to=512)).predict(strategy).peak[Category.HOST_STATE]
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    sizes = [p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values()]
+    assert gpu - exact == sum(2 * ((1 << (n - 1).bit_length()) - n) for n in sizes) > 0
