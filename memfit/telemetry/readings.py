@@ -131,7 +131,8 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     opt_b = copies = 0
     if optimizer is not None:
         opt_b = sum(held(t) for t in state_tensors(optimizer))
-        copies = sum(_tensor_bytes(t) for t in host_tensors(optimizer)) - opt_b  # masters and gradient buffers
+        host = host_tensors(optimizer)  # an offloaded optimizer's: its state, masters and gradient buffers
+        copies = sum(_tensor_bytes(t) for t in host) - opt_b if host else 0
     if not on_gpu:
         return StateBytes(params_b, trainable_b, grads_b, opt_b + copies, n, n_train)
     return StateBytes(params_b, trainable_b, grads_b, opt_b, n, n_train, on_host + copies, on_host)

@@ -210,6 +210,9 @@ def test_a_cpu_runs_summary_counts_the_offloaded_copies_as_optimizer_state():
     assert held.optimizer_bytes == 2 * weights + counts + 2 * weights
     assert held.host_bytes == held.host_counted_bytes == 0
     assert held.total_bytes == held.params_bytes + held.grads_bytes + held.optimizer_bytes
+    plain = build_optimizer(list(model.parameters()), OptimizerConfig(), CPU)
+    plain.step()
+    assert state_bytes(model, plain).optimizer_bytes == 2 * weights + counts  # AdamW on the device: its state
 
 
 def test_memfit_plan_names_the_host_memory_that_would_make_it_fit_and_writes_deepspeeds_offload(capsys, tmp_path):
