@@ -34,7 +34,10 @@ Offloaded (``offload``: FSDP2's ``CPUOffloadPolicy`` at stages 2 and 3, DeepSpee
 Activations and temporaries are per rank and unchanged (data parallel: each rank runs its own
 micro-batch). Model-state bytes are checked in tests against the ZeRO paper's formulas.
 
-Known limitations: communication buffers other than the ones named are not modelled; DeepSpeed's
+Known limitations: offloaded shards are counted at their bytes, not as PyTorch's pinned host allocator rounds
+them (each pinned block up to a power of two: FSDP2 pins each parameter's shard, DeepSpeed its flat partitions),
+so a GPU run's host memory can exceed the prediction by up to that rounding; communication buffers other than the
+ones named are not modelled; DeepSpeed's
 bucket sizes are its defaults (5e8 elements) unless given. Measured against torch.profiler on 2 CPU
 ranks (gloo; benchmarks/RESULTS.md): the tiny preset within 0.5%; a SmolLM2-135M shape low by 2-7% with
 and without accumulation, where the ranks themselves differ by up to ~6% from run to run (gloo's

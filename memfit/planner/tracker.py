@@ -21,6 +21,12 @@ With ``strategy.activation_offload`` the offload hooks are innermost, so the tra
 of its own: each host copy is ``host`` (not device memory), or an activation where host and device are one
 memory (a CPU run, ``host_is_device``).
 
+With ``optimizer.offload`` the offloaded optimizer announces its host work (``host_optimizer.observing_host``): what
+it allocates there is ``host`` while it lives and ``host_state`` once it is the optimizer's (its masters, gradient
+buffers and state, marked when the step ends), at exact bytes, its pinned blocks rounded up to a power of two when
+planning for a GPU (``round_to`` > 1), as PyTorch's pinned allocator rounds them; on a CPU run they are optimizer
+state and temporaries of the one memory.
+
 Known limitations:
     - A gradient autograd sums from several contributions during backward (a tied embedding's, or the
       output projection's under a chunked loss, one per chunk) is summed out of place under this mode: the
