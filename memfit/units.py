@@ -42,3 +42,16 @@ def this_machine_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` in bytes (Linux; empty where there is none)."""
+    out = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                key, value = line.split(":", 1)
+                out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        return {}
+    return out

@@ -428,6 +428,23 @@ def step_allocations(
     return trace_allocations(spec, steps=2)
 
 
+def check_host_fits(step: StepMemory, ranks_on_node: int, available_bytes: int | None) -> None:
+    """Refuse a run whose ranks on this node are predicted to hold more host memory (offloaded activations and
+    optimizer state) than the node has available now (``MemAvailable``; None: not known, not checked).
+
+    Raises:
+        UserError: naming both sizes and the way out.
+    """
+    need = step.host_peak_bytes * ranks_on_node
+    if available_bytes is not None and need > available_bytes:
+        raise UserError(
+            f"predicted to hold {need / GIB:.2f} GiB of host memory ({ranks_on_node} rank(s) x "
+            f"{step.host_peak_bytes / GIB:.2f} GiB offloaded) but this node has {available_bytes / GIB:.2f} GiB "
+            "available; offload less (optimizer.offload, strategy.activation_offload), free host memory, or set "
+            "train.plan_check=false to try anyway"
+        )
+
+
 def check_fits(step: StepMemory, capacity_bytes: int, device_label: str, replayed=None) -> None:
     """Refuse a single-device run predicted not to fit ``capacity_bytes``, or one whose replay through
     the allocator model (``replayed``, a ``whatif.Replay``) runs out of memory.

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Gauge, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 
 from memfit.telemetry.readings import process_rss_bytes
+from memfit.units import meminfo
 
 # step-record key -> (metric name, help)
 TRAINER_METRICS = {
@@ -92,15 +93,6 @@ class TrainerMetrics:
             self._server = None
 
 
-def _meminfo() -> dict[str, int]:
-    out = {}
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            key, value = line.split(":", 1)
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 class DeviceMemoryCollector:
     """Collects per-device total/used memory at scrape time from the best source available."""
 
@@ -156,7 +148,7 @@ class DeviceMemoryCollector:
                 free, total = torch.cuda.mem_get_info(i)
                 out.append((str(i), torch.cuda.get_device_name(i), int(total), int(total - free)))
             return out
-        info = _meminfo()
+        info = meminfo()
         return [("host", "host-memory", info["MemTotal"], info["MemTotal"] - info["MemAvailable"])]
 
     def collect(self):

@@ -3,6 +3,8 @@ planned first two steps replayed through the caching-allocator model, before any
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from memfit.allocator.whatif import Replay, as_trace, replay, settings_from_conf
@@ -11,9 +13,10 @@ from memfit.config.strategy import Strategy
 from memfit.device import device_name
 from memfit.distributed.runtime import DistContext
 from memfit.planner.categories import StepMemory
-from memfit.planner.search import CONTEXT_BYTES, check_fits, predict_run, step_allocations
+from memfit.planner.search import CONTEXT_BYTES, check_fits, check_host_fits, predict_run, step_allocations
 from memfit.planner.sharding import ShardingSpec
 from memfit.strategies.allocator import conf_in_effect
+from memfit.units import meminfo
 
 
 def planned_step(
@@ -53,6 +56,9 @@ def planned_step(
         if cfg.train.allocator_model and not ctx.distributed:
             replayed = replay_planned_steps(cfg, strategy, mconf, total)
         check_fits(step, capacity, device_name(device), replayed)
+        if step.host_peak_bytes:  # offloading: this node's ranks together, against the memory it has now
+            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+            check_host_fits(step, ranks_here, meminfo().get("MemAvailable"))
     return step, replayed
 
 

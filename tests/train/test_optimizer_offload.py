@@ -254,3 +254,15 @@ def test_planned_for_a_gpu_the_pinned_copies_are_rounded_as_pytorchs_pinned_allo
         model = AutoModelForCausalLM.from_config(cfg)
     sizes = [p.numel() * 4 for p in {id(p): p for p in model.parameters()}.values()]
     assert gpu - exact == sum(2 * ((1 << (n - 1).bit_length()) - n) for n in sizes) > 0
+
+
+def test_the_trainers_fit_check_refuses_host_memory_the_node_has_not_got():
+    """On a GPU the fit check sums the node's ranks' predicted host peaks against the memory available now."""
+    from memfit.planner.categories import Breakdown, StepMemory
+    from memfit.planner.search import check_host_fits
+
+    step = StepMemory(Breakdown({}), {"optimizer": Breakdown({})}, "optimizer", host_peak_bytes=3 << 30)
+    check_host_fits(step, 1, 5 << 30)
+    check_host_fits(step, 8, None)  # not known: not checked
+    with pytest.raises(UserError, match=r"6\.00 GiB of host memory \(2 rank\(s\) x 3\.00 GiB offloaded\).* 5\.00 GiB"):
+        check_host_fits(step, 2, 5 << 30)
