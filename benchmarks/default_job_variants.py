@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import platform
 import tempfile
 from datetime import datetime, timezone
@@ -31,6 +32,7 @@ from memfit.config.shipped import shipped_configs
 from memfit.train.loop import Trainer
 
 MIB = 1 << 20
+os.environ["MEMFIT_TRACE_CACHE"] = "off"  # --set frozen-base patches the precision table: no cached trace may answer
 SETS = {
     "optimizer": [(f"optimizer.name={n}", n, None) for n in ("adamw", "adamw8bit", "adamw4bit")],
     "qlora": [

@@ -3,6 +3,7 @@ SmolLM2 one (converted once per machine into the memfit cache)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -12,6 +13,10 @@ from support.tiny import tiny_overrides
 from memfit.config.loader import load_config
 from memfit.config.shipped import shipped_configs
 from memfit.models.load import embedded_checkpoint_dir
+
+# the planner's trace cache is off unless a test turns it on: a test that patches a module constant the trace
+# depends on must never read a trace made without the patch (subprocesses inherit this)
+os.environ["MEMFIT_TRACE_CACHE"] = "off"
 
 
 @pytest.fixture(autouse=True)

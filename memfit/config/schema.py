@@ -122,7 +122,8 @@ class OptimizerConfig:
     offload: bool = _f(
         False,
         "keep the optimizer state, a master copy of each trainable weight and its gradient in host memory and "
-        "step there (after backward and clipping; pinned buffers and a side stream on GPUs); one process",
+        "step there (after backward and clipping; pinned buffers and a side stream on GPUs): one process, FSDP2 "
+        "at zero_stage 2/3 (CPUOffloadPolicy: the shards too) or DeepSpeed (its JSON's offload_optimizer)",
     )
 
 

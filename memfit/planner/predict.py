@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from memfit.config.strategy import CheckpointPolicy, Strategy
+from memfit.planner import trace_cache
 from memfit.planner.categories import Category, StepMemory
 from memfit.planner.sharding import ShardingSpec, per_rank_moments
 from memfit.planner.trace import (
@@ -45,7 +46,8 @@ class Predictor:
         self._cache: dict[tuple, Timeline] = {}
         self._moments: dict[tuple, dict[str, tuple[int, ...]]] = {}
         self._opt: dict[tuple, dict[str, tuple[int, ...]]] = {}
-        self.traces = 0
+        self.traces = 0  # timelines this predictor read: traced, or ``cached`` of them from the trace cache
+        self.cached = 0
 
     @staticmethod
     def _key(spec: StepSpec, layers: int) -> tuple:
@@ -54,7 +56,15 @@ class Predictor:
     def _trace(self, spec: StepSpec, layers: int) -> Timeline:
         key = self._key(spec, layers)
         if key not in self._cache:
-            self._cache[key] = steady_timeline(spec, min(layers, self.depth))
+            layers = min(layers, self.depth)
+            disk = trace_cache.trace_key(spec, layers)
+            timeline = trace_cache.load(disk)
+            if timeline is None:
+                timeline = steady_timeline(spec, layers)
+                trace_cache.store(disk, timeline)
+            else:
+                self.cached += 1
+            self._cache[key] = timeline
             self.traces += 1
         return self._cache[key]
 
@@ -157,7 +167,14 @@ class Predictor:
         for strategy in strategies:
             for spec, layers in self._requests(strategy):
                 key = self._key(spec, layers)
-                if key not in self._cache:
+                if key in self._cache or key in missing:
+                    continue
+                cached = trace_cache.load(trace_cache.trace_key(spec, min(layers, self.depth)))
+                if cached is not None:
+                    self._cache[key] = cached
+                    self.traces += 1
+                    self.cached += 1
+                else:
                     missing[key] = (spec, min(layers, self.depth))
         workers = min(workers or plan_workers(), len(missing))
         if workers < 2:
@@ -167,6 +184,8 @@ class Predictor:
             for key, timeline in pool.imap_unordered(_trace_job, missing.items(), chunksize=1):
                 self._cache[key] = timeline
                 self.traces += 1
+                spec, layers = missing[key]
+                trace_cache.store(trace_cache.trace_key(spec, layers), timeline)
 
     def _at_batch(self, spec: StepSpec, layers: int, micro_batch: int) -> dict[str, tuple[int, ...]]:
         """Moments of the first step at ``micro_batch``, from the op-by-op line through B = 2 and 3.

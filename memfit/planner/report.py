@@ -72,6 +72,7 @@ def plan_dict(r: PlanResult) -> dict[str, Any]:
         "context_bytes": CONTEXT_BYTES,
         "assumptions": _assumptions(r),
         "traces": r.traces,
+        "cached_traces": r.cached_traces,
         "untried": r.untried,
         "fitting": [candidate_dict(c) for c in r.fitting],
         "pruned": [dict(candidate_dict(c), reason=c.why_not()) for c in r.pruned],
@@ -148,6 +149,7 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
     console.print(t)
     console.print(
         f"{len(r.fitting)} of {len(r.fitting) + len(r.pruned)} candidates fit ({r.traces} traces"
+        + (f", {r.cached_traces} of them from the trace cache" if r.cached_traces else "")
         + (
             f"; {r.untried} with a fallback (offloading, the step in backward, low-bit AdamW states, an NF4 base) "
             "not tried: each only where no candidate as fast fits without it, activation offloading only where no "

@@ -138,6 +138,7 @@ class PlanResult:
     fitting: list[Candidate] = field(default_factory=list)
     pruned: list[Candidate] = field(default_factory=list)
     traces: int = 0
+    cached_traces: int = 0  # of ``traces``, read from the trace cache
     untried: int = 0  # with a fallback lever, left untraced by the search's rules (``Lever.fallback``, ``last_resort``)
 
     @property
@@ -339,7 +340,7 @@ def search(
     result.untried = len(strategies) - len(done)
     result.fitting.sort(key=_rank_key)
     result.pruned.sort(key=lambda k: (k.shortfall_bytes, k.reserved_bytes))
-    result.traces = predictor.traces
+    result.traces, result.cached_traces = predictor.traces, predictor.cached
     return result
 
 

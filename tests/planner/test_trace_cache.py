@@ -1,0 +1,102 @@
+"""The planner's trace cache: a repeated search reads its traces back unchanged, a damaged entry is said once and
+traced again, concurrent writers leave a whole entry, and the key changes with everything that changes a trace."""
+
+import gzip
+import multiprocessing
+
+import pytest
+
+from memfit.config.strategy import CheckpointPolicy, Strategy
+from memfit.models.presets import preset_config
+from memfit.planner import trace_cache
+from memfit.planner.hardware import gpu_preset
+from memfit.planner.predict import Predictor
+from memfit.planner.search import Cluster, Pins, Workload, search
+from memfit.planner.trace import StepSpec, steady_timeline
+from memfit.planner.tracker import Timeline
+
+SPEC = StepSpec(preset_config("tiny"), 64, Strategy(micro_batch_size=2))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "traces"
+    monkeypatch.setenv("MEMFIT_TRACE_CACHE", str(root))
+    return root
+
+
+def test_a_repeated_search_reads_every_trace_back_and_plans_the_same(cache):
+    w = Workload(preset_config("tiny"), "tiny", 64, 4)
+    pins = Pins({"precision": "fp32", "activation_checkpointing": CheckpointPolicy("none")})
+    first = search(w, Cluster(gpu_preset("h100")), pins)
+    assert first.traces > 0 and first.cached_traces == 0
+    assert len(list(cache.glob("*.json.gz"))) == first.traces
+    again = search(w, Cluster(gpu_preset("h100")), pins)
+    assert again.cached_traces == again.traces == first.traces
+    assert [(c.strategy, c.memory) for c in again.fitting] == [(c.strategy, c.memory) for c in first.fitting]
+    assert [(c.strategy, c.memory) for c in again.pruned] == [(c.strategy, c.memory) for c in first.pruned]
+
+
+def test_a_cached_timeline_is_the_traced_one(cache):
+    fresh = steady_timeline(SPEC, 2)
+    key = trace_cache.trace_key(SPEC, 2)
+    trace_cache.store(key, fresh)
+    back = trace_cache.load(key)
+    assert back.phases == fresh.phases and back.rows == fresh.rows
+
+
+@pytest.mark.parametrize("damage", [b"", b"not gzip", gzip.compress(b"{not json"), gzip.compress(b'{"phases": [1]}')])
+def test_a_damaged_entry_is_said_in_one_line_removed_and_traced_again(cache, capsys, damage):
+    predictor = Predictor(SPEC)
+    key = trace_cache.trace_key(SPEC, 2)
+    cache.mkdir(parents=True)
+    (cache / f"{key}.json.gz").write_bytes(damage)
+    timeline = predictor._trace(SPEC, 2)
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is damaged" in err and "tracing it again" in err
+    assert predictor.cached == 0 and predictor.traces == 1
+    assert trace_cache.load(key).rows == timeline.rows  # traced again and stored whole
+
+
+def _write_many(root: str, rows: int) -> None:
+    import os
+
+    os.environ["MEMFIT_TRACE_CACHE"] = root
+    timeline = Timeline(["forward:outer"] * rows, [(i, 0, 0, 0, 0, 0, 0) for i in range(rows)])
+    for _ in range(30):
+        trace_cache.store("same", timeline)
+
+
+def test_concurrent_writers_of_one_entry_leave_it_whole(cache):
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        pool.starmap(_write_many, [(str(cache), 50_000)] * 4)
+    back = trace_cache.load("same")
+    assert back is not None and len(back.rows) == 50_000 and back.rows[-1][0] == 49_999
+    assert not list(cache.glob(".tmp-*"))
+
+
+def test_the_key_changes_with_everything_that_changes_a_trace():
+    keys = {
+        trace_cache.trace_key(SPEC, 2),
+        trace_cache.trace_key(SPEC, 3),
+        trace_cache.trace_key(SPEC.with_strategy(precision="bf16-mixed"), 2),
+        trace_cache.trace_key(StepSpec(preset_config("tiny"), 128, SPEC.strategy), 2),
+        trace_cache.trace_key(StepSpec(preset_config("tiny"), 64, SPEC.strategy, round_to=512), 2),
+        trace_cache.trace_key(StepSpec(preset_config("smollm2-135m"), 64, SPEC.strategy), 2),
+    }
+    assert len(keys) == 6
+    assert trace_cache.trace_key(SPEC, 2) == trace_cache.trace_key(
+        StepSpec(preset_config("tiny"), 64, SPEC.strategy), 2
+    )
+
+
+def test_off_writes_nothing_and_an_unwritable_cache_is_skipped(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMFIT_TRACE_CACHE", "off")
+    assert trace_cache.cache_root() is None
+    trace_cache.store("k", Timeline(["forward:outer"], [(1, 0, 0, 0, 0, 0, 0)]))
+    assert trace_cache.load("k") is None
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the directory would be")
+    monkeypatch.setenv("MEMFIT_TRACE_CACHE", str(blocked / "traces"))
+    trace_cache.store("k", Timeline(["forward:outer"], [(1, 0, 0, 0, 0, 0, 0)]))  # no error
+    assert trace_cache.load("k") is None
