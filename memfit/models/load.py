@@ -34,7 +34,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where weights and tokenizer come from. ``kind`` is ``hf`` (a directory) or ``preset`` (random)."""
+    """Where weights and tokenizer come from. ``kind`` is ``hf`` (a directory) or ``preset`` (random weights: of a
+    named preset, or of the model a ``config.json`` at ``path`` describes)."""
 
     kind: str
     path: Path | None = None
@@ -88,14 +89,21 @@ def resolve_source(source: str) -> ModelSource:
     """
     if source.startswith("random:"):
         name = source.split(":", 1)[1]
-        preset_config(name)  # validates the name
-        return ModelSource("preset", preset=name)
+        if name in PRESETS:
+            return ModelSource("preset", preset=name)
+        path = Path(name).expanduser()
+        config = path / "config.json" if path.is_dir() else path
+        if not (config.is_file() and config.suffix == ".json"):
+            preset_config(name)  # an unknown name: the presets, the closest named
+        read_config(config, "model.source")  # validated now, one line if it is not a model config
+        return ModelSource("preset", path=config)
     if source == EMBEDDED_MODEL:
         return ModelSource("hf", path=embedded_checkpoint_dir())
     path = Path(source).expanduser()
     if not path.is_dir():
         raise UserError(
-            f"model.source: '{source}' is not a directory, '{EMBEDDED_MODEL}' or 'random:<preset>'; "
+            f"model.source: '{source}' is not a directory, '{EMBEDDED_MODEL}', 'random:<preset>' or "
+            "'random:<config.json>'; "
             "point it at a Hugging Face checkpoint directory"
         )
     if not (path / "config.json").is_file():
@@ -173,7 +181,7 @@ def model_config(src: ModelSource, cfg: ModelConfig):
     Raises:
         UserError: an unreadable ``config.json``.
     """
-    if src.kind == "preset":
+    if src.kind == "preset" and src.path is None:
         return preset_config(src.preset, cfg.attn_implementation)
     config = read_config(src.path)
     config._attn_implementation = cfg.attn_implementation
@@ -239,7 +247,7 @@ def config_for_planning(model: str, attn_implementation: str = "sdpa"):
     name = model.split(":", 1)[1] if model.startswith("random:") else model
     if name in PRESETS:
         return preset_config(name, attn_implementation)
-    path = Path(model).expanduser()
+    path = Path(name).expanduser()
     if path.is_file() and path.name.endswith(".json"):
         config = read_config(path.parent if path.name == "config.json" else path, "--model")
         config._attn_implementation = attn_implementation

@@ -16,7 +16,7 @@ from memfit.train.checkpoint import atomic_dir
 
 def export_model(model, tokenizer, source: ModelSource, target: Path) -> None:
     remove_activation_checkpointing(model)
-    base = str(source.path) if source.kind == "hf" else f"random:{source.preset}"
+    base = str(source.path) if source.kind == "hf" else f"random:{source.preset or source.path}"
 
     def write(tmp: Path) -> None:
         if hasattr(model, "peft_config"):

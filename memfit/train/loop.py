@@ -164,7 +164,7 @@ class Trainer:
                 )
             dataset = dataset.folded(mconf.vocab_size)  # random weights: only shapes matter
             self.notes.append(
-                f"random preset with {mconf.vocab_size} embeddings: the {len(self.tokenizer)}-token "
+                f"random weights with {mconf.vocab_size} embeddings: the {len(self.tokenizer)}-token "
                 f"tokenizer's ids are folded into them (id mod {mconf.vocab_size})"
             )
         self.source, self.mconf = source, mconf

@@ -1,0 +1,57 @@
+"""model.source=random:<config.json>: any Llama-family architecture with random weights, for training and planning
+(issue 21), the tokenizer's ids folded into a smaller vocabulary."""
+
+import json
+
+import pytest
+
+from memfit.errors import UserError
+from memfit.models.load import config_for_planning, resolve_source
+from memfit.models.presets import preset_config
+from memfit.train.loop import Trainer
+
+
+@pytest.fixture
+def small_config(tmp_path):
+    cfg = preset_config("tiny").to_dict()
+    cfg["vocab_size"], cfg["num_hidden_layers"] = 1000, 3
+    path = tmp_path / "arch" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("as_dir", [False, True])
+def test_a_run_trains_random_weights_of_any_config_with_the_tokenizer_folded(tiny_cfg, small_config, as_dir):
+    where = small_config.parent if as_dir else small_config
+    trainer = Trainer(tiny_cfg(f"model.source=random:{where}", "train.max_steps=2", "train.eval_every=0"))
+    try:
+        result = trainer.fit()
+    finally:
+        trainer.close()
+    assert trainer.mconf.vocab_size == 1000 and trainer.mconf.num_hidden_layers == 3
+    assert any("folded" in note and "1000 embeddings" in note for note in trainer.notes)
+    assert len(result.steps) == 2
+
+
+def test_planning_a_config_json_is_planning_that_architecture(small_config):
+    planned = config_for_planning(f"random:{small_config}")
+    assert (planned.vocab_size, planned.num_hidden_layers) == (1000, 3)
+    assert config_for_planning(str(small_config)).to_dict() == planned.to_dict()
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [("{not json", "is not a usable model config"), ('{"model_type": "no-such-arch"}', "is not a usable model config")],
+)
+def test_a_bad_config_is_one_line(tmp_path, text, needle):
+    bad = tmp_path / "config.json"
+    bad.write_text(text)
+    with pytest.raises(UserError, match=needle) as e:
+        resolve_source(f"random:{bad}")
+    assert "\n" not in str(e.value)
+
+
+def test_an_unknown_name_still_names_the_closest_preset():
+    with pytest.raises(UserError, match="llama2-7b"):
+        resolve_source("random:llama2-7bb")
