@@ -43,6 +43,14 @@ def add_plan_parser(sub) -> None:
         "--gpu", help="GPU preset (mi210, mi250x, mi300x, a100-40g, a100-80g, h100, h200, l40s, rtx4090, ...)"
     )
     hw.add_argument("--gpu-mem", help="GPU memory instead of a preset, e.g. 64GiB")
+    hw.add_argument(
+        "--device",
+        choices=("gpu", "cpu"),
+        default="gpu",
+        help="cpu: plan a run on this machine's CPU (host bytes, no allocator rounding, the runtime's resident "
+        "memory stated apart), in --mem (default: the memory available now)",
+    )
+    hw.add_argument("--mem", help="with --device cpu: the memory the run may use, e.g. 24GiB")
     hw.add_argument("--gpus-per-node", type=int, default=1)
     hw.add_argument("--nodes", type=int, default=1)
     hw.add_argument("--headroom", type=float, default=0.05, help="fraction of GPU memory kept free (default 0.05)")

@@ -21,7 +21,7 @@ from memfit.distributed.deepspeed_engine import offloaded
 from memfit.errors import UserError
 from memfit.models.load import config_for_planning
 from memfit.models.presets import PRESETS
-from memfit.planner.hardware import custom_gpu, gpu_preset
+from memfit.planner.hardware import cpu_device, custom_gpu, gpu_preset
 from memfit.planner.report import (
     plan_dict,
     render_explain,
@@ -38,7 +38,8 @@ from memfit.planner.search import (
     search,
     step_allocations,
 )
-from memfit.units import GIB, parse_memory, this_machine_memory
+from memfit.telemetry.readings import process_rss_bytes
+from memfit.units import GIB, meminfo, parse_memory, this_machine_memory
 
 
 @dataclass
@@ -202,6 +203,23 @@ def _simulate(
         )
 
 
+def _cpu_cluster(ns) -> Cluster:
+    """This machine's CPU as ``--device cpu`` plans for it: ``--mem`` or the memory available now, and the
+    resident memory of this process (torch and transformers imported) as the runtime's share.
+
+    Raises:
+        UserError: for GPU flags given with it, or more than one rank.
+    """
+    if ns.gpu or ns.gpu_mem or ns.host_mem:
+        raise UserError("--device cpu plans this machine's memory: give --mem, not --gpu / --gpu-mem / --host-mem")
+    if ns.gpus_per_node != 1 or ns.nodes != 1:
+        raise UserError(f"--device cpu plans one process (got {ns.gpus_per_node} x {ns.nodes}); drop --gpus-per-node")
+    import transformers  # noqa: F401 - the runtime a run holds, resident before the resident size is read
+
+    memory = parse_memory(ns.mem, "--mem") if ns.mem else meminfo().get("MemAvailable", this_machine_memory())
+    return Cluster(cpu_device(memory), runtime_bytes=process_rss_bytes())
+
+
 def _with_more_host_memory(pruned: list[Candidate]) -> str:
     """The least host memory that would make a candidate fit whose device memory already does, in words."""
     host_only = [c for c in pruned if c.reserved_bytes <= c.usable_bytes and not c.fits_host]
@@ -215,17 +233,25 @@ def run(ns) -> int:
     req = plan_request(ns)
     if ns.gpu and ns.gpu_mem:
         raise UserError("give --gpu or --gpu-mem, not both")
+    if ns.simulate and ns.device == "cpu":
+        raise UserError("--simulate replays a GPU's caching allocator; a --device cpu plan has none")
     if ns.simulate and ns.explain is None:
         raise UserError("--simulate replays one candidate's step: give --explain N too (N = its row in the table)")
-    if not ns.gpu and not ns.gpu_mem:
-        raise UserError("memfit plan needs --gpu (e.g. mi210, h100) or --gpu-mem (e.g. 64GiB)")
-    gpu = gpu_preset(ns.gpu) if ns.gpu else custom_gpu(parse_memory(ns.gpu_mem))
     if ns.gpus_per_node < 1 or ns.nodes < 1:
         raise UserError(f"--gpus-per-node and --nodes must be >= 1 (got {ns.gpus_per_node}, {ns.nodes})")
     if not 0 <= ns.headroom < 1:
         raise UserError(f"--headroom must be in [0, 1) (got {ns.headroom})")
-    host_mem = parse_memory(ns.host_mem, "--host-mem") if ns.host_mem else (this_machine_memory() or None)
-    cluster = Cluster(gpu, ns.gpus_per_node, ns.nodes, host_mem)
+    if ns.device == "cpu":
+        cluster = _cpu_cluster(ns)
+    else:
+        if ns.mem:
+            raise UserError("--mem is the memory of a --device cpu plan; for a GPU give --gpu-mem")
+        if not ns.gpu and not ns.gpu_mem:
+            raise UserError("memfit plan needs --gpu (e.g. mi210, h100), --gpu-mem (e.g. 64GiB) or --device cpu")
+        gpu = gpu_preset(ns.gpu) if ns.gpu else custom_gpu(parse_memory(ns.gpu_mem))
+        host_mem = parse_memory(ns.host_mem, "--host-mem") if ns.host_mem else (this_machine_memory() or None)
+        cluster = Cluster(gpu, ns.gpus_per_node, ns.nodes, host_mem)
+    gpu = cluster.gpu
     pinned = req.typed_pins()
     if req.global_batch is None:
         per_gpu = pinned.get("micro_batch_size", 4) * (req.grad_accum or 1)
@@ -253,6 +279,9 @@ def run(ns) -> int:
         if not 1 <= ns.explain <= len(result.fitting):
             raise UserError(f"--explain {ns.explain}: there are {len(result.fitting)} fitting candidates")
         chosen = result.fitting[ns.explain - 1]
+        if gpu.is_cpu:  # no caching allocator to replay
+            render_explain(chosen, console)
+            return 0
 
         events = _step_events(workload, chosen)
         model = replay_allocations(events)

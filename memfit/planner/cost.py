@@ -97,6 +97,7 @@ def step_time_s(
     offload_bytes: int = 0,
     host_GBps: float = 25.0,
     lora: bool = False,
+    fp32_slowdown: float = FP32_SLOWDOWN,
 ) -> float:
     """Modelled seconds of one optimizer step on one rank.
 
@@ -104,8 +105,8 @@ def step_time_s(
         offload_bytes: bytes copied to host memory per step (and back), by activation offloading.
         lora: the forward is half the training compute (a third for a full fine-tune).
     """
-    rate = peak_tflops * 1e12 * MFU / (FP32_SLOWDOWN if precision == "fp32" else 1.0)
-    bandwidth = (INTER_NODE_GBPS if nodes > 1 else link_GBps) * 1e9
+    rate = peak_tflops * 1e12 * MFU / (fp32_slowdown if precision == "fp32" else 1.0)
+    bandwidth = max(INTER_NODE_GBPS if nodes > 1 else link_GBps, 1e-9) * 1e9
     compute_s = flops / rate
     return compute_s + comm_bytes / bandwidth + offload_time_s(offload_bytes, host_GBps, compute_s, lora)
 
@@ -134,6 +135,7 @@ def assumptions(
     host_GBps: float | None = None,
     activations: bool = True,
     optimizer: bool = False,
+    fp32_slowdown: float = FP32_SLOWDOWN,
 ) -> str:
     """The step-time model's assumptions in words (the host's where ``host_GBps`` is given: offloaded
     ``activations`` and/or an ``optimizer`` on the host)."""
@@ -146,7 +148,9 @@ def assumptions(
             f"; an offloaded optimizer's gradient and weight copies at {host_GBps:g} GB/s and its host step at "
             f"{HOST_MEMORY_GBPS:g} GB/s of host memory traffic, not hidden"
         )
+    if not link_GBps:  # one CPU process: no collectives
+        return f"step time assumes {MFU:.0%} of {peak_tflops:g} TFLOP/s, fp32 as fast as bf16{host}"
     return (
-        f"step time assumes {MFU:.0%} of {peak_tflops:g} TFLOP/s bf16 (fp32 {FP32_SLOWDOWN:g}x slower) "
+        f"step time assumes {MFU:.0%} of {peak_tflops:g} TFLOP/s bf16 (fp32 {fp32_slowdown:g}x slower) "
         f"and {bw:g} GB/s per GPU for collectives, without overlap{host}"
     )

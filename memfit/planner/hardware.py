@@ -24,6 +24,12 @@ class Gpu:
     link_GBps: float
     vendor: str
     host_GBps: float = 25.0  # host<->device copies, each way: ~80% of PCIe x16 (Gen3 12, Gen4 25, Gen5 50 GB/s)
+    fp32_slowdown: float = 4.0  # fp32 matmuls against the bf16 peak (TF32 on NVIDIA ~2x, MI200 fp32 matrix ~4x)
+
+    @property
+    def is_cpu(self) -> bool:
+        """The planned device is this machine's CPU (``memfit plan --device cpu``): one memory, no allocator."""
+        return self.vendor == "cpu"
 
 
 GPUS: dict[str, Gpu] = {
@@ -65,3 +71,10 @@ def custom_gpu(memory_bytes: int, bf16: bool = True) -> Gpu:
         "unknown",
         a100.host_GBps,
     )
+
+
+def cpu_device(memory_bytes: int) -> Gpu:
+    """The CPU as ``memfit plan --device cpu`` plans for it: ``memory_bytes`` of host memory, no collectives, and
+    a rate for ranking only (1 TFLOP/s, fp32 as fast as bf16: a CPU without bf16 matrix units computes bf16 no
+    faster)."""
+    return Gpu("cpu", memory_bytes, True, 1.0, 0.0, "cpu", 0.0, 1.0)

@@ -67,6 +67,7 @@ def plan_dict(r: PlanResult) -> dict[str, Any]:
         "gpus_per_node": cl.gpus_per_node,
         "nodes": cl.nodes,
         "host_mem_bytes": cl.host_mem_bytes,
+        "runtime_bytes": cl.runtime_bytes if cl.gpu.is_cpu else None,
         "headroom": r.headroom,
         "allocator_margin": ALLOCATOR_MARGIN,
         "context_bytes": CONTEXT_BYTES,
@@ -85,7 +86,22 @@ def _assumptions(r: PlanResult) -> str:
     activations = any(c.strategy.activation_offload for c in every)
     optimizer = any(c.strategy.optimizer_offload for c in every)
     host = cl.gpu.host_GBps if activations or optimizer else None
-    return assumptions(cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes, host, activations, optimizer)
+    return assumptions(
+        cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes, host, activations, optimizer, cl.gpu.fp32_slowdown
+    )
+
+
+def _reserved_note(r: PlanResult) -> str:
+    cl = r.cluster
+    if cl.gpu.is_cpu:
+        return (
+            f"*reserved = peak (tensors, exact bytes) + {cl.runtime_bytes / GIB:.2f} GiB runtime resident (this "
+            f"process with torch and transformers loaded); usable = {(1 - r.headroom):.0%} of the memory"
+        )
+    return (
+        f"*reserved = peak x {1 + ALLOCATOR_MARGIN:g} + {CONTEXT_BYTES >> 20} MiB context; usable = "
+        f"{(1 - r.headroom):.0%} of the GPU"
+    )
 
 
 def _offloaded(s) -> str:
@@ -158,8 +174,8 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
             else ""
         )
         + "). "
-        f"*reserved = peak x {1 + ALLOCATOR_MARGIN:g} + {CONTEXT_BYTES >> 20} MiB context; usable = "
-        f"{(1 - r.headroom):.0%} of the GPU; host = host memory per rank at its peak"
+        + _reserved_note(r)
+        + "; host = host memory per rank at its peak"
         + (f", at most {cl.host_mem_bytes / GIB:.2f} GiB per node (--host-mem)" if cl.host_mem_bytes else "")
         + f". Relative step time: {_assumptions(r)}.",
         highlight=False,

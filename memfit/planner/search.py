@@ -46,6 +46,7 @@ from memfit.units import GIB
 
 FALLBACKS_AT_ONCE = 4  # fallback candidates traced together (in parallel) before checking whether one fits
 ALLOCATOR_MARGIN = 0.08  # cached-but-free blocks at the peak (typical reserved/allocated of a training step)
+CPU_PRECISION_PREFERENCE = ("fp32", "bf16-mixed", "bf16-pure", "fp16-mixed")
 CONTEXT_BYTES = 512 << 20  # CUDA/HIP context, cuBLAS/hipBLASLt workspaces: device memory outside the allocator
 
 
@@ -66,6 +67,7 @@ class Cluster:
     gpus_per_node: int = 1
     nodes: int = 1
     host_mem_bytes: int | None = None
+    runtime_bytes: int = 0  # --device cpu: the runtime's resident memory (torch, transformers), beside the tensors
 
     @property
     def world_size(self) -> int:
@@ -95,6 +97,7 @@ class Candidate:
     comm_bytes: int
     host_node_bytes: int = 0  # host memory a node's ranks hold at their peak (offloaded activations and state)
     host_usable_bytes: int | None = None  # a node's host memory (None: not checked)
+    on_cpu: bool = False  # planned for this machine's CPU (--device cpu)
 
     @property
     def fits_host(self) -> bool:
@@ -147,6 +150,8 @@ class PlanResult:
 
 
 def precisions_for(gpu: Gpu) -> tuple[str, ...]:
+    if gpu.is_cpu:
+        return ("fp32", "bf16-mixed", "bf16-pure")
     return ("bf16-mixed", "bf16-pure") if gpu.bf16 else ("fp16-mixed",)
 
 
@@ -209,11 +214,12 @@ def _rank_key(c: Candidate) -> tuple:
     states, then to the optimizer
     step after backward (it can clip
     the gradient norm), then the larger micro-batch (better kernel efficiency, not modelled), then the
-    fused optimizer, then the smaller footprint."""
+    fused optimizer, then the smaller footprint. On a CPU, fp32 first (bf16 is no faster there without bf16
+    matrix units, and autocast costs casts)."""
     s = c.strategy
     return (
         time_bucket(c.step_time_s),
-        PRECISION_PREFERENCE.index(s.precision),
+        (CPU_PRECISION_PREFERENCE if c.on_cpu else PRECISION_PREFERENCE).index(s.precision),
         QUANTIZED_BASES.index(s.quantize_base),
         OPTIMIZER_NAMES.index(s.optimizer_name),
         s.optimizer_in_backward,
@@ -237,6 +243,8 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
         "quantize_base": QUANTIZED_BASES if c.world_size == 1 and w.lora is not None else ("none",),
         "optimizer_offload": (False, True),
     }
+    if c.gpu.is_cpu:  # host and device are one memory: offloading moves nothing
+        choices.update(activation_offload=(False,), optimizer_offload=(False,))
     # stepped in backward, parameters are stepped one at a time, where implementations differ by one
     # parameter's temporaries at most: the preferred one stands for them (a quarter of the traces)
     in_backward_optimizer = host_optimizer = pins.levers.get("optimizer", OPTIMIZER_IMPLEMENTATIONS[0])
@@ -274,7 +282,10 @@ def search(
     micro_batches(w.global_batch, c.world_size)  # the batch must split over the GPUs
     _check_pins(pins, w, c)
     strategies = search_space(w, c, pins)
-    predictor = predictor or Predictor(StepSpec(w.model_config, w.seq_len, lora=w.lora, round_to=512))
+    cpu = c.gpu.is_cpu  # a CPU run's tensors: exact bytes, offloaded copies in the one memory
+    predictor = predictor or Predictor(
+        StepSpec(w.model_config, w.seq_len, lora=w.lora, round_to=1 if cpu else 512, host_is_device=cpu)
+    )
     usable = int(c.gpu.memory_bytes * (1 - headroom))
     result = PlanResult(w, c, headroom)
     first = [s for s in strategies if not fallbacks(s, pins.levers)]
@@ -304,7 +315,7 @@ def search(
         if s.optimizer_offload and Category.OPTIMIZER in kept:
             kept.remove(Category.OPTIMIZER)  # the state is host memory
         floor = min(sum(b[k] for k in kept) for b in twin.memory.phase_peaks.values())
-        could_fit = reserved_estimate(floor) <= usable
+        could_fit = reserved_estimate(floor, c) <= usable
         return not twin.fits and could_fit and (fastest is None or time_bucket(twin.step_time_s) <= fastest)
 
     def twin_bucket(s: Strategy) -> int:
@@ -378,6 +389,7 @@ def _candidate(strategy: Strategy, w: Workload, c: Cluster, pins: Pins, predicto
         activations_out * strategy.grad_accum_steps,  # each micro-batch offloads its own
         c.gpu.host_GBps,
         w.lora is not None,
+        c.gpu.fp32_slowdown,
     )
     if strategy.optimizer_offload:
         # every gradient to the host and every updated weight back: the device's gradient bytes each way
@@ -385,12 +397,13 @@ def _candidate(strategy: Strategy, w: Workload, c: Cluster, pins: Pins, predicto
     return Candidate(
         strategy,
         mem,
-        reserved_estimate(mem.peak_bytes),
+        reserved_estimate(mem.peak_bytes, c),
         usable,
         seconds,
         comm,
         mem.host_peak_bytes * c.gpus_per_node,
         c.host_mem_bytes,
+        c.gpu.is_cpu,
     )
 
 
@@ -409,8 +422,11 @@ def predict_run(
     return predictor.predict(strategy, sharding)
 
 
-def reserved_estimate(peak_bytes: int) -> int:
-    """Device memory a step with this allocated peak needs: allocator margin plus runtime context."""
+def reserved_estimate(peak_bytes: int, cluster: Cluster | None = None) -> int:
+    """Device memory a step with this allocated peak needs: allocator margin plus runtime context; on a CPU
+    (``--device cpu``), the tensors plus the runtime's resident memory."""
+    if cluster is not None and cluster.gpu.is_cpu:
+        return peak_bytes + cluster.runtime_bytes
     return int(peak_bytes * (1 + ALLOCATOR_MARGIN)) + CONTEXT_BYTES
 
 

@@ -224,3 +224,45 @@ def test_plan_takes_lora_targets_and_alpha_and_shows_them(capsys, tmp_path):
 def test_plan_refuses_bad_lora_flags_in_one_line(capsys, args, message):
     code, _, err = _plan(capsys, "--model", "tiny", "--gpu", "mi210", "--seq-len", "64", *args)
     assert code == 2 and message in err and len(err.splitlines()) == 1
+
+
+def test_plan_device_cpu_is_the_trainers_cpu_prediction_with_the_runtime_apart(capsys):
+    """--device cpu: exact tensor bytes (no allocator rounding, offloading not searched: one memory), the same
+    peak the trainer's fit check predicts for that CPU run, and the runtime's resident memory stated apart."""
+    from memfit.config.strategy import CheckpointPolicy, Strategy
+    from memfit.models.presets import preset_config
+    from memfit.planner.search import predict_run
+
+    args = ["--model", "tiny", "--device", "cpu", "--mem", "4GiB", "--seq-len", "64", "--global-batch", "2"]
+    code, out, _ = _plan(capsys, *args, "--ac", "none", "--micro-batch", "2", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["gpu"] == "cpu" and plan["gpu_memory_bytes"] == 4 << 30 and plan["runtime_bytes"] > 0
+    best = plan["fitting"][0]
+    assert best["precision"] == "fp32"  # on a CPU fp32 ranks first among equals
+    assert not any(c["activation_offload"] or c["optimizer_offload"] for c in plan["fitting"] + plan["pruned"])
+    strategy = Strategy(
+        activation_checkpointing=CheckpointPolicy.parse(best["activation_checkpointing"]),
+        **{k: best[k] for k in ("precision", "quantize_base", "loss_chunks", "optimizer", "optimizer_name")},
+        optimizer_in_backward=best["optimizer_in_backward"],
+        micro_batch_size=2,
+    )
+    trainer_view = predict_run(preset_config("tiny"), 64, strategy, None, on_gpu=False)
+    assert best["peak_bytes"] == trainer_view.peak_bytes
+    assert best["predicted_reserved_bytes"] == best["peak_bytes"] + plan["runtime_bytes"]
+    code, out, _ = _plan(capsys, *args[:-4], "--seq-len", "64", "--global-batch", "2", "--top", "1")
+    assert code == 0 and "runtime resident" in out and "1 x cpu (4 GiB)" in out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--device", "cpu", "--gpu", "h100"], "give --mem, not --gpu"),
+        (["--device", "cpu", "--gpus-per-node", "2"], "--device cpu plans one process"),
+        (["--gpu", "h100", "--mem", "4GiB"], "--mem is the memory of a --device cpu plan"),
+        (["--device", "cpu", "--explain", "1", "--simulate"], "a --device cpu plan has none"),
+    ],
+)
+def test_plan_device_cpu_errors_are_one_line(capsys, extra, message):
+    code, _, err = _plan(capsys, "--model", "tiny", "--seq-len", "64", *extra)
+    assert code == 2 and message in err and "\n" not in err
