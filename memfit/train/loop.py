@@ -254,7 +254,11 @@ class Trainer:
             self.accum,
         )
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(params, self.cfg.optimizer, self.device)
+        opt_cfg = self.cfg.optimizer
+        if self.strategy.optimizer_offload:  # DeepSpeed moves the state and step to its host partitions itself
+            host_impl = resolve_implementation(opt_cfg.implementation, torch.device("cpu"), opt_cfg.name, True)
+            opt_cfg = replace(opt_cfg, offload=False, implementation=host_impl)
+        optimizer = build_optimizer(params, opt_cfg, self.device)
         engine = initialize(model, optimizer, ds_config)
         self.scaler = None
         no_autocast = replace(self.precision, autocast_dtype=None, grad_scaler=False)
