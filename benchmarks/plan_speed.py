@@ -39,8 +39,8 @@ def main() -> None:
         ),
     ]
     rows = []
-    os.environ["MEMFIT_TRACE_CACHE"] = tempfile.mkdtemp(prefix="memfit-plan-speed-")
     for label, model, seq, batch, cluster in cases:
+        os.environ["MEMFIT_TRACE_CACHE"] = tempfile.mkdtemp(prefix="memfit-plan-speed-")  # cold: its own, empty
         timed = []
         for _ in ("cold", "warm"):
             t0 = time.perf_counter()
