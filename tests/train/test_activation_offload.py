@@ -154,7 +154,8 @@ def test_search_tries_offloading_where_the_twin_without_it_does_not_fit():
     from memfit.planner.search import Cluster, Pins, Workload, search
 
     w = Workload(_wide_tiny(), "wide-tiny", 1024, 2)
-    pins = Pins({"optimizer": "foreach", "loss_chunks": 0, "precision": "bf16-pure"})
+    # the optimizer in host memory (a fallback tried before offloading activations) pinned off: this is about the latter
+    pins = Pins({"optimizer": "foreach", "loss_chunks": 0, "precision": "bf16-pure", "optimizer_offload": False})
     r = search(w, Cluster(custom_gpu(617 << 20)), pins)
     done = {c.strategy: c for c in (*r.fitting, *r.pruned)}
     twins = {s: done[s.replace(activation_offload=False, optimizer_in_backward=False)] for s in done}

@@ -160,6 +160,7 @@ def test_the_search_tries_low_bit_states_only_where_32_bit_adamw_does_not_fit():
     low-bit candidates fit, 8-bit first (the safer of the two at the same speed)."""
     w = Workload(wide_tiny_config(12), "wide-tiny", 128, 2)
     pins = {"activation_checkpointing": CheckpointPolicy("full"), "loss_chunks": 0, "micro_batch_size": 1}
+    pins["optimizer_offload"] = False  # the optimizer in host memory, the other fallback for the state, aside
 
     def plan(memory_bytes: int, **more):
         gpu = dataclasses.replace(gpu_preset("t4"), memory_bytes=int(memory_bytes))

@@ -266,3 +266,26 @@ def test_the_trainers_fit_check_refuses_host_memory_the_node_has_not_got():
     check_host_fits(step, 8, None)  # not known: not checked
     with pytest.raises(UserError, match=r"6\.00 GiB of host memory \(2 rank\(s\) x 3\.00 GiB offloaded\).* 5\.00 GiB"):
         check_host_fits(step, 2, 5 << 30)
+
+
+def test_the_search_tries_the_host_optimizer_only_where_the_state_on_the_device_does_not_fit():
+    """The 12-layer wide tiny full fine-tune on a GPU without bf16, 32-bit AdamW pinned: with room for the state
+    on the device no offloaded candidate is traced; with a byte less than the smallest plain candidate needs,
+    only offloaded candidates fit."""
+    import dataclasses
+
+    w = Workload(wide_tiny_config(12), "wide-tiny", 128, 2)
+    pins = Pins(
+        {"activation_checkpointing": CheckpointPolicy("full"), "loss_chunks": 0, "micro_batch_size": 1}
+        | {"optimizer_name": "adamw"}
+    )
+
+    def plan(memory_bytes: int):
+        gpu = dataclasses.replace(gpu_preset("t4"), memory_bytes=int(memory_bytes))
+        return search(w, Cluster(gpu, host_mem_bytes=64 << 30), pins, headroom=0.0)
+
+    roomy = plan(16 << 30)
+    assert not any(c.strategy.optimizer_offload for c in roomy.fitting + roomy.pruned)
+    tight = plan(min(c.reserved_bytes for c in roomy.fitting) - 1)
+    assert tight.fitting and all(c.strategy.optimizer_offload for c in tight.fitting)
+    assert tight.best.memory.peak[Category.OPTIMIZER] == 0 and tight.best.host_node_bytes > 0
