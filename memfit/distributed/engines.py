@@ -33,6 +33,7 @@ from memfit.strategies.optimizer import (
     adamw_groups,
     adamw_kwargs,
     build_optimizer,
+    engine_host_config,
     resolve_implementation,
 )
 from memfit.strategies.precision import Precision
@@ -145,6 +146,5 @@ def _fully_shard(model, stage: int, precision: Precision, device: torch.device, 
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     params = [p for p in model.parameters() if p.requires_grad]
     if opt.offload:  # the shards are host tensors already: a plain AdamW over them steps on the host
-        host_impl = resolve_implementation(opt.implementation, torch.device("cpu"), opt.name, offload=True)
-        opt, device = replace(opt, offload=False, implementation=host_impl), torch.device("cpu")
+        opt, device = engine_host_config(opt), torch.device("cpu")
     return Parallel("fsdp2", model, model, build_optimizer(params, opt, device), params, precision)

@@ -29,6 +29,7 @@ Known limitations of the step in backward:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import OrderedDict
@@ -56,6 +57,13 @@ def resolve_implementation(
             return "for-loop"
         return "fused" if device.type == "cuda" or offload else "foreach"
     return name
+
+
+def engine_host_config(cfg: OptimizerConfig) -> OptimizerConfig:
+    """``cfg`` for an engine that keeps the state on the host itself (FSDP2's CPUOffloadPolicy, DeepSpeed's
+    offload_optimizer): a plain optimizer, no offloading wrapper, its implementation resolved for the host."""
+    host = resolve_implementation(cfg.implementation, torch.device("cpu"), cfg.name, offload=True)
+    return dataclasses.replace(cfg, offload=False, implementation=host)
 
 
 def adamw_groups(params: list[torch.nn.Parameter], cfg: OptimizerConfig) -> list[dict]:

@@ -49,6 +49,7 @@ from memfit.strategies.offload import activation_offload
 from memfit.strategies.optimizer import (
     build_optimizer,
     build_scheduler,
+    engine_host_config,
     resolve_implementation,
 )
 from memfit.strategies.precision import resolve_precision
@@ -254,10 +255,8 @@ class Trainer:
             self.accum,
         )
         params = [p for p in model.parameters() if p.requires_grad]
-        opt_cfg = self.cfg.optimizer
-        if self.strategy.optimizer_offload:  # DeepSpeed moves the state and step to its host partitions itself
-            host_impl = resolve_implementation(opt_cfg.implementation, torch.device("cpu"), opt_cfg.name, True)
-            opt_cfg = replace(opt_cfg, offload=False, implementation=host_impl)
+        opt_cfg = self.cfg.optimizer  # with offloading, DeepSpeed steps its own host partitions
+        opt_cfg = engine_host_config(opt_cfg) if self.strategy.optimizer_offload else opt_cfg
         optimizer = build_optimizer(params, opt_cfg, self.device)
         engine = initialize(model, optimizer, ds_config)
         self.scaler = None
