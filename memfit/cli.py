@@ -68,6 +68,17 @@ def add_plan_parser(sub) -> None:
     out = plan.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="rows of the table")
     out.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
+    out.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help="per shown candidate, the longest sequence (steps of 128 tokens) that still fits; for the closest "
+        "that do not fit, the longest at which they would",
+    )
+    out.add_argument(
+        "--max-micro-batch",
+        action="store_true",
+        help="per shown candidate, the largest micro-batch that still fits (its accumulation unchanged)",
+    )
     out.add_argument("--explain", type=int, metavar="N", help="per-phase breakdown of the N-th fitting candidate")
     out.add_argument(
         "--simulate",

@@ -16,13 +16,15 @@ from memfit.allocator.whatif import as_trace, compare, replay_allocations
 from memfit.commands.frag import render_whatif
 from memfit.config.loader import load_config, read_utf8
 from memfit.config.schema import EMBEDDED_MODEL, LoraConfig
-from memfit.config.strategy import levers
+from memfit.config.strategy import Strategy, levers
 from memfit.distributed.deepspeed_engine import offloaded
 from memfit.errors import UserError
 from memfit.models.load import config_for_planning
 from memfit.models.presets import PRESETS
 from memfit.planner.hardware import cpu_device, custom_gpu, gpu_preset
+from memfit.planner.limits import Limit, max_micro_batches, max_seq_lens
 from memfit.planner.report import (
+    closest,
     plan_dict,
     render_explain,
     render_table,
@@ -37,6 +39,7 @@ from memfit.planner.search import (
     Workload,
     search,
     step_allocations,
+    table_rows,
 )
 from memfit.telemetry.readings import process_rss_bytes
 from memfit.units import GIB, meminfo, parse_memory, this_machine_memory
@@ -229,6 +232,22 @@ def _with_more_host_memory(pruned: list[Candidate]) -> str:
     return f"; with --host-mem {math.ceil(c.host_node_bytes / GIB)}GiB, {c.strategy.label()} would fit"
 
 
+def _limits(result, ns) -> dict[Strategy, dict[str, Limit]]:
+    """``--max-seq-len`` / ``--max-micro-batch`` for the rows the table shows (and the closest that do not fit)."""
+    if ns.top < 0:
+        raise UserError(f"--top must be >= 0 (got {ns.top})")
+    out: dict[Strategy, dict[str, Limit]] = {}
+    shown = [row.first for row in table_rows(result.fitting)[: ns.top]]
+    if ns.max_micro_batch and shown:
+        for c, limit in zip(shown, max_micro_batches(result, shown)):
+            out.setdefault(c.strategy, {})["max_micro_batch"] = limit
+    if ns.max_seq_len:
+        asked = shown + closest(result)
+        for c, limit in zip(asked, max_seq_lens(result, asked)):
+            out.setdefault(c.strategy, {})["max_seq_len"] = limit
+    return out
+
+
 def run(ns) -> int:
     req = plan_request(ns)
     if ns.gpu and ns.gpu_mem:
@@ -262,11 +281,12 @@ def run(ns) -> int:
     workload = Workload(config_for_planning(req.model), req.model, seq_len, req.global_batch, req.lora)
     pins = Pins(pinned, req.engine, req.offload_params)
     result = search(workload, cluster, pins, ns.headroom)
+    limits = _limits(result, ns)
     console = Console() if sys.stdout.isatty() else Console(width=190)  # tables stay whole in logs and pipes
     if ns.json:
-        print(json.dumps(plan_dict(result)))
+        print(json.dumps(plan_dict(result, limits)))
     else:
-        render_table(result, console, ns.top)
+        render_table(result, console, ns.top, limits)
     if result.best is None:
         closest = result.pruned[0]
         raise UserError(
@@ -276,9 +296,10 @@ def run(ns) -> int:
             + _with_more_host_memory(result.pruned)
         )
     if ns.explain is not None:
-        if not 1 <= ns.explain <= len(result.fitting):
-            raise UserError(f"--explain {ns.explain}: there are {len(result.fitting)} fitting candidates")
-        chosen = result.fitting[ns.explain - 1]
+        rows = table_rows(result.fitting)
+        if not 1 <= ns.explain <= len(rows):
+            raise UserError(f"--explain {ns.explain}: the table has {len(rows)} rows of fitting candidates")
+        chosen = rows[ns.explain - 1].first
         if gpu.is_cpu:  # no caching allocator to replay
             render_explain(chosen, console)
             return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,15 @@ from rich.console import Console
 from rich.table import Table
 
 from memfit.config.schema import LoraConfig
-from memfit.config.strategy import levers
+from memfit.config.strategy import OPTIMIZER_IMPLEMENTATIONS, Strategy, levers
 from memfit.planner.categories import PHASES, Category
 from memfit.planner.cost import assumptions
-from memfit.planner.search import ALLOCATOR_MARGIN, CONTEXT_BYTES, Candidate, PlanResult
+from memfit.planner.limits import MAX_MICRO_BATCH, SEQ_STEP, Limit
+from memfit.planner.search import ALLOCATOR_MARGIN, CONTEXT_BYTES, Candidate, PlanResult, Row, table_rows
 from memfit.units import GIB
+
+CLOSEST_SHOWN = 3  # candidates listed under "closest that do not fit"
+Limits = dict[Strategy, dict[str, Limit]]  # --max-seq-len / --max-micro-batch per candidate (``planner.limits``)
 
 
 def _g(n: int) -> str:
@@ -37,7 +42,8 @@ def _lora_dict(lora: LoraConfig) -> dict[str, Any]:
     return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
 
 
-def candidate_dict(c: Candidate) -> dict[str, Any]:
+def candidate_dict(c: Candidate, limits: Limits | None = None) -> dict[str, Any]:
+    found = (limits or {}).get(c.strategy, {})
     return {
         **c.strategy.as_dict(),
         "peak_bytes": c.memory.peak_bytes,
@@ -51,10 +57,11 @@ def candidate_dict(c: Candidate) -> dict[str, Any]:
         "fits": c.fits,
         "estimated_step_time_s": c.step_time_s,
         "comm_bytes_per_step": c.comm_bytes,
+        **{name: {"value": lim.value, "at_ceiling": lim.at_ceiling} for name, lim in found.items()},
     }
 
 
-def plan_dict(r: PlanResult) -> dict[str, Any]:
+def plan_dict(r: PlanResult, limits: Limits | None = None) -> dict[str, Any]:
     w, cl = r.workload, r.cluster
     return {
         "model": w.model_name,
@@ -75,8 +82,8 @@ def plan_dict(r: PlanResult) -> dict[str, Any]:
         "traces": r.traces,
         "cached_traces": r.cached_traces,
         "untried": r.untried,
-        "fitting": [candidate_dict(c) for c in r.fitting],
-        "pruned": [dict(candidate_dict(c), reason=c.why_not()) for c in r.pruned],
+        "fitting": [candidate_dict(c, limits) for c in r.fitting],
+        "pruned": [dict(candidate_dict(c, limits), reason=c.why_not()) for c in r.pruned],
     }
 
 
@@ -109,7 +116,25 @@ def _offloaded(s) -> str:
     return "+".join(n for n, on in (("activ", s.activation_offload), ("optim", s.optimizer_offload)) if on) or "-"
 
 
-def render_table(r: PlanResult, console: Console, top: int) -> None:
+def _limits_note(r: PlanResult, limits: Limits) -> str:
+    found = {name for per in limits.values() for name in per}
+    notes = []
+    if "max_micro_batch" in found:
+        notes.append(
+            f"max mb = the largest micro-batch that still fits, its accumulation unchanged ({MAX_MICRO_BATCH}+: "
+            "the search's ceiling)"
+        )
+    if "max_seq_len" in found:
+        notes.append(
+            f"max seq = the longest sequence that still fits, in steps of {SEQ_STEP} tokens "
+            f"({r.workload.model_config.max_position_embeddings}+: the model's max_position_embeddings)"
+        )
+    return "".join(f" {n[0].upper()}{n[1:]}." for n in notes)
+
+
+def render_table(r: PlanResult, console: Console, top: int, limits: Limits | None = None) -> None:
+    limits = limits or {}
+    extra = [n for n in ("max_micro_batch", "max_seq_len") if any(n in per for per in limits.values())]
     w, cl = r.workload, r.cluster
     title = (
         f"{w.model_name}{lora_label(w.lora)}, seq {w.seq_len}, global batch {w.global_batch} on "
@@ -136,21 +161,28 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
         "reserved*",
         "free",
         "step time",
+        *(EXTRA_COLUMNS[n] for n in extra),
     ):
         t.add_column(col, justify="right" if col not in ("AC", "precision", "AdamW", "offload", "in bwd") else "left")
     best = r.best.step_time_s if r.best else 1.0
-    for i, c in enumerate(r.fitting[:top], 1):
+    rows = table_rows(r.fitting)
+    for i, row in enumerate(rows[:top], 1):
+        c = row.first
         p, s = c.memory.peak, c.strategy
+
+        def each(text: Callable[[Strategy], str], row: Row = row) -> str:  # the row's members' settings, once each
+            return "/".join(dict.fromkeys(text(m.strategy) for m in row.candidates))
+
         t.add_row(
             str(i),
-            str(s.activation_checkpointing),
-            s.precision + (f" {s.quantize_base.upper()}" if s.quantize_base != "none" else ""),
-            str(s.loss_chunks or "-"),
-            _offloaded(s),
-            str(s.zero_stage),
-            f"{s.micro_batch_size}x{s.grad_accum_steps}",
-            s.adamw_label(),
-            "yes" if s.optimizer_in_backward else "-",
+            each(lambda s: str(s.activation_checkpointing)),
+            each(lambda s: s.precision + (f" {s.quantize_base.upper()}" if s.quantize_base != "none" else "")),
+            each(lambda s: str(s.loss_chunks or "-")),
+            each(_offloaded),
+            each(lambda s: str(s.zero_stage)),
+            each(lambda s: f"{s.micro_batch_size}x{s.grad_accum_steps}"),
+            _adamw(row),
+            each(lambda s: "yes" if s.optimizer_in_backward else "-"),
             _g(p[Category.PARAMS]),
             _g(p[Category.GRADS]),
             _g(p[Category.OPTIMIZER]),
@@ -161,10 +193,17 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
             _g(c.reserved_bytes),
             _g(c.headroom_bytes),
             f"{c.step_time_s / best:.2f}x",
+            *(limits[s][n].label() if n in limits.get(s, {}) else "" for n in extra),
         )
     console.print(t)
     console.print(
-        f"{len(r.fitting)} of {len(r.fitting) + len(r.pruned)} candidates fit ({r.traces} traces"
+        f"{len(r.fitting)} of {len(r.fitting) + len(r.pruned)} candidates fit"
+        + (
+            f" in {len(rows)} rows (a/b, AdamW any: alike in predicted memory and time)"
+            if len(rows) < len(r.fitting)
+            else ""
+        )
+        + f" ({r.traces} traces"
         + (f", {r.cached_traces} of them from the trace cache" if r.cached_traces else "")
         + (
             f"; {r.untried} with a fallback (offloading, the step in backward, low-bit AdamW states, an NF4 base) "
@@ -177,13 +216,38 @@ def render_table(r: PlanResult, console: Console, top: int) -> None:
         + _reserved_note(r)
         + "; host = host memory per rank at its peak"
         + (f", at most {cl.host_mem_bytes / GIB:.2f} GiB per node (--host-mem)" if cl.host_mem_bytes else "")
-        + f". Relative step time: {_assumptions(r)}.",
+        + f". Relative step time: {_assumptions(r)}."
+        + _limits_note(r, limits),
         highlight=False,
     )
     if r.pruned:
         console.print("closest that do not fit:", highlight=False)
-        for c in r.pruned[:3]:
-            console.print(f"  {c.strategy.label()}: {c.why_not()}", highlight=False)
+        for c in closest(r):
+            seq = limits.get(c.strategy, {}).get("max_seq_len")
+            shorter = (
+                ""
+                if seq is None
+                else (f"; it fits at seq {seq.value}" if seq.value else f"; it fits at no seq (steps of {SEQ_STEP})")
+            )
+            console.print(f"  {c.strategy.label()}: {c.why_not()}{shorter}", highlight=False)
+
+
+def closest(r: PlanResult) -> list[Candidate]:
+    """The candidates that miss by the least, one per row of alike ones (``table_rows``)."""
+    return [row.first for row in table_rows(r.pruned)[:CLOSEST_SHOWN]]
+
+
+def _adamw(row: Row) -> str:
+    """The AdamW column of a row: ``any`` where every implementation of its AdamW predicts alike."""
+    labels = list(dict.fromkeys(c.strategy.adamw_label() for c in row.candidates))
+    if {c.strategy.optimizer for c in row.candidates} == set(OPTIMIZER_IMPLEMENTATIONS) and len(labels) == len(
+        OPTIMIZER_IMPLEMENTATIONS
+    ):
+        return "any" + ("@host" if row.first.strategy.optimizer_offload else "")
+    return "/".join(labels)
+
+
+EXTRA_COLUMNS = {"max_micro_batch": "max mb", "max_seq_len": "max seq"}
 
 
 def render_explain(c: Candidate, console: Console, replayed: tuple[int, int] | None = None) -> None:

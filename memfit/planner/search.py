@@ -143,10 +143,54 @@ class PlanResult:
     traces: int = 0
     cached_traces: int = 0  # of ``traces``, read from the trace cache
     untried: int = 0  # with a fallback lever, left untraced by the search's rules (``Lever.fallback``, ``last_resort``)
+    pins: Pins = field(default_factory=Pins)
+    predictor: Predictor | None = field(default=None, repr=False, compare=False)  # its traces, for further questions
 
     @property
     def best(self) -> Candidate | None:
         return self.fitting[0] if self.fitting else None
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.cluster.gpu.memory_bytes * (1 - self.headroom))
+
+
+@dataclass(frozen=True)
+class Row:
+    """Fitting candidates the plan cannot tell apart: equal predicted memory (every category, host included) and
+    step time, differing in one lever only (e.g. the AdamW implementation). The first is the preferred one."""
+
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def first(self) -> Candidate:
+        return self.candidates[0]
+
+
+def _prediction(c: Candidate) -> tuple:
+    return (c.reserved_bytes, c.host_node_bytes, tuple(c.memory.peak.as_dict().values()), time_bucket(c.step_time_s))
+
+
+def table_rows(fitting: list[Candidate]) -> list[Row]:
+    """``fitting`` (ranked) as the table shows it: candidates alike in prediction that differ in one lever share
+    the row of the best ranked of them; rows keep the ranking's order."""
+    names = list(levers())
+    members: list[list[Candidate]] = []
+    merged_on: list[str | None] = []
+    index: dict[tuple, int] = {}
+    for c in fitting:
+        values = c.strategy.as_dict()
+        keys = {n: (_prediction(c), n, tuple((k, str(v)) for k, v in values.items() if k != n)) for n in names}
+        hit = next(((index[k], n) for n, k in keys.items() if k in index and merged_on[index[k]] in (None, n)), None)
+        if hit is None:
+            members.append([c])
+            merged_on.append(None)
+            for k in keys.values():
+                index.setdefault(k, len(members) - 1)
+        else:
+            members[hit[0]].append(c)
+            merged_on[hit[0]] = hit[1]
+    return [Row(tuple(m)) for m in members]
 
 
 def precisions_for(gpu: Gpu) -> tuple[str, ...]:
@@ -286,8 +330,8 @@ def search(
     predictor = predictor or Predictor(
         StepSpec(w.model_config, w.seq_len, lora=w.lora, round_to=1 if cpu else 512, host_is_device=cpu)
     )
-    usable = int(c.gpu.memory_bytes * (1 - headroom))
-    result = PlanResult(w, c, headroom)
+    result = PlanResult(w, c, headroom, pins=pins, predictor=predictor)
+    usable = result.usable_bytes
     first = [s for s in strategies if not fallbacks(s, pins.levers)]
     predictor.prefetch(first)
     done = {s: _candidate(s, w, c, pins, predictor, usable) for s in first}
@@ -353,6 +397,12 @@ def search(
     result.pruned.sort(key=lambda k: (k.shortfall_bytes, k.reserved_bytes))
     result.traces, result.cached_traces = predictor.traces, predictor.cached
     return result
+
+
+def evaluate(strategy: Strategy, result: PlanResult, predictor: Predictor) -> Candidate:
+    """One more strategy judged as ``result``'s search judged its candidates (``predictor`` traces ``result``'s
+    workload, or one reshaped, e.g. a longer sequence)."""
+    return _candidate(strategy, result.workload, result.cluster, result.pins, predictor, result.usable_bytes)
 
 
 def _candidate(strategy: Strategy, w: Workload, c: Cluster, pins: Pins, predictor: Predictor, usable: int) -> Candidate:
