@@ -110,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("args", nargs="*", metavar="CONFIG | key=value")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--help-config", action="store_true", help="list every config key with its default and meaning")
+    auto = train.add_argument_group("--auto: choose the memory levers that fit this device, then train")
+    auto.add_argument(
+        "--auto",
+        action="store_true",
+        help="plan every memory lever for the device this run uses (the job and any lever given as key=value "
+        "stay), print the plan, write it to the run directory, and train the fastest candidate that fits",
+    )
+    auto.add_argument("--mem", help="with --auto on a CPU: the memory the run may use, e.g. 8GiB (default: available)")
     dist = train.add_argument_group("distributed (launches torchrun; engine and ZeRO stage come from distributed.*)")
     dist.add_argument("--nproc-per-node", type=int, help="processes (GPUs) per node")
     dist.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")

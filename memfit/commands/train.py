@@ -3,12 +3,29 @@ rank that torchrun started."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
 from memfit.config.loader import config_help, dump_config, load_config
+from memfit.config.schema import RunConfig
 from memfit.config.shipped import resolve_config_path, split_train_args
+from memfit.device import device_name, resolve_device, supports_bf16
 from memfit.distributed.launch import LaunchSpec, launch
 from memfit.distributed.runtime import launched_ranks
+from memfit.errors import UserError
+from memfit.planner.auto import AutoChoice, auto_plan, choose, cpu_cluster, gpu_cluster
+from memfit.planner.report import plan_dict, render_table
+from memfit.telemetry.readings import process_rss_bytes
+from memfit.train.fit_check import replay_planned_steps
 from memfit.train.loop import Trainer
 from memfit.train.rank import run_rank
+from memfit.units import GIB, meminfo, parse_memory, this_machine_memory
+
+AUTO_ROWS_SHOWN = 5
 
 
 def run(ns) -> int:
@@ -21,9 +38,19 @@ def run(ns) -> int:
     if ns.print_config:
         print(dump_config(cfg), end="")
         return 0
+    choice = None
+    if ns.auto:
+        choice = auto_choice(cfg, overrides, ns)
+        overrides = [*overrides, *choice.overrides]  # later overrides win: the plan's levers, then the config's
+        cfg = load_config(config_path, overrides)
+    elif ns.mem:
+        raise UserError("--mem is the memory --auto plans a CPU run for; add --auto")
     if ns.nproc_per_node is not None or ns.nnodes > 1:
         spec = LaunchSpec(ns.nproc_per_node or 1, ns.nnodes, ns.node_rank, ns.rdzv_endpoint)
-        return launch(spec, cfg, config_path, overrides)
+        code = launch(spec, cfg, config_path, overrides)
+        if choice is not None and ns.node_rank == 0:
+            write_auto_plan(Path(cfg.output.dir), choice)
+        return code
     if launched_ranks() > 1:  # a rank started by torchrun
         run_rank(cfg)
     trainer = Trainer(cfg)
@@ -31,4 +58,66 @@ def run(ns) -> int:
         trainer.fit()
     finally:
         trainer.close()
+        if choice is not None:
+            write_auto_plan(trainer.run.root, choice)
     return 0
+
+
+def auto_choice(cfg: RunConfig, overrides: list[str], ns) -> AutoChoice:
+    """``--auto``: the plan for this config on the device it is about to use, printed, and its winner.
+
+    Raises:
+        UserError: a resumed run, ``--mem`` on a GPU, several CPU ranks, or nothing that fits.
+    """
+    import torch
+
+    if cfg.train.resume:
+        raise UserError(
+            "--auto plans a new run; resume this one without --auto (its config.yaml holds the levers it chose)"
+        )
+    device = resolve_device(cfg.train.device)
+    per_node, nodes = ns.nproc_per_node or 1, ns.nnodes
+    if device.type == "cpu":
+        if per_node * nodes > 1:
+            raise UserError(f"--auto on a CPU plans one process (got {per_node} x {nodes}); drop --nproc-per-node")
+        import transformers  # noqa: F401 - the runtime a run holds, resident before the resident size is read
+
+        memory = parse_memory(ns.mem, "--mem") if ns.mem else meminfo().get("MemAvailable", this_machine_memory())
+        cluster = cpu_cluster(memory, process_rss_bytes())
+    else:
+        if ns.mem:
+            raise UserError("--mem is a CPU run's memory; on a GPU --auto plans for the device's own")
+        total = torch.cuda.get_device_properties(device).total_memory
+        cluster = gpu_cluster(
+            device_name(device),
+            int(total * (cfg.allocator.memory_fraction or 1.0)),
+            supports_bf16(device),
+            per_node,
+            nodes,
+            meminfo().get("MemAvailable"),
+        )
+    result = auto_plan(cfg, overrides, cluster)
+    console = Console() if sys.stdout.isatty() else Console(width=190)
+    render_table(result, console, AUTO_ROWS_SHOWN)
+    replay_oom = None
+    if device.type == "cuda" and cluster.world_size == 1 and cfg.train.allocator_model:
+
+        def replay_oom(c) -> str | None:
+            r = replay_planned_steps(cfg, c.strategy, result.workload.model_config, total)
+            return f"peak reserved {r.peak_reserved_bytes / GIB:.2f} GiB, out of memory" if r.oom else None
+
+    choice = choose(result, replay_oom)
+    for line in choice.passed_over:
+        console.print(f"--auto: passed over {line}", highlight=False)
+    console.print(f"--auto: training row {choice.row}: {choice.chosen.strategy.label()}", highlight=False)
+    return choice
+
+
+def write_auto_plan(root: Path, choice: AutoChoice) -> None:
+    """The plan ``--auto`` chose from, beside the run's config.yaml (which holds the chosen levers)."""
+    if not (root / "config.yaml").is_file():
+        return  # the run never started
+    plan = plan_dict(choice.result) | {"chosen_row": choice.row, "overrides": choice.overrides}
+    tmp = root / ".auto-plan.json.tmp"
+    tmp.write_text(json.dumps(plan, indent=1) + "\n")
+    os.replace(tmp, root / "auto-plan.json")
