@@ -21,7 +21,8 @@ from memfit.distributed.deepspeed_engine import offloaded
 from memfit.errors import UserError
 from memfit.models.load import config_for_planning
 from memfit.models.presets import PRESETS
-from memfit.planner.hardware import cpu_device, custom_gpu, gpu_preset
+from memfit.planner.auto import this_cpu
+from memfit.planner.hardware import custom_gpu, gpu_preset
 from memfit.planner.limits import Limit, max_micro_batches, max_seq_lens
 from memfit.planner.report import (
     closest,
@@ -41,8 +42,7 @@ from memfit.planner.search import (
     step_allocations,
     table_rows,
 )
-from memfit.telemetry.readings import process_rss_bytes
-from memfit.units import GIB, meminfo, parse_memory, this_machine_memory
+from memfit.units import GIB, parse_memory, this_machine_memory
 
 
 @dataclass
@@ -217,10 +217,7 @@ def _cpu_cluster(ns) -> Cluster:
         raise UserError("--device cpu plans this machine's memory: give --mem, not --gpu / --gpu-mem / --host-mem")
     if ns.gpus_per_node != 1 or ns.nodes != 1:
         raise UserError(f"--device cpu plans one process (got {ns.gpus_per_node} x {ns.nodes}); drop --gpus-per-node")
-    import transformers  # noqa: F401 - the runtime a run holds, resident before the resident size is read
-
-    memory = parse_memory(ns.mem, "--mem") if ns.mem else meminfo().get("MemAvailable", this_machine_memory())
-    return Cluster(cpu_device(memory), runtime_bytes=process_rss_bytes())
+    return this_cpu(ns.mem)
 
 
 def _with_more_host_memory(pruned: list[Candidate]) -> str:

@@ -17,13 +17,12 @@ from memfit.device import device_name, resolve_device, supports_bf16
 from memfit.distributed.launch import LaunchSpec, launch
 from memfit.distributed.runtime import launched_ranks
 from memfit.errors import UserError
-from memfit.planner.auto import AutoChoice, auto_plan, choose, cpu_cluster, gpu_cluster
+from memfit.planner.auto import AutoChoice, auto_plan, choose, gpu_cluster, this_cpu
 from memfit.planner.report import plan_dict, render_table
-from memfit.telemetry.readings import process_rss_bytes
 from memfit.train.fit_check import replay_planned_steps
 from memfit.train.loop import Trainer
 from memfit.train.rank import run_rank
-from memfit.units import GIB, meminfo, parse_memory, this_machine_memory
+from memfit.units import GIB, meminfo
 
 AUTO_ROWS_SHOWN = 5
 
@@ -80,10 +79,7 @@ def auto_choice(cfg: RunConfig, overrides: list[str], ns) -> AutoChoice:
     if device.type == "cpu":
         if per_node * nodes > 1:
             raise UserError(f"--auto on a CPU plans one process (got {per_node} x {nodes}); drop --nproc-per-node")
-        import transformers  # noqa: F401 - the runtime a run holds, resident before the resident size is read
-
-        memory = parse_memory(ns.mem, "--mem") if ns.mem else meminfo().get("MemAvailable", this_machine_memory())
-        cluster = cpu_cluster(memory, process_rss_bytes())
+        cluster = this_cpu(ns.mem)
     else:
         if ns.mem:
             raise UserError("--mem is a CPU run's memory; on a GPU --auto plans for the device's own")

@@ -27,7 +27,8 @@ from memfit.errors import UserError
 from memfit.models.load import config_for_planning
 from memfit.planner.hardware import Gpu, cpu_device, custom_gpu
 from memfit.planner.search import Candidate, Cluster, Pins, PlanResult, Workload, search, table_rows
-from memfit.units import GIB
+from memfit.telemetry.readings import process_rss_bytes
+from memfit.units import GIB, meminfo, parse_memory, this_machine_memory
 
 REPLAYED_ROWS = 3  # rows tried through the allocator model on one GPU before giving up
 
@@ -63,6 +64,19 @@ def pinned_levers(overrides: list[str], cfg: RunConfig) -> dict[str, Any]:
 
 def cpu_cluster(memory_bytes: int, runtime_bytes: int) -> Cluster:
     return Cluster(cpu_device(memory_bytes), runtime_bytes=runtime_bytes)
+
+
+def this_cpu(mem: str | None, flag: str = "--mem") -> Cluster:
+    """This machine's CPU as one process plans for it: ``mem`` (e.g. ``8GiB``) or the memory available now, and
+    this process's resident memory with torch and transformers loaded as the runtime's share.
+
+    Raises:
+        UserError: ``mem`` is not a size (naming ``flag``).
+    """
+    import transformers  # noqa: F401 - the runtime a run holds, resident before the resident size is read
+
+    memory = parse_memory(mem, flag) if mem else meminfo().get("MemAvailable", this_machine_memory())
+    return cpu_cluster(memory, process_rss_bytes())
 
 
 def gpu_cluster(name: str, total_bytes: int, bf16: bool, per_node: int, nodes: int, host_bytes: int | None) -> Cluster:
