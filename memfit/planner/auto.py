@@ -121,7 +121,9 @@ def choose(result: PlanResult, replay_oom: Callable[[Candidate], str | None] | N
         raise UserError(
             f"--auto: nothing fits on {result.cluster.gpu.name} ({result.usable_bytes / GIB:.2f} GiB usable): the "
             f"closest candidate ({closest.strategy.label()}) misses by {closest.shortfall_bytes / GIB:.2f} GiB; "
-            "shorten data.seq_len, lower the global batch, use LoRA, or give more memory"
+            "shorten data.seq_len, lower the global batch, "
+            + ("use LoRA, " if result.workload.lora is None else "")
+            + "or give more memory"
         )
     passed_over = []
     for i, row in enumerate(rows[:REPLAYED_ROWS], 1):
