@@ -21,6 +21,7 @@ from memfit.planner.auto import AutoChoice, auto_plan, choose, gpu_cluster, this
 from memfit.planner.report import plan_dict, render_table
 from memfit.train.fit_check import replay_planned_steps
 from memfit.train.loop import Trainer
+from memfit.train.on_oom import is_child, supervise
 from memfit.train.rank import run_rank
 from memfit.units import GIB, meminfo
 
@@ -44,6 +45,14 @@ def run(ns) -> int:
         cfg = load_config(config_path, overrides)
     elif ns.mem:
         raise UserError("--mem is the memory --auto plans a CPU run for; add --auto")
+    if cfg.train.on_oom == "next" and not is_child() and launched_ranks() <= 1:
+        return supervise(
+            [str(config_path), *_launch_flags(ns)],
+            overrides,
+            lambda more: load_config(config_path, more),
+            (ns.nproc_per_node or 1) * ns.nnodes,
+            print,
+        )
     if ns.nproc_per_node is not None or ns.nnodes > 1:
         spec = LaunchSpec(ns.nproc_per_node or 1, ns.nnodes, ns.node_rank, ns.rdzv_endpoint)
         code = launch(spec, cfg, config_path, overrides)
@@ -60,6 +69,14 @@ def run(ns) -> int:
         if choice is not None:
             write_auto_plan(trainer.run.root, choice)
     return 0
+
+
+def _launch_flags(ns) -> list[str]:
+    """The torchrun flags of this command line, for a child ``memfit train`` to launch the same ranks."""
+    flags = [] if ns.nproc_per_node is None else ["--nproc-per-node", str(ns.nproc_per_node)]
+    if ns.nnodes > 1:
+        flags += ["--nnodes", str(ns.nnodes), "--node-rank", str(ns.node_rank)]
+    return flags + (["--rdzv-endpoint", ns.rdzv_endpoint] if ns.rdzv_endpoint else [])
 
 
 def auto_choice(cfg: RunConfig, overrides: list[str], ns) -> AutoChoice:

@@ -143,6 +143,9 @@ class AllocatorConfig:
     )
 
 
+ON_OOM = ("stop", "next")
+
+
 @dataclass
 class TrainConfig:
     device: str = _f("auto", "auto | cpu | cuda | cuda:N (ROCm builds use the cuda name too)")
@@ -185,6 +188,13 @@ class TrainConfig:
         "model under this run's allocator settings (seconds of CPU), report its peak reserved and refuse "
         "a run it sees run out of memory",
     )
+    on_oom: str = _f(
+        "stop",
+        "out of memory: stop (exit 3, the run directory as it was) | next (restart in a fresh process from the last "
+        "checkpoint with the next configuration that keeps the global batch: a smaller micro-batch with more "
+        "accumulation, then stronger checkpointing)",
+    )
+    oom_retries: int = _f(3, "with on_oom next: how many restarts before giving up (exit 3)")
 
 
 @dataclass
@@ -275,7 +285,9 @@ def check(cfg: RunConfig) -> RunConfig:
         ("lora.rank", lo.rank),
     ):
         _need(value > 0, f"{name} must be > 0 (got {value})")
+    _need(t.on_oom in ON_OOM, f"train.on_oom must be {' | '.join(ON_OOM)} (got {t.on_oom!r})")
     for name, value in (
+        ("train.oom_retries", t.oom_retries),
         ("train.eval_every", t.eval_every),
         ("train.checkpoint_every", t.checkpoint_every),
         ("train.keep_checkpoints", t.keep_checkpoints),

@@ -43,11 +43,18 @@ MAY_CHANGE_ON_RESUME = {
         "metrics_host",
         "plan_check",
         "allocator_model",
+        "on_oom",
+        "oom_retries",
     )
 } | {("data", "num_workers"), ("data", "pin_memory"), ("data", "prefetch_factor")}
-MAY_CHANGE_ON_RESUME |= {("distributed", "timeout_s"), ("output", "export")}
-"""Settings that do not change what the run computes (ports, cadences, workers, how long it trains): a resume
-may change them, and each change is printed. ``train.max_steps`` trains a run on past its end, with the LR
+MAY_CHANGE_ON_RESUME |= {("distributed", "timeout_s"), ("output", "export"), ("strategy", "activation_checkpointing")}
+MAY_CHANGE_ON_RESUME |= {
+    ("allocator", key)
+    for key in ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold", "empty_cache_every")
+}
+"""Settings that do not change what the run computes (ports, cadences, workers, how long it trains, what is
+recomputed in backward, how the caching allocator keeps memory): a resume may change them, and each change is
+printed. ``train.max_steps`` trains a run on past its end, with the LR
 schedule stretched from the next step."""
 
 

@@ -1,0 +1,124 @@
+"""``train.on_oom = next``: recover from an out-of-memory exit instead of dying.
+
+The ``memfit train`` process becomes a supervisor: it runs the training in a child process (``memfit train`` again,
+so every run starts with a clean allocator), and when the child exits out of memory (exit 3, its run directory as
+it was: the last complete checkpoint kept) it starts a new child from that checkpoint (``train.resume=true``) with
+the next configuration that keeps the global batch:
+
+1. a smaller micro-batch with more accumulation (the largest divisor of the per-rank batch at most half the
+   current micro-batch; not where the optimizer steps in backward, which cannot accumulate);
+2. then stronger activation checkpointing: none -> ffn -> full (every_k:N -> full).
+
+Both leave what the run computes unchanged (the same global batch; recomputation is exact), so in fp32 the loss
+sequence continues as an uninterrupted run of the new configuration would (tested). At most
+``train.oom_retries`` restarts; each switch is printed when it happens and written to ``metrics.jsonl`` as an
+``on_oom`` record (step, what failed, what changed) when the last child ends, with an ``on_oom_summary`` record.
+
+Known limitations: the allocator setting the what-if replay recommends is not yet a step of the ladder (a GPU
+run's snapshot would have to be replayed first); a child that fails otherwise ends the supervision with its exit
+code.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from memfit.config.schema import RunConfig, grad_accum_steps
+from memfit.errors import EXIT_OUT_OF_MEMORY
+from memfit.telemetry.metrics_file import append_record, read_metrics
+from memfit.units import GIB
+
+CHILD_ENV = "MEMFIT_ON_OOM_CHILD"  # set in the children: they run the training, and stop on an OOM
+STRONGER = {"none": "ffn", "ffn": "full"}  # checkpointing, one step stronger (every_k:N -> full)
+
+
+def is_child() -> bool:
+    return os.environ.get(CHILD_ENV) == "1"
+
+
+def next_after_oom(cfg: RunConfig, world_size: int) -> tuple[list[str], str] | None:
+    """The overrides that make ``cfg`` the next configuration to try after it ran out of memory, and what they
+    change in words; None where the ladder has no step left."""
+    t = cfg.train
+    accum = grad_accum_steps(cfg, world_size)
+    per_rank = t.micro_batch_size * accum
+    smaller = [b for b in range(1, t.micro_batch_size // 2 + 1) if per_rank % b == 0]
+    if smaller and not cfg.optimizer.in_backward:
+        b = smaller[-1]
+        return (
+            [f"train.micro_batch_size={b}", f"train.grad_accum_steps={per_rank // b}"],
+            f"micro-batch {t.micro_batch_size} x accum {accum} -> {b} x {per_rank // b}",
+        )
+    policy = cfg.strategy.activation_checkpointing
+    if policy.kind != "full":
+        stronger = STRONGER.get(policy.kind, "full")
+        return [f"strategy.activation_checkpointing={stronger}"], f"activation checkpointing {policy} -> {stronger}"
+    return None
+
+
+def _last_oom(metrics: Path) -> dict | None:
+    if not metrics.is_file():
+        return None
+    ooms = [r for r in read_metrics(metrics) if r.get("kind") == "oom"]
+    return ooms[-1] if ooms else None
+
+
+def supervise(
+    child_args: list[str],
+    overrides: list[str],
+    load: Callable[[list[str]], RunConfig],
+    world_size: int,
+    say: Callable[[str], None],
+) -> int:
+    """Run ``memfit train <child_args> <overrides>`` in child processes until one ends other than out of memory,
+    moving down the ladder after each OOM (``next_after_oom``); the last child's exit code.
+
+    Args:
+        child_args: the config argument and launch flags, as the child takes them (no ``--auto``).
+        overrides: ``key=value`` overrides of the first child; each restart appends its own.
+        load: the config these overrides make (``load_config`` of the same config file).
+    """
+    cfg = load(overrides)
+    metrics = Path(cfg.output.dir) / "metrics.jsonl"
+    switches: list[dict] = []
+    env = os.environ | {CHILD_ENV: "1"}
+    try:
+        while True:
+            code = subprocess.call([sys.executable, "-m", "memfit.cli", "train", *child_args, *overrides], env=env)
+            if code != EXIT_OUT_OF_MEMORY:
+                return code
+            oom = _last_oom(metrics) or {}
+            step = oom.get("step")
+            if len(switches) >= cfg.train.oom_retries:
+                say(f"on_oom: out of memory again at step {step}; {len(switches)} restart(s) used (train.oom_retries)")
+                return code
+            ladder = next_after_oom(cfg, world_size)
+            if ladder is None:
+                say(f"on_oom: out of memory at step {step} with micro-batch 1 and full checkpointing; nothing left")
+                return code
+            extra, change = ladder
+            asked = oom.get("requested_bytes")
+            failed = f"an allocation of {asked / GIB:.2f} GiB failed" if asked else "out of memory"
+            switches.append(
+                {"kind": "on_oom", "step": step, "retry": len(switches) + 1, "failed": failed, "change": change}
+                | {"overrides": extra}
+            )
+            say(f"on_oom: step {step}: {failed}; restarting from the last checkpoint with {change}")
+            overrides = [*overrides, *extra, "train.resume=true"]
+            cfg = load(overrides)
+    finally:
+        if switches and metrics.parent.is_dir():
+            for record in switches:
+                append_record(metrics, record)
+            append_record(
+                metrics,
+                {"kind": "on_oom_summary", "restarts": len(switches), "changes": [s["change"] for s in switches]},
+            )
+            say(
+                f"on_oom: {len(switches)} restart(s): "
+                + "; ".join(f"step {s['step']}: {s['change']}" for s in switches)
+            )

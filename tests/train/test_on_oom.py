@@ -1,0 +1,112 @@
+"""`train.on_oom = next`: the ladder of configurations after an out-of-memory exit (the global batch kept), and a
+real OOM (an address-space cap, as `memfit bench --mem-limit` injects it) recovered from the last checkpoint with
+the loss sequence of an uninterrupted run of the configuration it ended on (integration tier)."""
+
+import resource
+import subprocess
+import sys
+
+import pytest
+import yaml
+from support.tiny import tiny_overrides
+
+from memfit.config.loader import load_config
+from memfit.config.schema import grad_accum_steps
+from memfit.telemetry.metrics_file import read_metrics
+from memfit.train.on_oom import next_after_oom
+
+
+def _cfg(*overrides):
+    return load_config(None, list(overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides, world, expected",
+    [
+        (["train.micro_batch_size=16"], 1, (["train.micro_batch_size=8", "train.grad_accum_steps=2"], "16 x accum 1")),
+        (["train.micro_batch_size=6", "train.grad_accum_steps=2"], 1, (["train.micro_batch_size=3"], "6 x accum 2")),
+        (["train.micro_batch_size=4", "train.global_batch_size=16"], 2, (["train.micro_batch_size=2"], "4 x accum 2")),
+        (["train.micro_batch_size=1"], 1, (["strategy.activation_checkpointing=ffn"], "none -> ffn")),
+        (
+            ["train.micro_batch_size=1", "strategy.activation_checkpointing=every_k:2"],
+            1,
+            (["strategy.activation_checkpointing=full"], "every_k:2 -> full"),
+        ),
+        (["train.micro_batch_size=1", "strategy.activation_checkpointing=full"], 1, None),
+    ],
+)
+def test_the_ladder_keeps_the_global_batch_then_checkpoints_more(overrides, world, expected):
+    cfg = _cfg(*overrides)
+    got = next_after_oom(cfg, world)
+    if expected is None:
+        assert got is None
+        return
+    extra, change = got
+    assert extra[: len(expected[0])] == expected[0] and expected[1] in change
+    after = _cfg(*overrides, *extra)
+    per_rank = cfg.train.micro_batch_size * grad_accum_steps(cfg, world)
+    assert after.train.micro_batch_size * grad_accum_steps(after, world) == per_rank
+
+
+def test_the_step_in_backward_cannot_accumulate_so_it_checkpoints_instead():
+    cfg = _cfg("train.micro_batch_size=4", "optimizer.in_backward=true", "optimizer.grad_clip=0")
+    assert next_after_oom(cfg, 1)[0] == ["strategy.activation_checkpointing=ffn"]
+
+
+def test_on_oom_is_validated_in_one_line():
+    from memfit.errors import UserError
+
+    with pytest.raises(UserError, match=r"train.on_oom must be stop \| next \(got 'retry'\)"):
+        _cfg("train.on_oom=retry")
+
+
+def _train(*overrides, cap_bytes=None):
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (cap_bytes, cap_bytes))
+
+    return subprocess.run(
+        [sys.executable, "-m", "memfit.cli", "train", "tiny-cpu", *overrides],
+        capture_output=True,
+        text=True,
+        preexec_fn=cap if cap_bytes else None,
+        timeout=600,
+    )
+
+
+def _losses(run):
+    return [r["loss"] for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "step"]
+
+
+@pytest.mark.integration
+def test_an_oom_restarts_from_the_checkpoint_down_the_ladder_with_the_same_losses(tmp_path):
+    """Two steps at micro-batch 16 (seq 512) and a checkpoint; then, under a 2.5 GiB address-space cap in which
+    16 and 8 run out of memory and 4 does not, the resumed run goes 16 -> 8 -> 4 and finishes; its four losses are
+    an uninterrupted micro-batch 4 x accum 4 run's (fp32)."""
+    run = tmp_path / "run"
+    common = ["data.seq_len=512", "data.max_documents=20", "train.eval_every=0", "train.eval_batches=1"]
+    common += ["output.export=false", "train.threads=1", "train.checkpoint_every=2"]
+    first = _train(*tiny_overrides(run, *common, "train.micro_batch_size=16", "train.max_steps=2"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = _train(
+        *tiny_overrides(run, *common, "train.micro_batch_size=16", "train.max_steps=4"),
+        "train.resume=true",
+        "train.on_oom=next",
+        cap_bytes=2560 << 20,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = read_metrics(run / "metrics.jsonl")
+    switches = [r for r in records if r["kind"] == "on_oom"]
+    assert [s["change"] for s in switches] == ["micro-batch 16 x accum 1 -> 8 x 2", "micro-batch 8 x accum 2 -> 4 x 4"]
+    assert all(s["step"] == 3 for s in switches) and "GiB failed" in switches[0]["failed"]
+    (summary,) = [r for r in records if r["kind"] == "on_oom_summary"]
+    assert summary["restarts"] == 2
+    assert "on_oom: step 3: an allocation of" in resumed.stdout
+    ran = yaml.safe_load((run / "config.yaml").read_text())["train"]
+    assert (ran["micro_batch_size"], ran["grad_accum_steps"]) == (4, 4)
+
+    ref = tmp_path / "ref"
+    plain = _train(
+        *tiny_overrides(ref, *common, "train.micro_batch_size=4", "train.grad_accum_steps=4"), "train.max_steps=4"
+    )
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert _losses(run) == pytest.approx(_losses(ref), rel=1e-5) and len(_losses(run)) == 4
