@@ -14,6 +14,9 @@ sequence continues as an uninterrupted run of the new configuration would (teste
 ``train.oom_retries`` restarts; each switch is printed when it happens and written to ``metrics.jsonl`` as an
 ``on_oom`` record (step, what failed, what changed) when the last child ends, with an ``on_oom_summary`` record.
 
+SIGTERM and Ctrl-C reach the child, which writes its checkpoint and stops as any run does; the supervisor then
+ends with its exit code.
+
 Known limitations: the allocator setting the what-if replay recommends is not yet a step of the ladder (a GPU
 run's snapshot would have to be replayed first); a child that fails otherwise ends the supervision with its exit
 code.
@@ -22,6 +25,7 @@ code.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -33,6 +37,7 @@ from memfit.telemetry.metrics_file import append_record, read_metrics
 from memfit.units import GIB
 
 CHILD_ENV = "MEMFIT_ON_OOM_CHILD"  # set in the children: they run the training, and stop on an OOM
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
 STRONGER = {"none": "ffn", "ffn": "full"}  # checkpointing, one step stronger (every_k:N -> full)
 
 
@@ -67,6 +72,19 @@ def _last_oom(metrics: Path) -> dict | None:
     return ooms[-1] if ooms else None
 
 
+def _run_child(argv: list[str], env: dict[str, str]) -> int:
+    """Run one child to its end, in a process group of its own; SIGTERM and SIGINT sent to the supervisor (a
+    terminal's Ctrl-C included) are passed on to it once (it checkpoints and stops), so no child outlives its
+    supervisor."""
+    child = subprocess.Popen(argv, env=env, preexec_fn=os.setpgrp)
+    forward = {s: signal.signal(s, lambda received, _frame: child.send_signal(received)) for s in FORWARDED}
+    try:
+        return child.wait()
+    finally:
+        for s, previous in forward.items():
+            signal.signal(s, previous)
+
+
 def supervise(
     child_args: list[str],
     overrides: list[str],
@@ -88,7 +106,7 @@ def supervise(
     env = os.environ | {CHILD_ENV: "1"}
     try:
         while True:
-            code = subprocess.call([sys.executable, "-m", "memfit.cli", "train", *child_args, *overrides], env=env)
+            code = _run_child([sys.executable, "-m", "memfit.cli", "train", *child_args, *overrides], env)
             if code != EXIT_OUT_OF_MEMORY:
                 return code
             oom = _last_oom(metrics) or {}
