@@ -19,6 +19,7 @@ from memfit.distributed.runtime import launched_ranks
 from memfit.errors import UserError
 from memfit.planner.auto import AutoChoice, auto_plan, choose, gpu_cluster, this_cpu
 from memfit.planner.report import plan_dict, render_table
+from memfit.telemetry.metrics_file import read_metrics
 from memfit.train.fit_check import replay_planned_steps
 from memfit.train.loop import Trainer
 from memfit.train.on_oom import is_child, supervise
@@ -127,10 +128,26 @@ def auto_choice(cfg: RunConfig, overrides: list[str], ns) -> AutoChoice:
 
 
 def write_auto_plan(root: Path, choice: AutoChoice) -> None:
-    """The plan ``--auto`` chose from, beside the run's config.yaml (which holds the chosen levers)."""
+    """The plan ``--auto`` chose from, beside the run's config.yaml (which holds the chosen levers), with the
+    chosen row's predicted step time beside the run's measured median (printed too, once the run has one)."""
     if not (root / "config.yaml").is_file():
         return  # the run never started
-    plan = plan_dict(choice.result) | {"chosen_row": choice.row, "overrides": choice.overrides}
+    records = read_metrics(root / "metrics.jsonl") if (root / "metrics.jsonl").is_file() else []
+    summaries = [r for r in records if r.get("kind") == "summary"]
+    measured = summaries[-1].get("median_step_time_s") if summaries else None
+    predicted = choice.chosen.step_time_s
+    plan = plan_dict(choice.result) | {
+        "chosen_row": choice.row,
+        "overrides": choice.overrides,
+        "predicted_step_time_s": predicted,
+        "measured_median_step_time_s": measured,
+    }
+    if measured:
+        where = "a ranking rate of 1 TFLOP/s, not a CPU's" if choice.result.cluster.gpu.is_cpu else "the cost model"
+        print(
+            f"--auto: step time predicted {predicted:.3g} s ({where}), measured median {measured:.3g} s "
+            f"({measured / predicted:.2f}x the prediction)"
+        )
     tmp = root / ".auto-plan.json.tmp"
     tmp.write_text(json.dumps(plan, indent=1) + "\n")
     os.replace(tmp, root / "auto-plan.json")

@@ -101,7 +101,8 @@ def test_auto_trains_what_fits_a_cap_the_default_config_does_not(tmp_path, embed
     assert ran["train"]["micro_batch_size"] == chosen["micro_batch_size"]
     assert ran["strategy"]["activation_checkpointing"] == chosen["activation_checkpointing"]
     assert ran["train"]["micro_batch_size"] * ran["train"]["grad_accum_steps"] == 4  # the default's global batch
-    assert "--auto: training row" in done.stdout
+    assert "--auto: training row" in done.stdout and "--auto: step time predicted" in done.stdout
+    assert plan["predicted_step_time_s"] > 0 and plan["measured_median_step_time_s"] > 0
 
     nothing = tmp_path / "nothing"
     refused = _train("--auto", "--mem", "300MiB", f"output.dir={nothing}", "train.max_steps=1", *FEW)
