@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--nnodes", type=int, default=1, help="nodes (default 1)")
     dist.add_argument("--node-rank", type=int, default=0, help="this node's rank among --nnodes")
     dist.add_argument("--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous, the same on every node")
+    dist.add_argument(
+        "--numa-binding",
+        metavar="MODE",
+        help="bind each rank to the CPUs near its GPU (torchrun's --numa-binding: node | socket | exclusive | "
+        "core-complex, where the installed torch has it)",
+    )
     train.set_defaults(command="train")
     add_plan_parser(sub)
     frag = sub.add_parser(

@@ -21,6 +21,17 @@ def run(ns) -> int:
     return 1 if r["problems"] else 0
 
 
+def numa_line(nodes: list[dict[str, Any]]) -> str:
+    if not nodes:
+        return "no NUMA information (not Linux, or sysfs lists no node)"
+    parts = [
+        f"node {n['index']}: CPUs {n['cpus'] or '?'}"
+        + (f", {n['memory_bytes'] / GIB:.0f} GiB" if n["memory_bytes"] is not None else "")
+        for n in nodes
+    ]
+    return f"{len(nodes)} node(s): " + "; ".join(parts)
+
+
 def render(r: dict[str, Any], console) -> None:
     t = Table(title="memfit doctor", show_header=False)
     t.add_column("what")
@@ -32,8 +43,10 @@ def render(r: dict[str, Any], console) -> None:
         t.add_row(
             f"device {d['index']}",
             f"{d['name']} [{d['arch']}], {d['memory_bytes'] / GIB:.1f} GiB, "
-            f"bf16 {d['bf16']}, fp16 {d['fp16']}, TF32 {d['tf32']}",
+            f"bf16 {d['bf16']}, fp16 {d['fp16']}, TF32 {d['tf32']}, "
+            + ("NUMA node unknown" if d.get("numa_node") is None else f"NUMA node {d['numa_node']}"),
         )
+    t.add_row("NUMA", numa_line(r.get("numa_nodes", [])))
     t.add_row("collectives", ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in r["collectives"].items()))
     t.add_row("extras", ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in r["extras"].items()))
     if not r["allocator"]:

@@ -46,6 +46,8 @@ def run(ns) -> int:
         cfg = load_config(config_path, overrides)
     elif ns.mem:
         raise UserError("--mem is the memory --auto plans a CPU run for; add --auto")
+    if ns.numa_binding is not None and ns.nproc_per_node is None and ns.nnodes == 1:
+        raise UserError("--numa-binding binds torchrun's ranks: give --nproc-per-node too")
     if cfg.train.on_oom == "next" and not is_child() and launched_ranks() <= 1:
         return supervise(
             [str(config_path), *_launch_flags(ns)],
@@ -55,7 +57,7 @@ def run(ns) -> int:
             print,
         )
     if ns.nproc_per_node is not None or ns.nnodes > 1:
-        spec = LaunchSpec(ns.nproc_per_node or 1, ns.nnodes, ns.node_rank, ns.rdzv_endpoint)
+        spec = LaunchSpec(ns.nproc_per_node or 1, ns.nnodes, ns.node_rank, ns.rdzv_endpoint, ns.numa_binding)
         code = launch(spec, cfg, config_path, overrides)
         if choice is not None and ns.node_rank == 0:
             write_auto_plan(Path(cfg.output.dir), choice)
@@ -77,7 +79,8 @@ def _launch_flags(ns) -> list[str]:
     flags = [] if ns.nproc_per_node is None else ["--nproc-per-node", str(ns.nproc_per_node)]
     if ns.nnodes > 1:
         flags += ["--nnodes", str(ns.nnodes), "--node-rank", str(ns.node_rank)]
-    return flags + (["--rdzv-endpoint", ns.rdzv_endpoint] if ns.rdzv_endpoint else [])
+    flags += ["--rdzv-endpoint", ns.rdzv_endpoint] if ns.rdzv_endpoint else []
+    return flags + (["--numa-binding", ns.numa_binding] if ns.numa_binding else [])
 
 
 def auto_choice(cfg: RunConfig, overrides: list[str], ns) -> AutoChoice:

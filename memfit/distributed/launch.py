@@ -1,4 +1,4 @@
-"""``memfit train CONFIG --nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT]``.
+"""``memfit train CONFIG --nproc-per-node N [--nnodes M --node-rank R --rdzv-endpoint HOST:PORT --numa-binding node]``.
 
 The launcher is PyTorch's own ``torch.distributed.run`` (torchrun), called in this process with the
 worker ``python -m memfit.train CONFIG overrides``: one node uses ``--standalone``; several nodes
@@ -6,7 +6,9 @@ meet through a c10d rendezvous at ``--rdzv-endpoint`` (start the same command on
 own ``--node-rank``). The config is loaded and checked here first, so a typo fails once, before any
 rank starts. No restarts: when a rank dies torchrun stops the others on its node, ranks on other
 nodes see their collectives fail (within ``distributed.timeout_s`` at the latest), and this
-launcher prints one line naming the rank and how it ended.
+launcher prints one line naming the rank and how it ended. ``--numa-binding`` is torchrun's own (each rank
+bound to the CPUs and memory of its GPU's NUMA node, ``torch.numa.binding``), passed on where the installed torch
+has it and refused in one line where it does not or where the run has no GPU.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class LaunchSpec:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
+    numa_binding: str | None = None  # torchrun --numa-binding: node | socket | exclusive | core-complex
 
     @property
     def world_size(self) -> int:
@@ -58,9 +61,46 @@ def check_launch(spec: LaunchSpec, cfg: RunConfig) -> None:
     if spec.rdzv_endpoint and ":" not in spec.rdzv_endpoint:
         raise UserError(f"--rdzv-endpoint must be HOST:PORT (got '{spec.rdzv_endpoint}')")
     grad_accum_steps(cfg, spec.world_size)
+    if spec.numa_binding is not None:
+        check_numa_binding(spec.numa_binding, cfg.train.device)
     if cfg.distributed.engine == "deepspeed":
         require_deepspeed()
         resolve_ds_path(cfg.distributed.deepspeed_config)
+
+
+def torchrun_numa_modes() -> tuple[str, ...] | None:
+    """The modes this torch's torchrun takes for ``--numa-binding`` (``torch.numa.binding``), None where it has no
+    such option."""
+    from torch.distributed.run import get_args_parser
+
+    for action in get_args_parser()._actions:
+        if "--numa-binding" in action.option_strings:
+            return tuple(action.choices or ())
+    return None
+
+
+def check_numa_binding(mode: str, device: str, modes: tuple[str, ...] | None = None) -> None:
+    """Refuse a NUMA binding torchrun cannot apply here.
+
+    Raises:
+        UserError: a CPU run (torchrun binds each rank to the CPUs near its GPU), a torch whose torchrun lacks the
+            option, or a mode it does not know.
+    """
+    import torch
+
+    if device == "cpu" or (device == "auto" and not _cuda_available()):
+        raise UserError(
+            "--numa-binding binds each rank to the CPUs near its GPU; this run has no GPU (train.device "
+            f"{device}): bind by hand with numactl, or drop it"
+        )
+    modes = torchrun_numa_modes() if modes is None else modes
+    if not modes:
+        raise UserError(
+            f"--numa-binding: this torch's ({torch.__version__}) torchrun has no --numa-binding; bind by hand with "
+            "`numactl --cpunodebind=N --membind=N`, or use a torch whose torchrun has it"
+        )
+    if mode not in modes:
+        raise UserError(f"--numa-binding must be {' | '.join(modes)} (got '{mode}')")
 
 
 def torchrun_args(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides: list[str]) -> list[str]:
@@ -75,6 +115,8 @@ def torchrun_args(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides
         "--monitor-interval",
         "0.5",
     ]
+    if spec.numa_binding is not None:
+        args += ["--numa-binding", spec.numa_binding]
     if spec.nnodes == 1 and not spec.rdzv_endpoint:
         args.append("--standalone")
     else:

@@ -1,7 +1,8 @@
 """What this platform is and whether its memory settings will do what they say.
 
 Reports the torch build (CUDA, ROCm/HIP or CPU), devices (memory, architecture: ``gcnArchName`` on
-ROCm, compute capability on CUDA), bf16/fp16/TF32 support, collective backends, optional extras, and
+ROCm, compute capability on CUDA, the NUMA node each sits on), bf16/fp16/TF32 support, collective backends,
+optional extras, the NUMA nodes (``memfit.telemetry.numa``), and
 the allocator settings from the environment, parsed and checked for this build; and it recognises the
 invented knobs of the source article, naming the real equivalent.
 """
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from memfit.allocator import conf as alloc_conf
+from memfit.telemetry.numa import gpu_numa_node, numa_nodes
 
 EXTRAS = {"deepspeed": "deepspeed", "amdsmi": "amdsmi", "nvidia-ml-py": "pynvml"}
 
@@ -43,6 +45,7 @@ def devices(hip: str | None) -> list[dict[str, Any]]:
                 else None,
                 "fp16": True,
                 "tf32": _tf32(p, hip),
+                "numa_node": gpu_numa_node(p),
             }
         )
     return out
@@ -172,6 +175,7 @@ def report(
             "gloo": torch.distributed.is_gloo_available(),
         },
         "extras": {name: importlib.util.find_spec(mod) is not None for name, mod in EXTRAS.items()},
+        "numa_nodes": [n.as_dict() for n in numa_nodes()],
         "allocator": allocator,
         "expandable_segments": expandable,
         "warnings": warnings,
