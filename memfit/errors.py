@@ -44,6 +44,17 @@ class RankFailedExit(UserError):
     exit_code = EXIT_RANK_FAILED
 
 
+EXIT_RESTART = 5
+
+
+class RestartExit(UserError):
+    """``train.restart_on`` held at a step's end: the checkpoint is written and the process ends (exit code 5) for
+    the ``memfit train`` supervisor to resume the run in a fresh one. The trainer has said why."""
+
+    exit_code = EXIT_RESTART
+    echo = False
+
+
 class Interrupted(UserError):
     """SIGTERM or SIGINT stopped a run at a step boundary; exit 128 + the signal's number, as a shell reports it."""
 

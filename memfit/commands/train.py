@@ -22,8 +22,8 @@ from memfit.planner.report import plan_dict, render_table
 from memfit.telemetry.metrics_file import read_metrics
 from memfit.train.fit_check import replay_planned_steps
 from memfit.train.loop import Trainer
-from memfit.train.on_oom import is_child, supervise
 from memfit.train.rank import run_rank
+from memfit.train.supervisor import is_child, supervise
 from memfit.units import GIB, meminfo
 
 AUTO_ROWS_SHOWN = 5
@@ -48,7 +48,7 @@ def run(ns) -> int:
         raise UserError("--mem is the memory --auto plans a CPU run for; add --auto")
     if ns.numa_binding is not None and ns.nproc_per_node is None and ns.nnodes == 1:
         raise UserError("--numa-binding binds torchrun's ranks: give --nproc-per-node too")
-    if cfg.train.on_oom == "next" and not is_child() and launched_ranks() <= 1:
+    if (cfg.train.on_oom == "next" or cfg.train.restart_on) and not is_child() and launched_ranks() <= 1:
         return supervise(
             [str(config_path), *_launch_flags(ns)],
             overrides,

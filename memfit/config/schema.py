@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from memfit.config.restart import RestartCondition
 from memfit.config.strategy import OPTIMIZER_CHOICES, OPTIMIZER_NAMES, QUANTIZED_BASES, ZERO_STAGES, Strategy, levers
 from memfit.errors import UserError, did_you_mean
 
@@ -195,6 +196,12 @@ class TrainConfig:
         "accumulation, then stronger checkpointing)",
     )
     oom_retries: int = _f(3, "with on_oom next: how many restarts before giving up (exit 3)")
+    restart_on: Optional[str] = _f(
+        None,
+        "restart in a fresh process (a clean allocator) from a checkpoint when this holds at a step's end: "
+        "fragmentation>0.5 | retries>0 | every:2h | every:500steps (None = never)",
+    )
+    max_restarts: int = _f(5, "with restart_on: restarts at most, then the run goes on in its process")
 
 
 @dataclass
@@ -286,8 +293,12 @@ def check(cfg: RunConfig) -> RunConfig:
     ):
         _need(value > 0, f"{name} must be > 0 (got {value})")
     _need(t.on_oom in ON_OOM, f"train.on_oom must be {' | '.join(ON_OOM)} (got {t.on_oom!r})")
+    if t.restart_on is not None:
+        RestartCondition.parse(t.restart_on)
+        _need(t.keep_checkpoints > 0, "train.restart_on resumes from a checkpoint: train.keep_checkpoints must be > 0")
     for name, value in (
         ("train.oom_retries", t.oom_retries),
+        ("train.max_restarts", t.max_restarts),
         ("train.eval_every", t.eval_every),
         ("train.checkpoint_every", t.checkpoint_every),
         ("train.keep_checkpoints", t.keep_checkpoints),

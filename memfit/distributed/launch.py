@@ -25,6 +25,7 @@ from memfit.distributed.deepspeed_engine import require_deepspeed, resolve_ds_pa
 from memfit.errors import (
     EXIT_OUT_OF_MEMORY,
     EXIT_RANK_FAILED,
+    EXIT_RESTART,
     EXIT_USER_ERROR,
     RankFailedExit,
     UserError,
@@ -181,8 +182,8 @@ def launch(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides: list[
     except ChildFailedError as e:
         failures = sorted(e.failures.items())
         codes = {f.exitcode for _, f in failures}
-        if codes <= {EXIT_USER_ERROR, EXIT_OUT_OF_MEMORY, EXIT_RANK_FAILED}:
-            return max(codes)  # the ranks printed their own one-line error (4: they lost a peer elsewhere)
+        if codes <= {EXIT_USER_ERROR, EXIT_OUT_OF_MEMORY, EXIT_RANK_FAILED, EXIT_RESTART}:
+            return max(codes)  # the ranks printed their own one-line error (4: they lost a peer elsewhere; 5: restart)
         first_rank, first = min(failures, key=lambda kv: kv[1].timestamp)
         others = [describe_failure(r, f.exitcode, f.pid) for r, f in failures if r != first_rank]
         raise RankFailedExit(

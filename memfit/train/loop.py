@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers.utils import logging as hf_logging
 
+from memfit.config.restart import RestartCondition
 from memfit.config.schema import RunConfig, grad_accum_steps, run_strategy
 from memfit.device import device_name, resolve_device
 from memfit.distributed.deepspeed_engine import (
@@ -32,7 +33,7 @@ from memfit.distributed.deepspeed_engine import (
 )
 from memfit.distributed.engines import Parallel, engine_name, parallelize
 from memfit.distributed.runtime import init_distributed, on_main, shutdown
-from memfit.errors import Interrupted, OutOfMemoryExit, UserError
+from memfit.errors import Interrupted, OutOfMemoryExit, RestartExit, UserError
 from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
 from memfit.step.loss import ChunkedLoss, supervised_tokens, token_loss_sum
 from memfit.step.runner import DeepSpeedRunner, StepEngine, StepRunner
@@ -43,7 +44,6 @@ from memfit.strategies.allocator import (
     refuse_unsafe,
 )
 from memfit.strategies.checkpointing import apply_activation_checkpointing
-from memfit.strategies.host_optimizer import host_tensors
 from memfit.strategies.lora import apply_lora, quantize_base
 from memfit.strategies.offload import activation_offload
 from memfit.strategies.optimizer import (
@@ -53,15 +53,12 @@ from memfit.strategies.optimizer import (
     resolve_implementation,
 )
 from memfit.strategies.precision import resolve_precision
-from memfit.strategies.tensors import state_tensors
 from memfit.telemetry.allocator_watch import AllocatorWatch
 from memfit.telemetry.display import TrainDisplay, summary_tables
 from memfit.telemetry.metrics_file import MetricsLog, NullLog
 from memfit.telemetry.oom import oom_request_bytes
-from memfit.telemetry.profiler import collectives_release_on_caller, profiled_peak_bytes
 from memfit.telemetry.prometheus import TrainerMetrics
 from memfit.telemetry.readings import (
-    local_tensor,
     memory_record,
     process_rss_bytes,
     reset_peaks,
@@ -73,6 +70,7 @@ from memfit.train.data import eval_batches, load_dataset, split, train_loader
 from memfit.train.disk import guarded_write
 from memfit.train.export import export_model
 from memfit.train.fit_check import planned_step
+from memfit.train.profiled_step import profiled_train_step
 from memfit.train.run_dir import prepare_run_dir, write_config
 from memfit.train.sharded_checkpoint import (
     check_compatible,
@@ -118,6 +116,7 @@ class Trainer:
         ctx = self.ctx
         self.device = torch.device("cuda", ctx.local_rank) if ctx.distributed and gpu else resolve_device(t.device)
         self.kind = engine_name(ctx, d.engine, d.zero_stage)
+        self.restart = RestartCondition.parse(t.restart_on) if t.restart_on else None
         self.accum = grad_accum_steps(cfg, ctx.world_size)
         self.precision = resolve_precision(cfg.strategy.precision, self.device)
         self.strategy = run_strategy(
@@ -341,49 +340,32 @@ class Trainer:
         kept = checkpoint_dir(self.run.checkpoints, state.step) if self.cfg.train.keep_checkpoints else None
         return interrupted(received, state.step, self.cfg.train.max_steps, kept, took, self.ctx.is_main)
 
-    def _profiled_step(self, batches) -> tuple[tuple[float, float], dict[str, Any]]:
-        """This rank's tensor peak during ``train_step``, for every rank, beside the planner's per-rank
-        prediction: on CPU from torch.profiler (tensors alive before the step counted by storage, plus
-        the running sum of the step's allocation events), on CUDA/ROCm from the caching allocator.
+    def _maybe_restart(
+        self, rec: dict, state: TrainerState, saved: bool, here: tuple[int, float], log, display
+    ) -> None:
+        """End the process for a restart (``train.restart_on``) when its condition holds on any rank: this step's
+        checkpoint written (if it was not), a ``restart`` record, one line said.
 
         Raises:
-            UserError: for an engine whose buffers live outside the profiled region (DDP's gradient
-                buckets, DeepSpeed's flat buffers are allocated at start-up and not visible to it).
+            RestartExit: for the ``memfit train`` supervisor to resume the run in a fresh process.
         """
-        if self.kind not in ("single", "fsdp2"):
-            raise UserError(
-                f"train.profile_step: engine {self.kind} keeps buffers the profiler cannot see "
-                "(allocated before the step); use it with one process or distributed.zero_stage 2/3"
-            )
-        box: list[tuple[float, float]] = []
-        if self.device.type == "cuda":
-            # torch.profiler drops the releases made on the autograd engine's device thread (3,083 of
-            # 7,242 in a 7B LoRA step on an H200: its peak read 38.7 GB against 33.6 GB allocated);
-            # the caching allocator's own counters see every thread.
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            box.append(self.train_step(batches))
-            torch.cuda.synchronize(self.device)
-            peak, how = torch.cuda.max_memory_allocated(self.device), "caching allocator"
-        else:
-            opt = self.par.local_optimizer()
-            live = [local_tensor(x) for x in (*self.par.module.parameters(), *self.par.module.buffers())]
-            live += state_tensors(opt) + host_tensors(opt)
-            live += [x for b in batches for x in b]
-            held = collectives_release_on_caller() if self.ctx.distributed else contextlib.nullcontext()
-            private = ("c10d::",) if self.ctx.distributed else ()  # gloo's own copies, freed where it is blind
-            with held:  # every release of the program's tensors where the profiler sees it
-                peak = profiled_peak_bytes(lambda: box.append(self.train_step(batches)), live, "CPU", private)
-            how = "torch.profiler" + (" (the collective backend's private copies left out)" if private else "")
-        per_rank = [int(r[0]) for r in self.ctx.gather_numbers([float(peak)])]
-        out: dict[str, Any] = {
-            "profiled_peak_bytes": max(per_rank),
-            "rank_profiled_peak_bytes": per_rank,
-            "profiled_with": how,
-        }
-        if self.predicted is not None:
-            out["predicted_peak_bytes"] = self.predicted.peak_bytes
-        return box[0], out
+        why = self.restart.due(rec, *here)
+        if self.ctx.distributed:  # every rank restarts after the same step
+            if max(r[0] for r in self.ctx.gather_numbers([float(why is not None)])) and why is None:
+                why = "another rank's reading"
+        if why is None:
+            return
+        if not saved:
+            self._checkpoint(state)
+        log.write({"kind": "restart", "step": state.step, "reason": why})
+        kept = checkpoint_dir(self.run.checkpoints, state.step)
+        display.log(f"restart: {why} after step {state.step}; {kept} holds it")
+        raise RestartExit(why)
+
+    def _profiled_step(self, batches) -> tuple[tuple[float, float], dict[str, Any]]:
+        return profiled_train_step(
+            lambda: self.train_step(batches), batches, self.kind, self.device, self.ctx, self.par, self.predicted
+        )
 
     def _export(self, display: TrainDisplay) -> None:
         """The final model or adapter in HF format, consolidated on rank 0."""
@@ -499,6 +481,7 @@ class Trainer:
             )
         )
         states_at_step = None
+        first, started = state.step, time.perf_counter()  # this process's share of the run (train.restart_on)
         self.par.model.train()
         try:
             with display, StopSignals() as signals:
@@ -564,6 +547,10 @@ class Trainer:
                         self._checkpoint(state)
                     if received is not None:
                         raise self._interrupted(received, state, saved)
+                    if self.restart is not None and step != t.max_steps:
+                        self._maybe_restart(
+                            rec, state, saved, (step - first, time.perf_counter() - started), log, display
+                        )
                 if not result.evals or result.evals[-1]["step"] != t.max_steps:
                     do_eval(t.max_steps)
         except (torch.OutOfMemoryError, RuntimeError) as e:

@@ -45,6 +45,8 @@ MAY_CHANGE_ON_RESUME = {
         "allocator_model",
         "on_oom",
         "oom_retries",
+        "restart_on",
+        "max_restarts",
     )
 } | {("data", "num_workers"), ("data", "pin_memory"), ("data", "prefetch_factor")}
 MAY_CHANGE_ON_RESUME |= {("distributed", "timeout_s"), ("output", "export"), ("strategy", "activation_checkpointing")}

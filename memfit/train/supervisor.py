@@ -1,9 +1,11 @@
-"""``train.on_oom = next``: recover from an out-of-memory exit instead of dying.
+"""``train.on_oom = next`` and ``train.restart_on``: a run that goes on in fresh processes.
 
-The ``memfit train`` process becomes a supervisor: it runs the training in a child process (``memfit train`` again,
-so every run starts with a clean allocator), and when the child exits out of memory (exit 3, its run directory as
-it was: the last complete checkpoint kept) it starts a new child from that checkpoint (``train.resume=true``) with
-the next configuration that keeps the global batch:
+With either set, the ``memfit train`` process becomes a supervisor: it runs the training in a child process
+(``memfit train`` again, so every run starts with a clean allocator) and starts another from the run's checkpoint
+(``train.resume=true``) when one ends for a restart (exit 5: ``train.restart_on`` held at a step's end, the child
+wrote its checkpoint and a ``restart`` record; at most ``train.max_restarts``, after which the run goes on in its
+process) or out of memory (exit 3, its run directory as it was: the last complete checkpoint kept). After an
+out-of-memory exit the next child runs the next configuration that keeps the global batch:
 
 1. a smaller micro-batch with more accumulation (the largest divisor of the per-rank batch at most half the
    current micro-batch; not where the optimizer steps in backward, which cannot accumulate);
@@ -17,9 +19,9 @@ sequence continues as an uninterrupted run of the new configuration would (teste
 SIGTERM and Ctrl-C reach the child, which writes its checkpoint and stops as any run does; the supervisor then
 ends with its exit code.
 
-Known limitations: the allocator setting the what-if replay recommends is not yet a step of the ladder (a GPU
-run's snapshot would have to be replayed first); a child that fails otherwise ends the supervision with its exit
-code.
+Known limitations: the allocator setting the what-if replay recommends is neither a step of the ladder nor applied
+on a restart yet (a GPU run's recorded trace would have to be replayed first); a child that fails otherwise ends
+the supervision with its exit code.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from memfit.config.schema import RunConfig, grad_accum_steps
-from memfit.errors import EXIT_OUT_OF_MEMORY
+from memfit.errors import EXIT_OUT_OF_MEMORY, EXIT_RESTART
 from memfit.telemetry.metrics_file import append_record, read_metrics
 from memfit.units import GIB
 
@@ -103,10 +105,20 @@ def supervise(
     cfg = load(overrides)
     metrics = Path(cfg.output.dir) / "metrics.jsonl"
     switches: list[dict] = []
+    restarts = 0
     env = os.environ | {CHILD_ENV: "1"}
     try:
         while True:
             code = _run_child([sys.executable, "-m", "memfit.cli", "train", *child_args, *overrides], env)
+            if code == EXIT_RESTART:
+                restarts += 1
+                resume = [] if "train.resume=true" in overrides else ["train.resume=true"]
+                if restarts >= cfg.train.max_restarts:
+                    say(f"restart: {restarts} restart(s) used (train.max_restarts); the run goes on in one process")
+                    resume.append("train.restart_on=null")
+                overrides = [*overrides, *resume]
+                cfg = load(overrides)
+                continue
             if code != EXIT_OUT_OF_MEMORY:
                 return code
             oom = _last_oom(metrics) or {}
@@ -126,9 +138,11 @@ def supervise(
                 | {"overrides": extra}
             )
             say(f"on_oom: step {step}: {failed}; restarting from the last checkpoint with {change}")
-            overrides = [*overrides, *extra, "train.resume=true"]
+            overrides = [*overrides, *extra] + ([] if "train.resume=true" in overrides else ["train.resume=true"])
             cfg = load(overrides)
     finally:
+        if restarts:
+            say(f"restart: the run restarted {restarts} time(s) in a fresh process")
         if switches and metrics.parent.is_dir():
             for record in switches:
                 append_record(metrics, record)

@@ -13,7 +13,7 @@ from support.tiny import tiny_overrides
 from memfit.config.loader import load_config
 from memfit.config.schema import grad_accum_steps
 from memfit.telemetry.metrics_file import read_metrics
-from memfit.train.on_oom import next_after_oom
+from memfit.train.supervisor import next_after_oom
 
 
 def _cfg(*overrides):
@@ -110,3 +110,55 @@ def test_an_oom_restarts_from_the_checkpoint_down_the_ladder_with_the_same_losse
     )
     assert plain.returncode == 0, plain.stderr[-2000:]
     assert _losses(run) == pytest.approx(_losses(ref), rel=1e-5) and len(_losses(run)) == 4
+
+
+@pytest.mark.parametrize(
+    "text, kind, threshold",
+    [
+        ("fragmentation>0.5", "fragmentation", 0.5),
+        ("retries > 0", "retries", 0.0),
+        ("every:2h", "seconds", 7200.0),
+        ("every:30m", "seconds", 1800.0),
+        ("every:500steps", "steps", 500.0),
+    ],
+)
+def test_restart_conditions_parse_to_typed_values(text, kind, threshold):
+    from memfit.config.restart import RestartCondition
+
+    c = RestartCondition.parse(text)
+    assert (c.kind, c.threshold) == (kind, threshold)
+
+
+def test_restart_conditions_say_why_and_bad_ones_are_one_line():
+    from memfit.config.restart import RestartCondition
+    from memfit.errors import UserError
+
+    frag = RestartCondition.parse("fragmentation>0.5")
+    assert frag.due({"fragmentation_ratio": 0.62}, 1, 1.0) == "fragmentation 0.62 > 0.5"
+    assert frag.due({"fragmentation_ratio": 0.4}, 1, 1.0) is None and frag.due({}, 99, 1e9) is None  # CPU: no reading
+    assert RestartCondition.parse("retries>0").due({"alloc_retries": 2}, 1, 1.0) == "retries 2 > 0"
+    steps = RestartCondition.parse("every:3steps")
+    assert steps.due({}, 2, 0.0) is None and "3 steps in this process" in steps.due({}, 3, 0.0)
+    assert RestartCondition.parse("every:1m").due({}, 1, 61.0) == "1.0 min in this process (every 1 min)"
+    for bad in ("fragmentation<0.5", "every:0h", "every:2d", "sometimes"):
+        with pytest.raises(UserError, match="train.restart_on must be fragmentation>X, retries>N"):
+            _cfg(f"train.restart_on={bad}")
+    with pytest.raises(UserError, match="train.keep_checkpoints must be > 0"):
+        _cfg("train.restart_on=every:2h", "train.keep_checkpoints=0")
+
+
+@pytest.mark.integration
+def test_restarts_resume_in_fresh_processes_with_the_losses_of_one_run(tmp_path):
+    """every:3steps over 8 steps with max_restarts 2: restarts after steps 3 and 6, then the bound is reached and
+    the last process trains on without restarting; the losses equal an uninterrupted run's to the bit."""
+    common = ["train.max_steps=8", "train.eval_every=0", "train.checkpoint_every=0", "output.export=false"]
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    plain = _train(*tiny_overrides(ref, *common))
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    done = _train(*tiny_overrides(run, *common, "train.restart_on=every:3steps", "train.max_restarts=2"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records if r["kind"] == "restart"] == [3, 6]
+    assert _losses(run) == _losses(ref) and len(_losses(run)) == 8
+    assert "2 restart(s) used (train.max_restarts)" in done.stdout and "restarted 2 time(s)" in done.stdout
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["restart_on"] is None
