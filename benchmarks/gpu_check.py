@@ -46,6 +46,9 @@ Parts run only when named in ``--parts``:
    then ``memfit frag --simulate`` on that snapshot (its plots come back as ``diag_*.png``).
 9. ``oom``: a cell under ``allocator.memory_fraction=0.25`` must exit 3 with the bytes requested and a snapshot.
 10. ``exporter``: ``memfit exporter`` on loopback, scraped and parsed with prometheus_client.
+11. ``auto`` (issue 17): ``memfit train --auto`` on the 7B-shaped cell: the row it chose for this GPU (after the
+    allocator replay), three steps, the predicted and measured peak and step time.
+12. ``on-oom`` (issue 17): the ``oom`` cell with ``train.on_oom=next``: the switches it made and whether it ends.
 
 ``--budget-s`` bounds the whole run: each part's time limit is clipped to what is left, and a part with
 under 30 s left is skipped. Work files live in a temporary directory, so only the summaries, tables and
@@ -352,6 +355,63 @@ def part_oom(s, out: Path, log) -> dict:
     }
 
 
+def part_auto(s, out: Path, log) -> dict:
+    """``memfit train --auto`` on the GPU: the plan for the visible device, the allocator replay of the chosen row,
+    three steps; the chosen row, its predicted and measured step time, and the predicted and measured peak."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "why": "needs a CUDA/ROCm device"}
+    run = s.work / "auto"
+    args = _train_args(s, run, "train.max_steps=3")
+    proc = _run([*args[:5], "--auto", *args[5:]], 240, log)
+    if proc is None:
+        return {"status": "timed out"}
+    plan = json.loads((run / "auto-plan.json").read_text()) if (run / "auto-plan.json").is_file() else {}
+    summaries = (
+        [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"summary"' in x]
+        if (run / "metrics.jsonl").is_file()
+        else []
+    )
+    chosen = plan["fitting"][plan["chosen_row"] - 1] if plan else None
+    return {
+        "status": "ok" if proc.returncode == 0 else f"exit {proc.returncode}",
+        "chosen": {k: chosen[k] for k in ("activation_checkpointing", "precision", "micro_batch_size", "loss_chunks")}
+        if chosen
+        else None,
+        "predicted_peak_bytes": chosen["peak_bytes"] if chosen else None,
+        "predicted_step_time_s": plan.get("predicted_step_time_s"),
+        "measured_median_step_time_s": plan.get("measured_median_step_time_s"),
+        "summary": summaries[-1] if summaries else None,
+    }
+
+
+def part_on_oom(s, out: Path, log) -> dict:
+    """The OOM cell with ``train.on_oom=next``: its out-of-memory exits walk down the ladder until one fits."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "why": "needs a CUDA/ROCm device"}
+    run = s.work / "on_oom"
+    proc = _run(
+        _train_args(s, run, *s.oom_cell, "train.max_steps=2", "train.plan_check=false", "train.on_oom=next")
+        + ["train.keep_checkpoints=1"],
+        300,
+        log,
+    )
+    if proc is None:
+        return {"status": "timed out"}
+    records = (
+        [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        if (run / "metrics.jsonl").is_file()
+        else []
+    )
+    return {
+        "status": "ok" if proc.returncode == 0 else f"exit {proc.returncode}",
+        "switches": [r for r in records if r.get("kind") == "on_oom"],
+    }
+
+
 def part_exporter(s, out: Path, log) -> dict:
     """``memfit exporter`` on loopback, scraped twice and parsed with prometheus_client."""
     import urllib.request
@@ -605,6 +665,8 @@ def main() -> int:
         "diag": lambda log: part_diag(ns, out, log),
         "oom": lambda log: part_oom(ns, out, log),
         "exporter": lambda log: part_exporter(ns, out, log),
+        "auto": lambda log: part_auto(ns, out, log),
+        "on-oom": lambda log: part_on_oom(ns, out, log),
     }
     with open(out / "log.txt", "a") as log:
         for name in ns.parts.split(","):
