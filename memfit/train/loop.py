@@ -80,7 +80,7 @@ from memfit.train.sharded_checkpoint import (
     load_distributed,
     save_distributed,
 )
-from memfit.train.stops import StopSignals, check_finite, interrupted, out_of_memory_exit
+from memfit.train.stops import StopSignals, check_finite, interrupted, out_of_memory_exit, restart_due
 from memfit.units import GIB
 
 
@@ -340,27 +340,16 @@ class Trainer:
         kept = checkpoint_dir(self.run.checkpoints, state.step) if self.cfg.train.keep_checkpoints else None
         return interrupted(received, state.step, self.cfg.train.max_steps, kept, took, self.ctx.is_main)
 
-    def _maybe_restart(
-        self, rec: dict, state: TrainerState, saved: bool, here: tuple[int, float], log, display
-    ) -> None:
-        """End the process for a restart (``train.restart_on``) when its condition holds on any rank: this step's
-        checkpoint written (if it was not), a ``restart`` record, one line said.
-
-        Raises:
-            RestartExit: for the ``memfit train`` supervisor to resume the run in a fresh process.
-        """
-        why = self.restart.due(rec, *here)
-        if self.ctx.distributed:  # every rank restarts after the same step
-            if max(r[0] for r in self.ctx.gather_numbers([float(why is not None)])) and why is None:
-                why = "another rank's reading"
-        if why is None:
-            return
+    def _restart(self, why: str, state: TrainerState, saved: bool, log, display) -> RestartExit:
+        """This step's checkpoint (if it was not just written), a ``restart`` record and one line, for the ``memfit
+        train`` supervisor to resume the run in a fresh process (``train.restart_on``)."""
         if not saved:
             self._checkpoint(state)
         log.write({"kind": "restart", "step": state.step, "reason": why})
-        kept = checkpoint_dir(self.run.checkpoints, state.step)
-        display.log(f"restart: {why} after step {state.step}; {kept} holds it")
-        raise RestartExit(why)
+        display.log(
+            f"restart: {why} after step {state.step}; {checkpoint_dir(self.run.checkpoints, state.step)} holds it"
+        )
+        return RestartExit(why)
 
     def _profiled_step(self, batches) -> tuple[tuple[float, float], dict[str, Any]]:
         return profiled_train_step(
@@ -548,9 +537,9 @@ class Trainer:
                     if received is not None:
                         raise self._interrupted(received, state, saved)
                     if self.restart is not None and step != t.max_steps:
-                        self._maybe_restart(
-                            rec, state, saved, (step - first, time.perf_counter() - started), log, display
-                        )
+                        why = restart_due(self.restart, rec, (step - first, time.perf_counter() - started), ctx)
+                        if why is not None:
+                            raise self._restart(why, state, saved, log, display)
                 if not result.evals or result.evals[-1]["step"] != t.max_steps:
                     do_eval(t.max_steps)
         except (torch.OutOfMemoryError, RuntimeError) as e:

@@ -98,3 +98,13 @@ def check_finite(step: int, loss: float, grad_norm: float, scaled: bool, lr: flo
         f"is checkpointed or exported; lower optimizer.lr ({lr:g}), keep optimizer.grad_clip > 0, or use "
         "fp32/bf16-mixed precision"
     )
+
+
+def restart_due(condition, record: dict[str, Any], here: tuple[int, float], ctx) -> str | None:
+    """Why the run restarts after the step ``record`` describes (``condition``: a ``RestartCondition``; ``here``:
+    this process's steps and seconds of training), or None; with several ranks, every rank restarts after the same
+    step when the condition holds on any of them."""
+    why = condition.due(record, *here)
+    if ctx.distributed and max(r[0] for r in ctx.gather_numbers([float(why is not None)])) and why is None:
+        why = "another rank's reading"
+    return why
