@@ -187,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
+        if ns.command == "plan":  # a question asked before is answered from the plan cache, torch not imported
+            from memfit.commands.plan_cache import answer
+
+            return answer(ns)
         return importlib.import_module(f"memfit.commands.{ns.command}").run(ns)
     except UserError as e:
         print_user_error(e)

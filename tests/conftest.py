@@ -14,9 +14,10 @@ from memfit.config.loader import load_config
 from memfit.config.shipped import shipped_configs
 from memfit.models.load import embedded_checkpoint_dir
 
-# the planner's trace cache is off unless a test turns it on: a test that patches a module constant the trace
-# depends on must never read a trace made without the patch (subprocesses inherit this)
+# the planner's trace and plan caches are off unless a test turns them on: a test that patches a module constant a
+# trace depends on must never read a trace (or an answer) made without the patch (subprocesses inherit this)
 os.environ["MEMFIT_TRACE_CACHE"] = "off"
+os.environ["MEMFIT_PLAN_CACHE"] = "off"
 
 
 @pytest.fixture(autouse=True)

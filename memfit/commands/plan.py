@@ -14,12 +14,13 @@ from rich.console import Console
 
 from memfit.allocator.whatif import as_trace, compare, replay_allocations
 from memfit.commands.frag import render_whatif
+from memfit.commands.plan_cache import Answered
 from memfit.config.loader import load_config, read_utf8
 from memfit.config.schema import EMBEDDED_MODEL, LoraConfig
 from memfit.config.strategy import Strategy, levers
 from memfit.distributed.deepspeed_engine import offloaded
 from memfit.errors import UserError
-from memfit.models.load import config_for_planning
+from memfit.models.load import config_for_planning, planning_config_file
 from memfit.models.presets import PRESETS
 from memfit.planner.auto import this_cpu
 from memfit.planner.hardware import custom_gpu, gpu_preset
@@ -245,7 +246,8 @@ def _limits(result, ns) -> dict[Strategy, dict[str, Limit]]:
     return out
 
 
-def run(ns) -> int:
+def run(ns, answered: Answered | None = None) -> int:
+    """Plan what ``ns`` asks; ``answered`` (the plan cache's) learns the input files once the search ran."""
     req = plan_request(ns)
     if ns.gpu and ns.gpu_mem:
         raise UserError("give --gpu or --gpu-mem, not both")
@@ -278,6 +280,9 @@ def run(ns) -> int:
     workload = Workload(config_for_planning(req.model), req.model, seq_len, req.global_batch, req.lora)
     pins = Pins(pinned, req.engine, req.offload_params)
     result = search(workload, cluster, pins, ns.headroom)
+    if answered is not None and not gpu.is_cpu:  # a CPU plan reads the memory available now: never kept
+        model_file = planning_config_file(req.model)
+        answered.inputs = [str(Path(p).resolve()) for p in (ns.config, ns.deepspeed, model_file) if p]
     limits = _limits(result, ns)
     console = Console() if sys.stdout.isatty() else Console(width=190)  # tables stay whole in logs and pipes
     if ns.json:

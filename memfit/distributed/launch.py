@@ -20,6 +20,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from memfit.cache import cache_dir
 from memfit.config.schema import RunConfig, grad_accum_steps
 from memfit.distributed.deepspeed_engine import require_deepspeed, resolve_ds_path
 from memfit.errors import (
@@ -30,7 +31,6 @@ from memfit.errors import (
     RankFailedExit,
     UserError,
 )
-from memfit.models.load import cache_dir
 
 
 @dataclass(frozen=True)

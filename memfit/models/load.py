@@ -24,6 +24,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from memfit.cache import cache_dir
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
 from memfit.errors import UserError, did_you_mean, first_line
 from memfit.models.presets import PRESETS, preset_config
@@ -40,10 +41,6 @@ class ModelSource:
     kind: str
     path: Path | None = None
     preset: str | None = None
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MEMFIT_CACHE", Path.home() / ".cache" / "memfit"))
 
 
 def embedded_checkpoint_dir() -> Path:
@@ -234,6 +231,17 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
             "memfit supports Llama-architecture checkpoints"
         )
     return layers
+
+
+def planning_config_file(model: str) -> Path | None:
+    """The ``config.json`` that ``config_for_planning(model)`` reads, or None for a preset (no file)."""
+    name = model.split(":", 1)[1] if model.startswith("random:") else model
+    if name in PRESETS:
+        return None
+    if model == EMBEDDED_MODEL:
+        return embedded_checkpoint_dir() / "config.json"
+    path = Path(name).expanduser()
+    return path if path.is_file() else path / "config.json"
 
 
 def config_for_planning(model: str, attn_implementation: str = "sdpa"):

@@ -53,7 +53,7 @@ def test_a_damaged_entry_is_said_in_one_line_removed_and_traced_again(cache, cap
     (cache / f"{key}.json.gz").write_bytes(damage)
     timeline = predictor._trace(SPEC, 2)
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "is damaged" in err and "tracing it again" in err
+    assert err.count("\n") == 0 and "is damaged" in err and "ignored and rebuilt" in err
     assert predictor.cached == 0 and predictor.traces == 1
     assert trace_cache.load(key).rows == timeline.rows  # traced again and stored whole
 

@@ -1,0 +1,103 @@
+"""What memfit's on-disk caches share: where they live, what code they were written by, and how an entry is
+written and read back. Imports nothing heavy, so a cached answer is read without importing torch.
+
+Every cache lives under ``$MEMFIT_CACHE`` (default ``~/.cache/memfit``) unless its own variable points elsewhere;
+that variable set to ``off`` turns the cache off. Entries are gzipped JSON named by a SHA-256. Writers write a
+temporary file in the same directory and rename it into place (atomic on POSIX), so concurrent writers never
+leave half an entry and the last one wins; an entry that cannot be read is said in one line on stderr and removed.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+OFF = ("off", "0", "false", "no", "")
+LIBRARIES = ("torch", "transformers", "peft", "torchao")
+"""The libraries whose versions change what memfit traces and predicts."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEMFIT_CACHE", Path.home() / ".cache" / "memfit"))
+
+
+def cache_root(variable: str, default: str) -> Path | None:
+    """The directory a cache's entries live in: ``$variable``, else ``<memfit cache>/default``; None when off."""
+    setting = os.environ.get(variable)
+    if setting is not None and setting.strip().lower() in OFF:
+        return None
+    return Path(setting) if setting else cache_dir() / default
+
+
+@functools.cache
+def code_and_versions() -> str:
+    """The SHA-256 of memfit's source bytes and the versions of the libraries it traces through, so that a
+    changed planner never reads an entry an older one wrote, even at the same version number."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    for dist in LIBRARIES:
+        try:
+            h.update(f"{dist}={metadata.version(dist)}".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{dist}=-".encode())
+    return h.hexdigest()
+
+
+def digest(described: Any) -> str:
+    """The entry name of ``described`` (anything JSON can write, keys sorted)."""
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def read_entry(root: Path | None, key: str, what: str) -> Any | None:
+    """The decoded JSON of entry ``key``, or None: not cached, the cache off, or damaged (said in one line on
+    stderr, naming ``what`` the cache holds, and removed)."""
+    if root is None:
+        return None
+    path = root / f"{key}.json.gz"
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        return json.loads(gzip.decompress(raw))
+    except (OSError, EOFError, ValueError) as e:
+        drop_damaged(path, what, e)
+        return None
+
+
+def drop_damaged(path: Path, what: str, error: Exception) -> None:
+    """Say in one line that ``path`` is damaged and remove it, so the next run writes it again."""
+    why = type(error).__name__
+    print(f"memfit: {what} cache entry {path} is damaged ({why}); ignored and rebuilt", file=sys.stderr)
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def write_entry(root: Path | None, key: str, value: Any) -> None:
+    """Write ``value`` as entry ``key`` (atomically; skipped where the cache is off or cannot be written)."""
+    if root is None:
+        return
+    data = gzip.compress(json.dumps(value).encode(), compresslevel=3)
+    tmp = None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".tmp-", suffix=".json.gz", delete=False) as fh:
+            tmp = fh.name
+            fh.write(data)
+        os.replace(tmp, root / f"{key}.json.gz")
+    except OSError:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
