@@ -32,7 +32,7 @@ from memfit.units import parse_memory
 def run(ns) -> int:
     """``memfit bench``: parse the matrix, run the cells, write and print the results."""
     config = str(resolve_config_path(ns.config))
-    load_config(config, ns.set)  # validate the base config and overrides before spawning anything
+    base = load_config(config, ns.set)  # validate the base config and overrides before spawning anything
     loras = [{"true": True, "false": False}.get(v.lower()) for v in _split(ns.lora)]
     if None in loras:
         raise UserError(f"--lora must be a comma-separated list of true/false (got '{ns.lora}')")
@@ -46,7 +46,7 @@ def run(ns) -> int:
         )
     if ns.steps < 1 or ns.warmup < 0:
         raise UserError(f"--steps must be >= 1 and --warmup >= 0 (got {ns.steps}, {ns.warmup})")
-    cells = matrix(axes(ns), loras, zeros, ns.nproc_per_node)
+    cells = matrix(axes(ns, base), loras, zeros, ns.nproc_per_node)
     micro = [c.strategy.micro_batch_size for c in cells]
     global_batch = ns.global_batch or max(micro) * max(c.nproc for c in cells)
     for c in cells:  # every cell checked before anything is written
@@ -97,8 +97,9 @@ def _split(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def axes(ns) -> dict[str, list]:
-    """The matrix's lever axes from their comma-separated flags, each value parsed by its lever.
+def axes(ns, base) -> dict[str, list]:
+    """The matrix's lever axes from their comma-separated flags, each value parsed by its lever (``--packing
+    auto``: the ``base`` config's).
 
     Raises:
         UserError: naming the flag and the value.
@@ -108,7 +109,8 @@ def axes(ns) -> dict[str, list]:
     for name in BENCH_AXES:
         flag = table[name].flag
         text = getattr(ns, flag[2:].replace("-", "_"))
-        out[name] = [table[name].parse(v, flag) for v in _split(text)]
+        auto = {"auto": base.data.packs()} if name == "packing" else {}
+        out[name] = [auto[v] if v in auto else table[name].parse(v, flag) for v in _split(text)]
         if not out[name]:
             raise UserError(f"{flag} needs at least one value (got '{text}')")
     return out

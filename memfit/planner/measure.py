@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import AutoModelForCausalLM
 
 from memfit.planner.categories import Breakdown, Category
-from memfit.step.runner import StepRunner
+from memfit.step.runner import StepRunner, sample_batch
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.host_optimizer import host_tensors, observing_host
 from memfit.strategies.lora import apply_lora, quantize_base
@@ -159,14 +159,14 @@ def measured_steady_step(spec, model=None) -> Breakdown:
     tokens = torch.randint(
         0, vocab, (strategy.micro_batch_size, spec.seq_len + 1), generator=torch.Generator().manual_seed(0)
     )
-    batches = [(tokens, tokens)] * strategy.grad_accum_steps
+    batches = [sample_batch(tokens, strategy.packing)] * strategy.grad_accum_steps
     runner.step(batches)  # step 1 creates the optimizer state
     runner.zero_grad()
     measured = profiled_breakdown(
         lambda: runner.step(batches),
         params=model.parameters(),
         optimizer_state=state_tensors(opt),
-        other_live=[*model.buffers(), tokens],
+        other_live=[*model.buffers(), *batches[0]],
         grads=lambda: [p.grad for p in params if p.grad is not None],
         host_apart=apart,
         host_state=host_tensors(opt),

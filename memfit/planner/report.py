@@ -285,7 +285,7 @@ def write_train_config(
     w, s = r.workload, c.strategy
     cfg: dict = {
         "model": {"source": source},
-        "data": {"seq_len": w.seq_len},
+        "data": {"seq_len": w.seq_len, **({"packing": True} if s.packing else {})},
         "strategy": {  # every lever of the strategy section, as the vocabulary lists them
             lever.config_key.split(".")[1]: s.as_dict()[name]
             for name, lever in levers().items()

@@ -17,7 +17,10 @@ Known limitations:
     - fp16-mixed is traced without the GradScaler (its found-inf check reads a value); the scaler's
       own bytes are a few scalars.
     - every_k:N with a depth not divisible by N is extrapolated from whole groups of N layers.
-    - The attention mask: see ``_masks_as_on_real_tensors``. Grouped K/V heads are traced as SDPA's CPU
+    - The attention mask: see ``_masks_as_on_real_tensors``. Packed rows (``strategy.packing``) are traced with
+      the (B, 1, T, T) block-causal mask transformers builds for them, and grouped K/V heads repeated to every
+      head, as SDPA and eager run them (flash_attention_2 needs neither: predicted high there). Otherwise
+      grouped K/V heads are traced as SDPA's CPU
       flash kernel takes them (unexpanded); a device kernel that expands them for ``enable_gqa`` (the
       math fallback repeats K/V to every head) needs more than predicted. Not measured on a GPU yet.
 """
@@ -36,7 +39,7 @@ from memfit.config.schema import LoraConfig
 from memfit.config.strategy import Strategy
 from memfit.planner.categories import StepMemory
 from memfit.planner.tracker import StepTracker, Timeline, collapse_regions
-from memfit.step.runner import StepRunner
+from memfit.step.runner import StepRunner, sample_batch
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora, quantize_base
 from memfit.strategies.offload import PREFETCH
@@ -121,10 +124,14 @@ def _traced(spec: StepSpec, num_layers: int | None, steps: int = 1) -> StepTrack
         runner = StepRunner.for_strategy(model, spec.strategy, CPU, copies_back=not spec.host_is_device)
         optimizer = runner.optimizer
         shape = (spec.strategy.micro_batch_size, spec.seq_len + 1)  # (B, T+1)
-        batches = [(torch.zeros(shape, dtype=torch.long),) * 2 for _ in range(spec.strategy.grad_accum_steps)]
+        batches = [
+            sample_batch(torch.zeros(shape, dtype=torch.long), spec.strategy.packing)
+            for _ in range(spec.strategy.grad_accum_steps)
+        ]
         tracker = StepTracker(model, optimizer, spec.round_to, spec.host_is_device)
         tracker.track([*model.parameters(), *model.buffers(), *(t for b in batches for t in b)])
-        with tracker, _masks_as_on_real_tensors():
+        packed = spec.strategy.packing  # real packed rows take the block-causal mask path, as fake ones do
+        with tracker, contextlib.nullcontext() if packed else _masks_as_on_real_tensors():
             for _ in range(steps):
                 runner.step(batches)
                 runner.zero_grad()

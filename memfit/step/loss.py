@@ -84,7 +84,13 @@ class ChunkedLoss:
 
 
 def token_loss_sum(
-    model, tokens: torch.Tensor, labels: torch.Tensor, precision, device, chunked: ChunkedLoss | None = None
+    model,
+    tokens: torch.Tensor,
+    labels: torch.Tensor,
+    precision,
+    device,
+    chunked: ChunkedLoss | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed next-token cross-entropy over supervised positions, from fp32 logits.
 
@@ -92,15 +98,26 @@ def token_loss_sum(
         tokens: (B, T+1) token ids; the model reads tokens[:, :-1].
         labels: (B, T+1) targets with IGNORE_INDEX where no loss is taken; scored on labels[:, 1:].
         chunked: the model's ``ChunkedLoss`` when ``strategy.loss_chunks`` is on.
+        positions: (B, T+1) position ids of packed rows (restarting with each record), else None: given, the
+            model isolates the records (transformers' block-causal mask, or varlen flash attention).
     """
+    inputs = {"input_ids": tokens[:, :-1]}
+    if positions is not None:  # without a cache: transformers skips its packed-rows check where one is used
+        inputs.update(position_ids=positions[:, :-1], use_cache=False)
     if chunked is not None:
         with precision.autocast(device), chunked.targets(labels[:, 1:]):
-            return model(input_ids=tokens[:, :-1]).logits  # the summed loss, chunk by chunk
+            return model(**inputs).logits  # the summed loss, chunk by chunk
     with precision.autocast(device):
-        logits = model(input_ids=tokens[:, :-1]).logits  # (B, T, V)
+        logits = model(**inputs).logits  # (B, T, V)
     return F.cross_entropy(
         logits.float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def batch_loss_sum(model, batch: tuple[torch.Tensor, ...], precision, device, chunked=None) -> torch.Tensor:
+    """``token_loss_sum`` of one batch: (tokens, labels) or, packed, (tokens, labels, positions), on ``device``."""
+    tokens, labels, *positions = (t.to(device, non_blocking=True) for t in batch)
+    return token_loss_sum(model, tokens, labels, precision, device, chunked, positions[0] if positions else None)
 
 
 def supervised_tokens(labels: torch.Tensor) -> torch.Tensor:
@@ -108,10 +125,8 @@ def supervised_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != IGNORE_INDEX).sum()
 
 
-def global_token_count(
-    batches: list[tuple[torch.Tensor, torch.Tensor]], ctx: DistContext, device: torch.device
-) -> torch.Tensor:
+def global_token_count(batches: list[tuple[torch.Tensor, ...]], ctx: DistContext, device: torch.device) -> torch.Tensor:
     """Supervised tokens of the whole step over every rank (a tensor, not an int: no host sync, and
     traceable under FakeTensorMode); the loss of each micro-batch is divided by it."""
-    n_tokens = sum(supervised_tokens(labels) for _, labels in batches).to(device)
+    n_tokens = sum(supervised_tokens(batch[1]) for batch in batches).to(device)
     return ctx.all_reduce_sum(n_tokens).clamp_min(1)

@@ -15,12 +15,22 @@ from memfit.config.schema import OptimizerConfig
 from memfit.config.strategy import Strategy
 from memfit.distributed.engines import clip_grad_norm
 from memfit.distributed.runtime import DistContext
-from memfit.step.loss import ChunkedLoss, global_token_count, token_loss_sum
+from memfit.step.loss import ChunkedLoss, batch_loss_sum, global_token_count
 from memfit.strategies.offload import ActivationOffload, activation_offload
 from memfit.strategies.optimizer import OptimizerInBackward, build_optimizer
 from memfit.strategies.precision import Precision, precision_policy
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), each (B, T+1)
+Batch = tuple[torch.Tensor, ...]  # (tokens, labels) or, packed rows, (tokens, labels, positions), each (B, T+1)
+
+
+def sample_batch(tokens: torch.Tensor, packed: bool, records: int = 4) -> Batch:
+    """A batch of (B, T+1) ``tokens`` as the planner traces and measures it: tokens as their own labels and, for
+    ``packed`` rows (``strategy.packing``), position ids of ``records`` records of equal length per row."""
+    if not packed:
+        return tokens, tokens
+    length = -(-tokens.shape[1] // records)
+    positions = (torch.arange(tokens.shape[1], device=tokens.device) % length).expand_as(tokens).contiguous()
+    return tokens, tokens, positions
 
 
 class StepEngine(Protocol):
@@ -88,10 +98,10 @@ class StepRunner:
             offload=offload,
         )
 
-    def _loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, batch: Batch) -> torch.Tensor:
         """One micro-batch's summed token loss (the forward), its saved tensors offloaded where set."""
         with self.offload if self.offload is not None else contextlib.nullcontext():
-            return token_loss_sum(self.model, tokens, labels, self.precision, self.device, self.chunked)
+            return batch_loss_sum(self.model, batch, self.precision, self.device, self.chunked)
 
     def step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over ``batches`` (gradient accumulation), clip, optimizer step, free grads.
@@ -108,11 +118,9 @@ class StepRunner:
         n_tokens = global_token_count(batches, self.ctx, self.device)
         world = self.ctx.world_size
         loss_sum = torch.zeros((), device=self.device)
-        for i, (tokens, labels) in enumerate(batches):
-            tokens = tokens.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
+        for i, batch in enumerate(batches):
             with self.grad_sync(i == len(batches) - 1):
-                loss = self._loss(tokens, labels) / n_tokens
+                loss = self._loss(batch) / n_tokens
                 scaled = loss * world if world > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach()
@@ -127,12 +135,10 @@ class StepRunner:
         return self.ctx.all_reduce_sum(loss_sum), grad_norm
 
     def _step_in_backward(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        ((tokens, labels),) = batches  # Strategy.conflict: one micro-batch, one process, no scaler
+        (batch,) = batches  # Strategy.conflict: one micro-batch, one process, no scaler
         n_tokens = global_token_count(batches, self.ctx, self.device)
-        tokens = tokens.to(self.device, non_blocking=True)
-        labels = labels.to(self.device, non_blocking=True)
         self.optimizer.begin_step()
-        loss = self._loss(tokens, labels) / n_tokens
+        loss = self._loss(batch) / n_tokens
         loss.backward()  # every parameter is stepped, and its gradient freed, in here
         self.optimizer.step()  # nothing left to step; ends the step for the LR scheduler
         return loss.detach(), self.optimizer.grad_norm(self.device)
@@ -155,9 +161,8 @@ class DeepSpeedRunner:
         no_autocast = Precision(
             "deepspeed", torch.float32, None, False, torch.float32
         )  # DeepSpeed casts the module itself
-        for tokens, labels in batches:
-            tokens, labels = tokens.to(self.device), labels.to(self.device)
-            loss = token_loss_sum(self.engine, tokens, labels, no_autocast, self.device, self.chunked) / n_tokens
+        for batch in batches:
+            loss = batch_loss_sum(self.engine, batch, no_autocast, self.device, self.chunked) / n_tokens
             # the loss is already normalised over the whole step: no division by accumulation steps
             self.engine.backward(loss * world, scale_wrt_gas=False)
             self.engine.step()

