@@ -264,8 +264,8 @@ class Strategy:
         (False,),
         _flag,
         help="several chat/instruction records per row, each attending only to itself (position ids restart per "
-        "record; transformers then builds a block-causal (B, 1, T, T) mask for SDPA/eager, none for "
-        "flash_attention_2); null: on for chat data. Not searched: a property of the data, pinned from the config",
+        "record; transformers then builds a block-causal (B, 1, T, T) mask for SDPA and eager); null: on for chat "
+        "data. Not searched: a property of the data, pinned from the config",
     )
     micro_batch_size: int = _lever(1, "train.micro_batch_size", "--micro-batch", (), _int_in(None))
     zero_stage: int = _lever(0, "distributed.zero_stage", "--zero", ZERO_STAGES, _int_in(ZERO_STAGES))

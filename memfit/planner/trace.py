@@ -19,7 +19,7 @@ Known limitations:
     - every_k:N with a depth not divisible by N is extrapolated from whole groups of N layers.
     - The attention mask: see ``_masks_as_on_real_tensors``. Packed rows (``strategy.packing``) are traced with
       the (B, 1, T, T) block-causal mask transformers builds for them, and grouped K/V heads repeated to every
-      head, as SDPA and eager run them (flash_attention_2 needs neither: predicted high there). Otherwise
+      head, as SDPA and eager run them. Otherwise
       grouped K/V heads are traced as SDPA's CPU
       flash kernel takes them (unexpanded); a device kernel that expands them for ``enable_gqa`` (the
       math fallback repeats K/V to every head) needs more than predicted. Not measured on a GPU yet.
