@@ -221,3 +221,23 @@ def test_bench_takes_a_lever_as_an_axis(tmp_path, capsys, embedded_dir, flag, va
     if lever == "loss_chunks":
         assert on["predicted_peak_bytes"] < plain["predicted_peak_bytes"]
     assert on["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+
+
+def test_bench_compares_packed_and_padded_chat_rows(tmp_path, capsys, embedded_dir):
+    """--packing true,false on chat data: both cells run, each says its supervised tokens per second (how much
+    more the packed one trains is a benchmark's, not a test's: benchmarks/packing.py), and the packed cell is
+    predicted larger by its block-causal mask."""
+    records = tmp_path / "chat.jsonl"
+    lines = [json.dumps({"prompt": f"Question {i}?", "response": "Yes. " * (1 + i % 7)}) for i in range(120)]
+    records.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "bench"
+    args = ["bench", "tiny-cpu", "--ac", "none", "--lora", "false", "--packing", "true,false", "--steps", "2"]
+    extra = [f"data.source={records}", "data.seq_len=256", "data.max_documents=null"]
+    assert main([*args, "--warmup", "1", "--out", str(out), "--set", *extra]) == 0
+    summary = _last_json(capsys.readouterr().out)
+    assert summary["cells"] == 2 and summary["ok"] == 2
+    cells = {c["name"]: c for c in json.loads((out / "results.json").read_text())}
+    packed, padded = cells["ac-none_fp32_packed_mb2_full"], cells["ac-none_fp32_mb2_full"]
+    assert packed["packing"] and not padded["packing"]
+    assert packed["predicted_peak_bytes"] > padded["predicted_peak_bytes"]
+    assert packed["supervised_tokens_per_s"] > 0 and padded["supervised_tokens_per_s"] > 0
