@@ -1,12 +1,13 @@
 """Prometheus endpoints: the trainer's own ``memfit_*`` metrics, and ``memfit exporter``'s per-device
-memory for a node (amdsmi on AMD, nvidia-ml-py on NVIDIA, else torch's view of the GPUs, else the
-host's memory, so it runs anywhere). Both bind 127.0.0.1 unless told otherwise."""
+memory and utilisation for a node (amdsmi on AMD, nvidia-ml-py on NVIDIA, else torch's view of the GPUs (memory
+only), else the host's memory, so it runs anywhere). Both bind 127.0.0.1 unless told otherwise."""
 
 from __future__ import annotations
 
 import importlib.util
 import socket
 import threading
+from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -35,11 +36,22 @@ TRAINER_METRICS = {
     "ooms": ("memfit_ooms", "out-of-memory errors raised by the allocator (cumulative)"),
     "step_time_s": ("memfit_step_time_seconds", "wall time of the last optimizer step"),
     "tokens_per_s": ("memfit_tokens_per_second", "input tokens per second in the last step"),
+    "gpu_compute_utilization": (
+        "memfit_gpu_compute_utilization_ratio",
+        "this rank's GPU: fraction of the driver's last sample period a kernel ran (torch.cuda.utilization: NVML "
+        "utilization.gpu, amdsmi gfx_activity), read at the end of the last step",
+    ),
+    "gpu_memory_bandwidth_utilization": (
+        "memfit_gpu_memory_bandwidth_utilization_ratio",
+        "this rank's GPU: fraction of the last sample period device memory was read or written "
+        "(torch.cuda.memory_usage: NVML utilization.memory, amdsmi umc_activity), read at the end of the last step",
+    ),
     "supervised_tokens_per_s": (
         "memfit_supervised_tokens_per_second",
         "tokens that take a loss per second in the last step (this rank's times the world size)",
     ),
     "loss": ("memfit_loss", "training loss of the last step"),
+    "restarts": ("memfit_restarts", "fresh-process restarts of this run so far (train.restart_on, train.on_oom)"),
     "step": ("memfit_step", "optimizer steps done"),
     "rss_bytes": ("memfit_process_rss_bytes", "resident set size of the trainer process (CPU runs)"),
 }
@@ -97,8 +109,44 @@ class TrainerMetrics:
             self._server = None
 
 
+@dataclass(frozen=True)
+class DeviceReading:
+    """One device at scrape time. Utilisations are fractions of the last sample period (0..1), None where the
+    source does not say (then no sample is served, never a zero)."""
+
+    label: str
+    name: str
+    total_bytes: int
+    used_bytes: int
+    compute: float | None = None  # NVML utilization.gpu | amdsmi gfx_activity
+    memory_bandwidth: float | None = None  # NVML utilization.memory | amdsmi umc_activity
+
+
+def _percent(value: Any) -> float | None:
+    """A percentage as a fraction; None for what a source gives where it has no value ('N/A', out of range)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v / 100 if 0 <= v <= 100 else None
+
+
+UTILISATION = {
+    "compute": (
+        "memfit_device_compute_utilization_ratio",
+        "fraction of the last sample period the device's compute engines were busy (NVML utilization.gpu, as "
+        "DCGM_FI_DEV_GPU_UTIL / 100; amdsmi gfx_activity, as the AMD exporter's gpu_gfx_activity / 100)",
+    ),
+    "memory_bandwidth": (
+        "memfit_device_memory_bandwidth_utilization_ratio",
+        "fraction of the last sample period device memory was being read or written (NVML utilization.memory, as "
+        "DCGM_FI_DEV_MEM_COPY_UTIL / 100; amdsmi umc_activity, the memory controllers, as gpu_umc_activity / 100)",
+    ),
+}
+
+
 class DeviceMemoryCollector:
-    """Collects per-device total/used memory at scrape time from the best source available."""
+    """Collects per-device memory and utilisation at scrape time from the best source available."""
 
     def __init__(self) -> None:
         self.backend = self._pick()
@@ -113,8 +161,7 @@ class DeviceMemoryCollector:
 
         return "torch" if torch.cuda.is_available() else "host"
 
-    def _devices(self) -> list[tuple[str, str, int, int]]:
-        """(device label, name, total bytes, used bytes) per device."""
+    def _devices(self) -> list[DeviceReading]:
         if self.backend == "amdsmi":
             import amdsmi
 
@@ -124,7 +171,12 @@ class DeviceMemoryCollector:
                 for i, h in enumerate(amdsmi.amdsmi_get_processor_handles()):
                     total = amdsmi.amdsmi_get_gpu_memory_total(h, amdsmi.AmdSmiMemoryType.VRAM)
                     used = amdsmi.amdsmi_get_gpu_memory_usage(h, amdsmi.AmdSmiMemoryType.VRAM)
-                    out.append((str(i), "amd-gpu", int(total), int(used)))
+                    try:
+                        activity = amdsmi.amdsmi_get_gpu_activity(h)
+                    except amdsmi.AmdSmiException:
+                        activity = {}
+                    compute, bandwidth = _percent(activity.get("gfx_activity")), _percent(activity.get("umc_activity"))
+                    out.append(DeviceReading(str(i), "amd-gpu", int(total), int(used), compute, bandwidth))
                 return out
             finally:
                 amdsmi.amdsmi_shut_down()
@@ -138,9 +190,13 @@ class DeviceMemoryCollector:
                     h = pynvml.nvmlDeviceGetHandleByIndex(i)
                     info = pynvml.nvmlDeviceGetMemoryInfo(h)
                     name = pynvml.nvmlDeviceGetName(h)
-                    out.append(
-                        (str(i), name.decode() if isinstance(name, bytes) else name, int(info.total), int(info.used))
-                    )
+                    try:
+                        rates = pynvml.nvmlDeviceGetUtilizationRates(h)
+                        compute, bandwidth = _percent(rates.gpu), _percent(rates.memory)
+                    except pynvml.NVMLError:  # not supported on this device (some vGPUs, MIG instances)
+                        compute = bandwidth = None
+                    name = name.decode() if isinstance(name, bytes) else name
+                    out.append(DeviceReading(str(i), name, int(info.total), int(info.used), compute, bandwidth))
                 return out
             finally:
                 pynvml.nvmlShutdown()
@@ -150,25 +206,27 @@ class DeviceMemoryCollector:
             out = []
             for i in range(torch.cuda.device_count()):
                 free, total = torch.cuda.mem_get_info(i)
-                out.append((str(i), torch.cuda.get_device_name(i), int(total), int(total - free)))
+                out.append(DeviceReading(str(i), torch.cuda.get_device_name(i), int(total), int(total - free)))
             return out
         info = meminfo()
-        return [("host", "host-memory", info["MemTotal"], info["MemTotal"] - info["MemAvailable"])]
+        return [DeviceReading("host", "host-memory", info["MemTotal"], info["MemTotal"] - info["MemAvailable"])]
 
     def collect(self):
-        total = GaugeMetricFamily(
-            "memfit_device_memory_total_bytes", "device memory capacity", labels=["device", "name", "source"]
-        )
+        labels = ["device", "name", "source"]
+        total = GaugeMetricFamily("memfit_device_memory_total_bytes", "device memory capacity", labels=labels)
         used = GaugeMetricFamily(
-            "memfit_device_memory_used_bytes",
-            "device memory in use (all processes)",
-            labels=["device", "name", "source"],
+            "memfit_device_memory_used_bytes", "device memory in use (all processes)", labels=labels
         )
-        for dev, name, t, u in self._devices():
-            total.add_metric([dev, name, self.backend], t)
-            used.add_metric([dev, name, self.backend], u)
+        busy = {key: GaugeMetricFamily(name, doc, labels=labels) for key, (name, doc) in UTILISATION.items()}
+        for d in self._devices():
+            total.add_metric([d.label, d.name, self.backend], d.total_bytes)
+            used.add_metric([d.label, d.name, self.backend], d.used_bytes)
+            for key, family in busy.items():
+                if getattr(d, key) is not None:
+                    family.add_metric([d.label, d.name, self.backend], getattr(d, key))
         yield total
         yield used
+        yield from busy.values()
         rss = GaugeMetricFamily("memfit_exporter_rss_bytes", "resident memory of the exporter itself")
         rss.add_metric([], process_rss_bytes())
         yield rss

@@ -7,6 +7,8 @@ the device; ``reserved - allocated`` is the external free space the cache keeps.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import resource
 from dataclasses import dataclass
@@ -66,7 +68,37 @@ def memory_record(device: torch.device) -> dict[str, int]:
         - s.get("allocated_bytes.all.current", 0),
         "alloc_retries": s.get("num_alloc_retries", 0),
         "ooms": s.get("num_ooms", 0),
+        **device_utilization(device),
     }
+
+
+def _driver_errors() -> tuple[type[BaseException], ...]:
+    """What ``torch.cuda.utilization`` raises where a reading is not to be had: no driver package, an error of
+    NVML or amdsmi (not supported on this device, a MIG instance), a device it cannot map."""
+    errors: list[type[BaseException]] = [ImportError, RuntimeError, ValueError]
+    for module, name in (("pynvml", "NVMLError"), ("amdsmi", "AmdSmiException")):
+        if importlib.util.find_spec(module) is not None:
+            errors.append(getattr(importlib.import_module(module), name))
+    return tuple(errors)
+
+
+def device_utilization(device: torch.device) -> dict[str, float]:
+    """The GPU's compute and memory-bandwidth utilisation over the driver's last sample period, as fractions
+    (``torch.cuda.utilization`` / ``memory_usage``: NVML, or amdsmi on ROCm); a value the driver or its Python
+    package does not give is left out, never zero."""
+    out = {}
+    reads = (
+        ("gpu_compute_utilization", torch.cuda.utilization),
+        ("gpu_memory_bandwidth_utilization", torch.cuda.memory_usage),
+    )
+    for key, read in reads:
+        try:
+            percent = float(read(device))
+        except _driver_errors():
+            continue
+        if 0 <= percent <= 100:
+            out[key] = percent / 100
+    return out
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,7 @@ from memfit.train.sharded_checkpoint import (
     save_distributed,
 )
 from memfit.train.stops import StopSignals, check_finite, interrupted, out_of_memory_exit, restart_due
+from memfit.train.supervisor import restarts_so_far
 from memfit.units import GIB
 
 
@@ -388,6 +389,7 @@ class Trainer:
             return
         port = t.metrics_port + self.ctx.local_rank if t.metrics_port else 0
         self.metrics = TrainerMetrics()
+        self.metrics.update({"restarts": restarts_so_far()})
         try:
             self.metrics_port = self.metrics.serve(port, t.metrics_host)
         except OSError as e:

@@ -43,8 +43,17 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT)
 STRONGER = {"none": "ffn", "ffn": "full"}  # checkpointing, one step stronger (every_k:N -> full)
 
 
+RESTARTS_ENV = "MEMFIT_RESTARTS"  # set in the children: fresh-process restarts of the run before this one
+
+
 def is_child() -> bool:
     return os.environ.get(CHILD_ENV) == "1"
+
+
+def restarts_so_far() -> int:
+    """Fresh-process restarts of this run before this process (``train.restart_on`` and ``train.on_oom``)."""
+    value = os.environ.get(RESTARTS_ENV, "0")
+    return int(value) if value.isdigit() else 0
 
 
 def next_after_oom(cfg: RunConfig, world_size: int) -> tuple[list[str], str] | None:
@@ -109,6 +118,7 @@ def supervise(
     env = os.environ | {CHILD_ENV: "1"}
     try:
         while True:
+            env[RESTARTS_ENV] = str(restarts + len(switches))
             code = _run_child([sys.executable, "-m", "memfit.cli", "train", *child_args, *overrides], env)
             if code == EXIT_RESTART:
                 restarts += 1

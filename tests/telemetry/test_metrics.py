@@ -112,10 +112,10 @@ def test_grafana_dashboard_uses_only_metrics_we_serve():
     import json
     import re
 
-    from memfit.telemetry.prometheus import TRAINER_METRICS
+    from memfit.telemetry.prometheus import TRAINER_METRICS, UTILISATION
 
     dash = json.loads((REPO / "deploy/grafana/memfit-dashboard.json").read_text())
-    served = {name for name, _ in TRAINER_METRICS.values()} | {
+    served = {name for name, _ in (*TRAINER_METRICS.values(), *UTILISATION.values())} | {
         "memfit_device_memory_used_bytes",
         "memfit_device_memory_total_bytes",
     }
