@@ -197,6 +197,12 @@ class TrainConfig:
     )
     metrics_port: Optional[int] = _f(None, "serve memfit_* Prometheus metrics on this port (0 = any free port)")
     metrics_host: str = _f("127.0.0.1", "address the metrics endpoint binds (default loopback only)")
+    kernel_profile_every: int = _f(
+        0,
+        "profile one step in every N with torch.profiler (0: never): the top kernels by self time (CPU ops on a "
+        "CPU) and their share of the step in metrics.jsonl, the summary and Prometheus; the interval stretches to "
+        "keep the profiling under 1% of the training time",
+    )
     plan_check: bool = _f(True, "predict the step's peak before allocating; on a GPU refuse a run predicted not to fit")
     allocator_model: bool = _f(
         True,
@@ -318,6 +324,7 @@ def check(cfg: RunConfig) -> RunConfig:
         _need(t.keep_checkpoints > 0, "train.restart_on resumes from a checkpoint: train.keep_checkpoints must be > 0")
     for name, value in (
         ("train.oom_retries", t.oom_retries),
+        ("train.kernel_profile_every", t.kernel_profile_every),
         ("train.max_restarts", t.max_restarts),
         ("train.eval_every", t.eval_every),
         ("train.checkpoint_every", t.checkpoint_every),

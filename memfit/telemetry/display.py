@@ -90,6 +90,15 @@ def summary_tables(summary: RunSummary) -> tuple[Table, Table]:
         )
     if sm.fragmentation_at_peak is not None:
         run.add_row(f"fragmentation at step {sm.fragmentation_at_peak_step}'s peak", f"{sm.fragmentation_at_peak:.3f}")
+    if sm.kernels:
+        named = [k for k in sm.kernels if k["name"] != "other"][:3]
+        run.add_row(
+            f"top {sm.kernels_of} (step {sm.kernels_step}, share of the step)",
+            ", ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in named),
+        )
+        cost = sm.kernel_profile_cost_s / max(sm.training_s, 1e-9)
+        steps = f"{sm.kernel_profiles} step" + ("s" if sm.kernel_profiles != 1 else "")
+        run.add_row(f"kernel profiling ({steps}), its cost", f"{sm.kernel_profile_cost_s:.2f} s ({cost:.1%})")
 
     mem = Table(title=f"where the memory went ({label})")
     mem.add_column("category")

@@ -56,6 +56,15 @@ TRAINER_METRICS = {
     "rss_bytes": ("memfit_process_rss_bytes", "resident set size of the trainer process (CPU runs)"),
 }
 
+KERNEL_METRICS = {
+    "self_time_s": (
+        "memfit_kernel_self_seconds",
+        "self time of the top kernels (CPU ops on a CPU) in the last profiled step (train.kernel_profile_every)",
+    ),
+    "share": ("memfit_kernel_step_share_ratio", "the kernel's self time as a fraction of the profiled step's time"),
+}
+"""Labelled by kernel name: the last profile's top ``TOP_KERNELS`` and ``other``."""
+
 
 LISTEN_BACKLOG = 1024
 """Connections the kernel queues while the server accepts: socketserver's default of 5 made 99 of 200 concurrent
@@ -90,12 +99,20 @@ class TrainerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.gauges = {key: Gauge(name, doc, registry=self.registry) for key, (name, doc) in TRAINER_METRICS.items()}
+        self.kernels = {
+            key: Gauge(name, doc, ["kernel"], registry=self.registry) for key, (name, doc) in KERNEL_METRICS.items()
+        }
         self._server = None
 
     def update(self, record: dict[str, Any]) -> None:
         for key, gauge in self.gauges.items():
             if key in record and record[key] is not None:
                 gauge.set(float(record[key]))
+        if "kernels" in record:  # the last profile's top kernels only: the label set stays bounded
+            for key, gauge in self.kernels.items():
+                gauge.clear()
+                for k in record["kernels"]:
+                    gauge.labels(kernel=k["name"]).set(k[key])
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Start the endpoint in a background thread; returns the bound port (useful with port 0)."""

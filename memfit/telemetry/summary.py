@@ -54,6 +54,13 @@ class RunSummary:
     engine: str | None = None
     zero_stage: int | None = None
     rank_states: list[dict[str, int]] | None = field(default=None)
+    # train.kernel_profile_every: the last profile's top kernels, and what all profiles cost
+    kernels: list[dict[str, Any]] | None = None
+    kernels_step: int | None = None
+    kernels_of: str | None = None
+    kernel_profiles: int = 0
+    kernel_profile_cost_s: float | None = None
+    training_s: float | None = None
 
     def record(self) -> dict[str, Any]:
         """The ``summary`` record of ``metrics.jsonl`` (fields that do not apply are left out)."""
@@ -91,6 +98,9 @@ class RunSummary:
             "engine",
             "zero_stage",
             "rank_states",
+            "kernels",
+            "kernels_step",
+            "kernel_profile_cost_s",
         ):
             if optional[key] is not None:
                 rec[key] = optional[key]
@@ -161,6 +171,16 @@ def summarize(
             profiled_step=rec["step"],
             profiled_with=rec.get("profiled_with", "torch.profiler"),
             profiled_ranks=len(ranks) if ranks else None,
+        )
+    kernels = [r for r in steps if "kernels" in r]
+    if kernels:
+        out.update(
+            kernels=kernels[-1]["kernels"],
+            kernels_step=kernels[-1]["step"],
+            kernels_of=kernels[-1]["kernels_of"],
+            kernel_profiles=len(kernels),
+            kernel_profile_cost_s=sum(r["kernel_profile_cost_s"] for r in kernels),
+            training_s=sum(step_times),
         )
     per_step = [r["rank_memory"] for r in steps if "rank_memory" in r]
     if per_step:

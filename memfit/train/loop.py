@@ -8,6 +8,7 @@ model built in the precision's parameter dtype; LoRA adapters before activation-
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import signal
 import time
@@ -55,6 +56,7 @@ from memfit.strategies.optimizer import (
 from memfit.strategies.precision import resolve_precision
 from memfit.telemetry.allocator_watch import AllocatorWatch
 from memfit.telemetry.display import TrainDisplay, summary_tables
+from memfit.telemetry.kernels import KernelProfiler
 from memfit.telemetry.metrics_file import MetricsLog, NullLog
 from memfit.telemetry.oom import oom_request_bytes
 from memfit.telemetry.prometheus import TrainerMetrics
@@ -189,6 +191,7 @@ class Trainer:
                 self.notes.append(f"planner failed ({type(e).__name__}: {e}); running without the fit check")
         self.baseline_rss_bytes = process_rss_bytes()
         self.notes += apply_device_limits(cfg.allocator, self.device)
+        self.kernels = KernelProfiler(t.kernel_profile_every, self.device)
         self.watch = AllocatorWatch(
             self.device,
             self.run.root,
@@ -352,10 +355,16 @@ class Trainer:
         )
         return RestartExit(why)
 
-    def _profiled_step(self, batches) -> tuple[tuple[float, float], dict[str, Any]]:
-        return profiled_train_step(
-            lambda: self.train_step(batches), batches, self.kind, self.device, self.ctx, self.par, self.predicted
-        )
+    def _step(self, step: int, batches, last_s: float | None) -> tuple[float, float, dict[str, Any]]:
+        """One step and its record's extra fields: measured at ``train.profile_step``, kernels profiled when due."""
+        run = functools.partial(self.train_step, batches)
+        if step == self.cfg.train.profile_step:
+            out, extra = profiled_train_step(run, batches, self.kind, self.device, self.ctx, self.par, self.predicted)
+        elif self.kernels.due(step):
+            out, extra = self.kernels.profile(run, step, last_s)
+        else:
+            out, extra = run(), {}
+        return *out, extra
 
     def _export(self, display: TrainDisplay) -> None:
         """The final model or adapter in HF format, consolidated on rank 0."""
@@ -484,10 +493,8 @@ class Trainer:
                     start = time.perf_counter()
                     batches = [next(loader) for _ in range(self.accum)]
                     lr = float(self.scheduler.get_last_lr()[0])  # a tensor under torchao
-                    if step == t.profile_step:
-                        (loss, grad_norm), profiled = self._profiled_step(batches)
-                    else:
-                        loss, grad_norm = self.train_step(batches)
+                    last_s = result.steps[-1]["step_time_s"] if result.steps else None
+                    loss, grad_norm, extra = self._step(step, batches, last_s)
                     scaled = self.precision.grad_scaler or self.kind == "deepspeed"
                     check_finite(step, loss, grad_norm, scaled, cfg.optimizer.lr)
                     if states_at_step is None:
@@ -520,9 +527,7 @@ class Trainer:
                         "tokens_seen": state.tokens_seen,
                     }
                     memory, received = self._memory(signals)
-                    rec.update(memory)
-                    if step == t.profile_step:
-                        rec.update(profiled)
+                    rec.update(memory | extra)
                     self.watch.after_step(step, rec)
                     result.steps.append(rec)
                     if self.metrics is not None:
