@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -170,10 +172,33 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
     return ds
 
 
+@contextlib.contextmanager
+def _collectives_over_gloo():
+    """On CPU, DeepSpeed's communication backend over the gloo group memfit started, without its shared-memory
+    all-reduce extension: that is a C++ build of 2-5 minutes on a run's first use (per installation), and its
+    bf16 kernel needs AVX-512 (without it the kernel faults and the other ranks hang on its flags, as DeepSpeed's
+    own comment says). DeepSpeed has no setting for it: its module-level builder answers "none" meanwhile."""
+    try:  # the submodule (the package's own attribute ``torch`` is the torch library)
+        comm = importlib.import_module("deepspeed.comm.torch")
+    except ImportError:
+        comm = None
+    if os.environ.get("DS_ACCELERATOR") != "cpu" or not hasattr(comm, "build_shm_op"):
+        yield
+        return
+    built, comm.build_shm_op = comm.build_shm_op, lambda: None
+    try:
+        yield
+    finally:
+        comm.build_shm_op = built
+
+
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict[str, Any]):
     """``deepspeed.initialize`` on memfit's model and AdamW; returns the engine."""
     deepspeed = require_deepspeed()
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
+    with _collectives_over_gloo():
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config, dist_init_required=False
+        )
     return engine
 
 
