@@ -298,6 +298,38 @@ def recommend(results: list[Replay], hip: str | None, torch_version: str | None 
     return best
 
 
+ADVISED_KEYS = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold", "memory_fraction")
+"""The allocator settings a restart may change, as ``allocator.*`` config keys (the run config has no
+``roundup_power2_divisions``: scenarios with it are not advised there)."""
+
+
+def restart_advice(
+    results: list[Replay], now: AllocatorSettings, hip: str | None, torch_version: str | None = None
+) -> dict[str, Any] | None:
+    """What a restart in a fresh process should change in the ``allocator`` section: the recommended scenario
+    (``recommend`` over those the config can set) where it is not the settings in effect (``now``), as
+    ``allocator.key=value`` overrides with the replay's peaks; None where nothing is to change. A memory
+    fraction the run set is never dropped (it may share the device)."""
+    settable = [r for r in results if r.settings.roundup_power2_divisions is None]
+    best = recommend(settable, hip, torch_version)
+    if best is None or best.settings == now:
+        return None
+    overrides = []
+    for key in ADVISED_KEYS:
+        value, was = getattr(best.settings, key), getattr(now, key)
+        if value != was and not (key == "memory_fraction" and value is None):
+            text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+            overrides.append(f"allocator.{key}={text}")
+    current = next((r for r in results if r.settings == now), None)
+    return {
+        "settings": best.settings.label(),
+        "overrides": overrides,
+        "peak_reserved_bytes": best.peak_reserved_bytes,
+        "alloc_retries": best.alloc_retries,
+        "now_peak_reserved_bytes": current.peak_reserved_bytes if current is not None else None,
+    }
+
+
 def as_trace(events: list[tuple[int, int]]) -> list[dict[str, Any]]:
     """A traced step's storage allocations (``trace_allocations``: (serial, +bytes) then (serial, -bytes))
     as snapshot trace entries, the serial standing for the address."""

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from memfit.allocator.whatif import Replay, as_trace, replay, settings_from_conf
+from memfit.allocator.whatif import Replay, as_trace, compare, replay, restart_advice, settings_from_conf
 from memfit.config.schema import RunConfig
 from memfit.config.strategy import Strategy
 from memfit.device import device_name
@@ -69,3 +69,19 @@ def replay_planned_steps(cfg: RunConfig, strategy: Strategy, mconf, total_bytes:
     settings = settings_from_conf(conf_in_effect(), cfg.allocator.memory_fraction, torch.version.hip, torch.__version__)
     events = step_allocations(mconf, cfg.data.seq_len, strategy, cfg.lora if cfg.lora.enabled else None)
     return replay(as_trace(events), settings, total_bytes - CONTEXT_BYTES)
+
+
+def restart_allocator(cfg: RunConfig, strategy: Strategy, mconf, device: torch.device, ctx: DistContext) -> dict:
+    """For a ``restart`` record on one GPU: the allocator settings the what-if replay of the planned steps advises
+    the fresh process to run with, as ``{"allocator": restart_advice(...)}`` where they differ from the settings in
+    effect (``{}`` elsewhere: a CPU, several ranks, ``train.allocator_model`` off, or nothing to change). The
+    supervisor appends its ``overrides``."""
+    if device.type != "cuda" or ctx.distributed or not cfg.train.allocator_model:
+        return {}
+    hip, version = torch.version.hip, torch.__version__
+    now = settings_from_conf(conf_in_effect(), cfg.allocator.memory_fraction, hip, version)
+    events = step_allocations(mconf, cfg.data.seq_len, strategy, cfg.lora if cfg.lora.enabled else None)
+    capacity = torch.cuda.get_device_properties(device).total_memory - CONTEXT_BYTES
+    results, _ = compare(as_trace(events), capacity, hip, torch_version=version)
+    advice = restart_advice(results, now, hip, version)
+    return {"allocator": advice} if advice else {}

@@ -71,7 +71,7 @@ from memfit.train.checkpoint import TrainerState, checkpoint_dir, load_checkpoin
 from memfit.train.data import eval_batches, load_dataset, split, train_loader
 from memfit.train.disk import guarded_write
 from memfit.train.export import export_model
-from memfit.train.fit_check import planned_step
+from memfit.train.fit_check import planned_step, restart_allocator
 from memfit.train.profiled_step import profiled_train_step
 from memfit.train.run_dir import prepare_run_dir, write_config
 from memfit.train.sharded_checkpoint import (
@@ -345,11 +345,11 @@ class Trainer:
         return interrupted(received, state.step, self.cfg.train.max_steps, kept, took, self.ctx.is_main)
 
     def _restart(self, why: str, state: TrainerState, saved: bool, log, display) -> RestartExit:
-        """This step's checkpoint (if it was not just written), a ``restart`` record and one line, for the ``memfit
-        train`` supervisor to resume the run in a fresh process (``train.restart_on``)."""
+        """Checkpoint (if not just written), a ``restart`` record (allocator advice on one GPU) and one line."""
         if not saved:
             self._checkpoint(state)
-        log.write({"kind": "restart", "step": state.step, "reason": why})
+        advice = restart_allocator(self.cfg, self.strategy, self.mconf, self.device, self.ctx)
+        log.write({"kind": "restart", "step": state.step, "reason": why, **advice})
         display.log(
             f"restart: {why} after step {state.step}; {checkpoint_dir(self.run.checkpoints, state.step)} holds it"
         )

@@ -76,11 +76,23 @@ def next_after_oom(cfg: RunConfig, world_size: int) -> tuple[list[str], str] | N
     return None
 
 
-def _last_oom(metrics: Path) -> dict | None:
+def _last(metrics: Path, kind: str) -> dict | None:
     if not metrics.is_file():
         return None
-    ooms = [r for r in read_metrics(metrics) if r.get("kind") == "oom"]
-    return ooms[-1] if ooms else None
+    found = [r for r in read_metrics(metrics) if r.get("kind") == kind]
+    return found[-1] if found else None
+
+
+def allocator_overrides(metrics: Path, say: Callable[[str], None]) -> list[str]:
+    """The allocator settings the last ``restart`` record advises (the what-if replay of the planned steps, one
+    GPU), said in one line; [] where it advises none."""
+    advice = (_last(metrics, "restart") or {}).get("allocator")
+    if not advice or not advice.get("overrides"):
+        return []
+    now, then = advice.get("now_peak_reserved_bytes"), advice["peak_reserved_bytes"]
+    saving = f": peak reserved {now / GIB:.2f} -> {then / GIB:.2f} GiB in the replay" if now else ""
+    say(f"restart: with allocator settings {advice['settings']}{saving}")
+    return list(advice["overrides"])
 
 
 def _run_child(argv: list[str], env: dict[str, str]) -> int:
@@ -126,12 +138,12 @@ def supervise(
                 if restarts >= cfg.train.max_restarts:
                     say(f"restart: {restarts} restart(s) used (train.max_restarts); the run goes on in one process")
                     resume.append("train.restart_on=null")
-                overrides = [*overrides, *resume]
+                overrides = [*overrides, *resume, *allocator_overrides(metrics, say)]
                 cfg = load(overrides)
                 continue
             if code != EXIT_OUT_OF_MEMORY:
                 return code
-            oom = _last_oom(metrics) or {}
+            oom = _last(metrics, "oom") or {}
             step = oom.get("step")
             if len(switches) >= cfg.train.oom_retries:
                 say(f"on_oom: out of memory again at step {step}; {len(switches)} restart(s) used (train.oom_retries)")

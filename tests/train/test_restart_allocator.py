@@ -1,0 +1,61 @@
+"""A restart in a fresh process takes the allocator settings the what-if replay advises: the advice is the
+recommended scenario the run config can set, as allocator.* overrides that the config accepts, none where the
+settings in effect are already the best; the supervisor appends them and says so in one line."""
+
+import json
+
+from support.snapshots import sawtooth
+
+from memfit.allocator.model import AllocatorSettings
+from memfit.allocator.whatif import Replay, compare, restart_advice
+from memfit.config.loader import load_config
+from memfit.train.supervisor import allocator_overrides
+
+MIB = 1 << 20
+DEFAULT = AllocatorSettings()
+GC = AllocatorSettings(garbage_collection_threshold=0.8, memory_fraction=0.95)
+ROUNDUP = AllocatorSettings(roundup_power2_divisions=4)
+EXPANDABLE = AllocatorSettings(expandable_segments=True)
+
+
+def _run(settings, reserved, retries=0):
+    return Replay(settings, reserved, 90 * MIB, 3, retries, False, 0.1, 100)
+
+
+def test_the_advice_is_the_best_scenario_the_config_can_set_as_valid_overrides():
+    results = [_run(DEFAULT, 100 * MIB), _run(ROUNDUP, 80 * MIB), _run(GC, 95 * MIB), _run(EXPANDABLE, 97 * MIB)]
+    advice = restart_advice(results, DEFAULT, None)
+    assert advice["settings"] == GC.label()  # roundup_power2_divisions saves more, but no config key sets it
+    assert advice["overrides"] == ["allocator.garbage_collection_threshold=0.8", "allocator.memory_fraction=0.95"]
+    assert advice["peak_reserved_bytes"] == 95 * MIB and advice["now_peak_reserved_bytes"] == 100 * MIB
+    cfg = load_config(None, advice["overrides"])
+    assert (cfg.allocator.garbage_collection_threshold, cfg.allocator.memory_fraction) == (0.8, 0.95)
+
+
+def test_no_advice_where_the_settings_in_effect_are_the_best_and_a_set_fraction_stays():
+    results = [_run(DEFAULT, 100 * MIB), _run(EXPANDABLE, 90 * MIB)]
+    assert restart_advice(results, EXPANDABLE, None) is None
+    assert restart_advice([_run(DEFAULT, 100 * MIB), _run(EXPANDABLE, 99 * MIB)], DEFAULT, None) is None  # noise
+    capped = AllocatorSettings(memory_fraction=0.5)
+    advice = restart_advice([_run(DEFAULT, 100 * MIB), _run(EXPANDABLE, 90 * MIB)], capped, None)
+    assert advice["overrides"] == ["allocator.expandable_segments=true"]  # the run's memory fraction is kept
+
+
+def test_the_advice_on_a_recorded_trace_is_what_the_replay_recommends():
+    results, _ = compare(sawtooth()["device_traces"][0], 1 << 40, hip=None)
+    advice = restart_advice(results, DEFAULT, None)
+    settable = [r for r in results if r.settings.roundup_power2_divisions is None]
+    assert advice is not None and advice["peak_reserved_bytes"] == min(r.peak_reserved_bytes for r in settable)
+    assert load_config(None, advice["overrides"]).allocator is not None
+
+
+def test_the_supervisor_appends_the_last_restarts_advice_and_says_it(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    advice = restart_advice([_run(DEFAULT, 100 * MIB), _run(EXPANDABLE, 90 * MIB)], DEFAULT, None)
+    records = [{"kind": "restart", "step": 2, "reason": "r"}, {"kind": "restart", "step": 4, "allocator": advice}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
+    said = []
+    assert allocator_overrides(metrics, said.append) == ["allocator.expandable_segments=true"]
+    assert len(said) == 1 and "expandable_segments:True" in said[0] and "0.10 -> 0.09 GiB" in said[0]
+    metrics.write_text(json.dumps(records[0]) + "\n")
+    assert allocator_overrides(metrics, said.append) == [] and len(said) == 1
