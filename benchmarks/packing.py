@@ -10,8 +10,8 @@ same optimizer (AdamW foreach, lr 2e-3, clip 1.0) and thread count:
   position ids), as many records per step as a packed memfit step holds on average.
 
 Each run is its own subprocess; the arms are interleaved rep by rep so drift hits all alike. A run's number is the
-median over the steps after warm-up of (tokens that take a loss in the step / step time). Prints a table, then one
-JSON line.
+tokens that took a loss over the steps after warm-up divided by those steps' time (each step's own rate varies
+with the rows it drew); the table gives the median run and the spread. Prints a table, then one JSON line.
 
     python benchmarks/packing.py                    # defaults below
     python benchmarks/packing.py --reps 1 --steps 4 # quick look
@@ -138,7 +138,9 @@ def run_hf(a) -> dict:
 
 def child(a) -> None:
     out = run_hf(a) if a.runner == "hf-flat" else run_memfit(a, a.runner == "memfit-packed")
-    out["median_supervised_tokens_per_s"] = statistics.median(out["supervised_tokens_per_s"])
+    supervised = sum(r * t for r, t in zip(out["supervised_tokens_per_s"], out["step_times_s"]))
+    out["supervised_tokens"] = supervised
+    out["rate"] = supervised / sum(out["step_times_s"])
     print("RESULT " + json.dumps(out))
 
 
@@ -178,13 +180,14 @@ def main() -> None:
                 a.hf_records = max(1, round(a.batch * packed["records"] / packed["rows"]))
             r = spawn(a, arm)
             results[arm].append(r)
-            rate = r["median_supervised_tokens_per_s"]
+            rate = r["rate"]
             print(f"rep {rep + 1}/{a.reps} {arm:14s} {rate:8.1f} supervised tok/s", file=sys.stderr)
     med = {
         k: {
-            "supervised_tokens_per_s": statistics.median(r["median_supervised_tokens_per_s"] for r in v),
-            "runs": [round(r["median_supervised_tokens_per_s"], 1) for r in v],
+            "supervised_tokens_per_s": statistics.median(r["rate"] for r in v),
+            "runs": [round(r["rate"], 1) for r in v],
             "median_step_time_s": statistics.median(statistics.median(r["step_times_s"]) for r in v),
+            "supervised_tokens_per_step": statistics.median(r["supervised_tokens"] for r in v) / (a.steps - a.warmup),
         }
         for k, v in results.items()
     }
@@ -194,12 +197,13 @@ def main() -> None:
         f"({a.records} records), T={a.seq_len}; memfit B={a.batch} rows, HF {a.hf_records} records per step; "
         f"{a.reps} runs x {a.steps} steps (median of steps {a.warmup + 1}..{a.steps})"
     )
-    print(f"{'arm':14s} {'supervised tok/s':>17s} {'spread (min-max)':>18s} {'step s':>7s} {'packed ÷ this':>14s}")
+    head = f"{'arm':14s} {'supervised tok/s':>17s} {'runs min-max':>13s} {'step s':>7s} {'sup tok/step':>13s}"
+    print(head + f" {'packed ÷ this':>14s}")
     for k, v in med.items():
         spread = f"{min(v['runs']):.0f}-{max(v['runs']):.0f}"
         print(
-            f"{k:14s} {v['supervised_tokens_per_s']:17.1f} {spread:>18s} {v['median_step_time_s']:7.2f} "
-            f"{base / v['supervised_tokens_per_s']:14.2f}"
+            f"{k:14s} {v['supervised_tokens_per_s']:17.1f} {spread:>13s} {v['median_step_time_s']:7.2f} "
+            f"{v['supervised_tokens_per_step']:13.0f} {base / v['supervised_tokens_per_s']:14.2f}"
         )
     summary = {
         "benchmark": "packing",

@@ -11,7 +11,7 @@ import pytest
 
 from memfit.cli import main
 
-BASE = ["plan", "--model", "tiny", "--seq-len", "64", "--precision", "fp32", "--ac", "none"]
+BASE = ["plan", "--model", "tiny", "--seq-len", "64", "--precision", "fp32", "--ac", "none", "--loss-chunks", "0"]
 TINY = [*BASE, "--gpu", "mi210"]
 NOTE = "answered from the plan cache"
 
