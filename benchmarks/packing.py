@@ -23,7 +23,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from train_throughput import _lora_model  # noqa: E402  the same LoRA model as the throughput benchmark
+from train_throughput import _lora_model, run_child  # noqa: E402  the throughput benchmark's model and runner
 
 
 def _config(a, out_dir: str, packing: bool):
@@ -150,13 +149,7 @@ ARMS = ("memfit-packed", "memfit-padded", "hf-flat")
 def spawn(a, runner: str) -> dict:
     flags = ["--steps", a.steps, "--warmup", a.warmup, "--batch", a.batch, "--seq-len", a.seq_len]
     flags += ["--records", a.records, "--hf-records", a.hf_records]
-    proc = subprocess.run(
-        [sys.executable, __file__, "--child", runner, *map(str, flags)], capture_output=True, text=True, cwd=ROOT
-    )
-    line = next((t for t in proc.stdout.splitlines() if t.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        raise SystemExit(f"{runner} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(line[len("RESULT ") :])
+    return run_child([sys.executable, __file__, "--child", runner, *map(str, flags)], runner)
 
 
 def main() -> None:

@@ -201,6 +201,11 @@ def spawn(a, runner: str) -> dict:
         "--documents",
         str(a.documents),
     ]
+    return run_child(cmd, runner)
+
+
+def run_child(cmd: list[str], runner: str) -> dict:
+    """Run a benchmark's child process and return the JSON of its ``RESULT`` line (exit on failure)."""
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     line = next((t for t in proc.stdout.splitlines() if t.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:

@@ -7,6 +7,7 @@ the device; ``reserved - allocated`` is the external free space the cache keeps.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -72,6 +73,7 @@ def memory_record(device: torch.device) -> dict[str, int]:
     }
 
 
+@functools.cache
 def _driver_errors() -> tuple[type[BaseException], ...]:
     """What ``torch.cuda.utilization`` raises where a reading is not to be had: no driver package, an error of
     NVML or amdsmi (not supported on this device, a MIG instance), a device it cannot map."""

@@ -66,9 +66,17 @@ def replay_planned_steps(cfg: RunConfig, strategy: Strategy, mconf, total_bytes:
     """The planned first two steps replayed through the caching-allocator model under the settings this
     process runs with, in the device's memory less the runtime context (and the memory fraction, which
     the model applies): its peak reserved memory, and whether it runs out."""
-    settings = settings_from_conf(conf_in_effect(), cfg.allocator.memory_fraction, torch.version.hip, torch.__version__)
-    events = step_allocations(mconf, cfg.data.seq_len, strategy, cfg.lora if cfg.lora.enabled else None)
-    return replay(as_trace(events), settings, total_bytes - CONTEXT_BYTES)
+    return replay(_planned_trace(cfg, strategy, mconf), _settings_now(cfg), total_bytes - CONTEXT_BYTES)
+
+
+def _settings_now(cfg: RunConfig):
+    """The allocator settings this process runs with, as the allocator model knows them."""
+    return settings_from_conf(conf_in_effect(), cfg.allocator.memory_fraction, torch.version.hip, torch.__version__)
+
+
+def _planned_trace(cfg: RunConfig, strategy: Strategy, mconf) -> list[dict]:
+    """The planned first two steps' allocations and releases, as an allocator trace."""
+    return as_trace(step_allocations(mconf, cfg.data.seq_len, strategy, cfg.lora if cfg.lora.enabled else None))
 
 
 def restart_allocator(cfg: RunConfig, strategy: Strategy, mconf, device: torch.device, ctx: DistContext) -> dict:
@@ -79,9 +87,7 @@ def restart_allocator(cfg: RunConfig, strategy: Strategy, mconf, device: torch.d
     if device.type != "cuda" or ctx.distributed or not cfg.train.allocator_model:
         return {}
     hip, version = torch.version.hip, torch.__version__
-    now = settings_from_conf(conf_in_effect(), cfg.allocator.memory_fraction, hip, version)
-    events = step_allocations(mconf, cfg.data.seq_len, strategy, cfg.lora if cfg.lora.enabled else None)
     capacity = torch.cuda.get_device_properties(device).total_memory - CONTEXT_BYTES
-    results, _ = compare(as_trace(events), capacity, hip, torch_version=version)
-    advice = restart_advice(results, now, hip, version)
+    results, _ = compare(_planned_trace(cfg, strategy, mconf), capacity, hip, torch_version=version)
+    advice = restart_advice(results, _settings_now(cfg), hip, version)
     return {"allocator": advice} if advice else {}
