@@ -175,7 +175,7 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
 @contextlib.contextmanager
 def _collectives_over_gloo():
     """On CPU, DeepSpeed's communication backend over the gloo group memfit started, without its shared-memory
-    all-reduce extension: that is a C++ build of 2-5 minutes on a run's first use (per installation), and its
+    all-reduce extension: that is a C++ build on a run's first use (per installation; minutes on a 2-core VM), and its
     bf16 kernel needs AVX-512 (without it the kernel faults and the other ranks hang on its flags, as DeepSpeed's
     own comment says). DeepSpeed has no setting for it: its module-level builder answers "none" meanwhile."""
     try:  # the submodule (the package's own attribute ``torch`` is the torch library)
