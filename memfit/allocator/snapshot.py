@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
+from memfit.units import GIB, MIB
 
 ACTIVE_STATES = ("active_allocated", "active_awaiting_free")
 
@@ -188,6 +189,34 @@ class FragReport:
             "reserved_overhead": self.reserved_overhead,
             "segments": len(self.segments),
         }
+
+
+def quantities(report: FragReport) -> list[tuple[str, str, str]]:
+    """(quantity, value with its unit, meaning) for one moment, as ``memfit frag`` and its HTML page show them."""
+    return [
+        ("reserved", f"{report.reserved_bytes / GIB:.3f} GiB", "held by the caching allocator (all segments)"),
+        ("allocated", f"{report.allocated_bytes / GIB:.3f} GiB", "active blocks (awaiting-free included)"),
+        ("  awaiting free", f"{report.awaiting_free_bytes / GIB:.3f} GiB", "freed, still in use by another stream"),
+        ("requested", f"{report.requested_bytes / GIB:.3f} GiB", "what tensors asked for"),
+        ("internal free", f"{report.internal_free_bytes / GIB:.3f} GiB", "allocated − requested (rounding)"),
+        ("external free", f"{report.external_free_bytes / GIB:.3f} GiB", "reserved − allocated (inactive blocks)"),
+        (
+            "largest free block",
+            f"{report.largest_free_bytes / MIB:.1f} MiB",
+            "biggest single allocation that fits without a new segment",
+        ),
+        (
+            "fragmentation ratio",
+            f"{report.fragmentation_ratio:.3f}",
+            "1 − largest free / external free (0 = one hole, 1 = dust)",
+        ),
+        ("reserved overhead", f"{report.reserved_overhead:.3f}", "(reserved − allocated) / reserved"),
+        (
+            "segments",
+            str(len(report.segments)),
+            f"{sum(s.segment_type == 'small' for s in report.segments)} small (2 MiB pool)",
+        ),
+    ]
 
 
 def devices_in(snapshot: dict[str, Any]) -> list[int]:

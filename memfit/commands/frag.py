@@ -4,56 +4,19 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from memfit.allocator.layout import Moment, Rebuilt, settings_in
-from memfit.allocator.model import AllocatorSettings
-from memfit.allocator.snapshot import FragReport, analyze, devices_in, load_snapshot
-from memfit.allocator.whatif import (
-    MIN_GAIN,
-    Replay,
-    TraceCheck,
-    compare,
-    live_at_start,
-    not_here,
-    replay_check,
-    trace_entries,
-)
+from memfit.allocator.layout import Moment, Rebuilt
+from memfit.allocator.simulation import Simulation
+from memfit.allocator.simulation import simulate as replay_scenarios
+from memfit.allocator.snapshot import FragReport, analyze, devices_in, load_snapshot, quantities
+from memfit.allocator.whatif import MIN_GAIN, Replay, not_here
 from memfit.errors import UserError
 from memfit.units import GIB, MIB, parse_memory
-
-
-def _rows(report: FragReport) -> list[tuple[str, str, str]]:
-    """(quantity, value, meaning) for one moment."""
-    return [
-        ("reserved", f"{report.reserved_bytes / GIB:.3f} GiB", "held by the caching allocator (all segments)"),
-        ("allocated", f"{report.allocated_bytes / GIB:.3f} GiB", "active blocks (awaiting-free included)"),
-        ("  awaiting free", f"{report.awaiting_free_bytes / GIB:.3f} GiB", "freed, still in use by another stream"),
-        ("requested", f"{report.requested_bytes / GIB:.3f} GiB", "what tensors asked for"),
-        ("internal free", f"{report.internal_free_bytes / GIB:.3f} GiB", "allocated − requested (rounding)"),
-        ("external free", f"{report.external_free_bytes / GIB:.3f} GiB", "reserved − allocated (inactive blocks)"),
-        (
-            "largest free block",
-            f"{report.largest_free_bytes / MIB:.1f} MiB",
-            "biggest single allocation that fits without a new segment",
-        ),
-        (
-            "fragmentation ratio",
-            f"{report.fragmentation_ratio:.3f}",
-            "1 − largest free / external free (0 = one hole, 1 = dust)",
-        ),
-        ("reserved overhead", f"{report.reserved_overhead:.3f}", "(reserved − allocated) / reserved"),
-        (
-            "segments",
-            str(len(report.segments)),
-            f"{sum(s.segment_type == 'small' for s in report.segments)} small (2 MiB pool)",
-        ),
-    ]
 
 
 def _peak_dict(peak: Moment | None) -> dict | None:
@@ -99,7 +62,7 @@ def run(ns) -> int:
             )
         )
     ooms = rebuilt.ooms()
-    sim = simulate(snap, report, ns, out_dir, rebuilt) if ns.simulate else None
+    sim, sim_plot = simulate(snap, report, ns, out_dir, rebuilt) if ns.simulate else (None, None)
     if ns.json:
         print(
             json.dumps(
@@ -109,7 +72,7 @@ def run(ns) -> int:
                     "ooms": len(ooms),
                     "oom_details": [o.as_dict() for o in ooms],
                     "plots": [str(p) for p in pngs],
-                    "simulate": sim.as_dict() if sim else None,
+                    "simulate": {**sim.as_dict(), "plot": str(sim_plot)} if sim else None,
                 }
             )
         )
@@ -121,8 +84,8 @@ def run(ns) -> int:
     if peak is not None:
         t.add_column(f"at peak (entry {peak.index})", justify="right")
     t.add_column("meaning")
-    at_peak = _rows(peak.report) if peak is not None else None
-    for i, (name, value, meaning) in enumerate(_rows(report)):
+    at_peak = quantities(peak.report) if peak is not None else None
+    for i, (name, value, meaning) in enumerate(quantities(report)):
         t.add_row(name, value, *([at_peak[i][1]] if at_peak else []), meaning)
     console.print(t)
     if peak is not None and peak.inferred_blocks:
@@ -151,6 +114,7 @@ def run(ns) -> int:
         console.print(f"wrote {p}", highlight=False)
     if sim is not None:
         render_simulation(sim, console)
+        console.print(f"wrote {sim_plot}", highlight=False)
     return 0
 
 
@@ -199,79 +163,20 @@ def render_whatif(
         console.print("recommendation: none; every applicable setting runs out of memory", highlight=False)
 
 
-@dataclass(frozen=True)
-class Simulation:
-    """``--simulate``: the trace replayed under every scenario, and the model beside the allocator."""
-
-    results: list[Replay]
-    best: Replay | None
-    hip: str | None
-    capacity_bytes: int | None
-    ran_with: AllocatorSettings
-    check: TraceCheck
-    plot: Path
-    prefix_blocks: int = 0  # blocks alive when recording began, allocated first by every replay
-    prefix_bytes: int = 0
-    torch_version: str | None = None  # the build judged (--torch-version, default this one)
-
-    @property
-    def title(self) -> str:
-        return f"what-if replay of {self.results[0].events} trace events" + (
-            f" at capacity {self.capacity_bytes / GIB:.1f} GiB" if self.capacity_bytes else " (no capacity limit)"
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "capacity_bytes": self.capacity_bytes,
-            "settings": [
-                {
-                    "label": r.settings.label(),
-                    "alloc_conf": r.settings.conf(),
-                    "memory_fraction": r.settings.memory_fraction,
-                    "peak_reserved_bytes": r.peak_reserved_bytes,
-                    "peak_allocated_bytes": r.peak_allocated_bytes,
-                    "segment_allocs": r.segment_allocs,
-                    "alloc_retries": r.alloc_retries,
-                    "oom": r.oom,
-                    "not_here": not_here(r.settings, self.hip, self.torch_version),
-                }
-                for r in self.results
-            ],
-            "recommended": self.best.settings.label() if self.best else None,
-            "model_check": {"settings": self.ran_with.label(), **asdict(self.check)},
-            "live_at_start": {"blocks": self.prefix_blocks, "requested_bytes": self.prefix_bytes},
-            "plot": str(self.plot),
-        }
-
-
-def simulate(snap: dict[str, Any], report: FragReport, ns, out_dir: Path, rebuilt: Rebuilt) -> Simulation:
+def simulate(snap: dict[str, Any], report: FragReport, ns, out_dir: Path, rebuilt: Rebuilt) -> tuple[Simulation, Path]:
     """Replay the snapshot's trace under several allocator settings, side by side, and plot it."""
     import torch
 
     from memfit.telemetry.plots import whatif_timeline
 
-    entries = trace_entries(snap, report.device, str(ns.snapshot))
     capacity = parse_memory(ns.capacity, "--capacity") if ns.capacity else None
     hip = ns.hip_version if ns.hip_version is not None else torch.version.hip
     torch_version = ns.torch_version or torch.__version__
-    prefix = live_at_start(rebuilt)
-    results, best = compare(entries, capacity or 1 << 62, hip, prefix, torch_version)
-    ran_with = settings_in(snap)
-    check = replay_check(snap, report.device, ran_with, rebuilt)
-    sim = Simulation(
-        results,
-        best,
-        hip,
-        capacity,
-        ran_with,
-        check,
-        out_dir / f"whatif_device{report.device}.png",
-        len(prefix),
-        sum(requested for _, (requested, _) in prefix),
-        torch_version,
+    sim = replay_scenarios(snap, report, rebuilt, str(ns.snapshot), capacity, hip, torch_version)
+    plot = whatif_timeline(
+        sim.results, out_dir / f"whatif_device{report.device}.png", f"{Path(ns.snapshot).name}: {sim.title}", capacity
     )
-    whatif_timeline(results, sim.plot, f"{Path(ns.snapshot).name}: {sim.title}", capacity)
-    return sim
+    return sim, plot
 
 
 def render_simulation(sim: Simulation, console: Console) -> None:
@@ -298,4 +203,3 @@ def render_simulation(sim: Simulation, console: Console) -> None:
         highlight=False,
     )
     render_whatif(sim.results, sim.best, sim.hip, console, sim.title, torch_version=sim.torch_version)
-    console.print(f"wrote {sim.plot}", highlight=False)
