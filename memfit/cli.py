@@ -87,6 +87,9 @@ def add_plan_parser(sub) -> None:
     )
     out.add_argument("--hip-version", help="with --simulate: judge settings for this ROCm version, e.g. 6.2")
     out.add_argument("--torch-version", help="with --simulate: ... and this PyTorch release, e.g. 2.11 (default: this)")
+    out.add_argument(
+        "--html", metavar="PATH", help="also write the plan as one offline HTML page (sortable, breakdown per row)"
+    )
     out.add_argument("--write-config", metavar="PATH", help="write the winner as a memfit train YAML")
     out.add_argument("--write-deepspeed", metavar="PATH", help="write the winner as a DeepSpeed JSON")
     plan.set_defaults(command="plan")
@@ -165,6 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", help="output directory (default runs/bench-<time>)")
     bench.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides applied to every cell")
     bench.set_defaults(command="bench")
+    report = sub.add_parser(
+        "report",
+        help="write one offline HTML page for a run directory, a memory snapshot, a plan JSON or a bench directory",
+        description="One self-contained HTML file (scripts, styles and data inline; no network request) showing a "
+        "run (loss, throughput, memory over steps, plan against measurement), a snapshot (timeline with stack "
+        "frames, every segment, fragmentation, OOM verdicts, --simulate what-if), a plan (memfit plan --json "
+        "output: sortable candidates, breakdown by phase) or a bench (cells, memory per cell, Pareto front).",
+    )
+    report.add_argument("path", help="run directory, bench directory, snapshot pickle (.gz too) or plan JSON")
+    report.add_argument("--out", help="the HTML file (default: DIR/report.html, or FILE.html beside a file)")
+    report.add_argument("--device", type=int, help="snapshot: device index (default: the first)")
+    report.add_argument("--simulate", action="store_true", help="snapshot: add the what-if replay of the trace")
+    report.add_argument("--capacity", help="snapshot --simulate: device memory, e.g. 64GiB (default: unlimited)")
+    report.add_argument("--hip-version", help="snapshot --simulate: judge settings for this ROCm version")
+    report.add_argument("--torch-version", help="snapshot --simulate: ... and this PyTorch release")
+    report.set_defaults(command="report")
     exporter = sub.add_parser(
         "exporter", help="serve per-device memory as Prometheus metrics (amdsmi / NVML / CPU fallback)"
     )

@@ -17,8 +17,10 @@ reserved overhead = (reserved - allocated) / reserved. reserved == requested + i
 
 from __future__ import annotations
 
+import gzip
 import io
 import pickle
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,7 @@ class _PlainUnpickler(pickle.Unpickler):
 
 
 def load_snapshot(path: str | Path) -> dict[str, Any]:
-    """Load a snapshot pickle through the restricted unpickler.
+    """Load a snapshot pickle (or a gzip of one) through the restricted unpickler.
 
     Raises:
         UserError: missing file, not a pickle, a pickle that needs classes, or not a snapshot.
@@ -48,9 +50,12 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"snapshot '{path}' does not exist; write one with torch.cuda.memory._dump_snapshot(path)")
+    raw = p.read_bytes()
     try:
-        data = _PlainUnpickler(io.BytesIO(p.read_bytes())).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, IndexError) as e:
+        if raw[:2] == b"\x1f\x8b":  # gzip, as snapshots are often kept and mailed
+            raw = gzip.decompress(raw)
+        data = _PlainUnpickler(io.BytesIO(raw)).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, IndexError, gzip.BadGzipFile, zlib.error) as e:
         raise UserError(f"snapshot '{path}' is not a readable pickle ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("segments"), list):
         raise UserError(f"snapshot '{path}' has no 'segments' list; is it a torch.cuda.memory._dump_snapshot file?")

@@ -290,6 +290,12 @@ def run(ns, answered: Answered | None = None) -> int:
         print(json.dumps(plan_dict(result, limits)))
     else:
         render_table(result, console, ns.top, limits)
+    if ns.html:  # written before a "nothing fits" error too: the closest candidates are what to look at then
+        from memfit.pages.html import write_page
+        from memfit.pages.plan import plan_page
+
+        page = write_page(plan_page(plan_dict(result, limits), "memfit plan"), Path(ns.html))
+        print(f"wrote {page}", file=sys.stderr)
     if result.best is None:
         closest = result.pruned[0]
         raise UserError(

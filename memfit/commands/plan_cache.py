@@ -172,8 +172,8 @@ def answer(ns) -> int:
         sys.stdout, sys.stderr = out.stream, err.stream
     if key is not None and answered.inputs is not None:
         files = {}
-        for path in (ns.write_config, ns.write_deepspeed) if rc == 0 else ():
-            if path:
+        for path in (*((ns.write_config, ns.write_deepspeed) if rc == 0 else ()), ns.html):
+            if path and Path(path).is_file():
                 files[str(Path(path).resolve())] = Path(path).read_text()
         entry = {
             "stdout": "".join(out.kept),

@@ -1,0 +1,95 @@
+"""``memfit report PATH``: one offline HTML page for a run directory, a memory snapshot, a plan (the JSON of
+``memfit plan --json``) or a ``memfit bench`` directory, chosen by what PATH holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from memfit.errors import UserError
+from memfit.pages.html import write_page
+from memfit.units import parse_memory
+
+KINDS = "a run directory (metrics.jsonl), a bench directory (results.json), a snapshot pickle or plan JSON"
+
+
+def kind_of(path: Path) -> str:
+    """run | bench | snapshot | plan, from what ``path`` holds.
+
+    Raises:
+        UserError: a path that does not exist or holds none of them.
+    """
+    if path.is_dir():
+        if (path / "metrics.jsonl").is_file():
+            return "run"
+        if (path / "results.json").is_file():
+            return "bench"
+        raise UserError(f"'{path}' holds neither metrics.jsonl nor results.json; give {KINDS}")
+    if not path.is_file():
+        raise UserError(f"'{path}' does not exist; give {KINDS}")
+    with path.open("rb") as fh:
+        head = fh.read(2)
+    if head[:1] == b"\x80" or head == b"\x1f\x8b":  # a pickle's protocol byte, or gzip
+        return "snapshot"
+    if head[:1] in (b"{", b"[") or path.suffix == ".json":
+        return "plan"
+    raise UserError(f"'{path}' is neither a pickle nor JSON; give {KINDS}")
+
+
+def default_out(path: Path, kind: str) -> Path:
+    return path / "report.html" if kind in ("run", "bench") else path.with_name(path.name + ".html")
+
+
+def build(path: Path, kind: str, ns):
+    """The page of ``path`` (its ``kind``)."""
+    if kind == "run":
+        from memfit.pages.run import run_page
+
+        return run_page(path)
+    if kind == "bench":
+        from memfit.pages.bench import bench_page
+
+        return bench_page(path)
+    if kind == "plan":
+        from memfit.pages.plan import plan_page
+
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"'{path}' is not readable JSON ({e}); write it with memfit plan ... --json > plan.json")
+        return plan_page(data, str(path))
+    return _snapshot(path, ns)
+
+
+def _snapshot(path: Path, ns):
+    from memfit.allocator.layout import Rebuilt
+    from memfit.allocator.simulation import simulate
+    from memfit.allocator.snapshot import analyze, devices_in, load_snapshot
+    from memfit.pages.snapshot import snapshot_page
+
+    snap = load_snapshot(path)
+    devices = devices_in(snap)
+    device = ns.device if ns.device is not None else devices[0]
+    if device not in devices:
+        raise UserError(f"--device {device}: the snapshot has segments on device(s) {', '.join(map(str, devices))}")
+    report = analyze(snap, device, where=str(path))
+    rebuilt = Rebuilt(snap, device)
+    sim = None
+    if ns.simulate:
+        import torch
+
+        capacity = parse_memory(ns.capacity, "--capacity") if ns.capacity else None
+        hip = ns.hip_version if ns.hip_version is not None else torch.version.hip
+        sim = simulate(snap, report, rebuilt, str(path), capacity, hip, ns.torch_version or torch.__version__)
+    return snapshot_page(snap, device, str(path), report, rebuilt, sim)
+
+
+def run(ns) -> int:
+    path = Path(ns.path)
+    kind = kind_of(path)
+    if kind != "snapshot" and (ns.simulate or ns.capacity or ns.device is not None):
+        raise UserError(f"--simulate, --capacity and --device read a snapshot; '{path}' is a {kind}")
+    out = Path(ns.out) if ns.out else default_out(path, kind)
+    written = write_page(build(path, kind, ns), out)
+    print(f"wrote {written} ({kind} page, {written.stat().st_size / 1024:.0f} KiB, works offline)")
+    return 0
