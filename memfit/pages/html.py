@@ -91,7 +91,8 @@ def table(
     return "".join(out)
 
 
-_NUMERIC = re.compile(r"^[-+]?\d")  # a cell that starts as a number is aligned right, text left
+_NUMERIC = re.compile(r"^[-+]?[\d,]*\.?\d+(e[-+]?\d+)?( ?(GiB|MiB|KiB|%|s|x))?\+?$")
+"""A cell that reads as a number (with a unit) is aligned right, text left."""
 
 
 def _is_number(value: Any) -> bool:

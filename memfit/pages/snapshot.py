@@ -63,6 +63,13 @@ def _timeline_data(rebuilt: Rebuilt, points: list[TimelinePoint]) -> dict[str, A
     actions: list[str] = []
     out: dict[str, list] = {k: [] for k in ("entry", "time", "allocated", "reserved", "action", "size", "stream")}
     out["stack"] = []
+    allocated_by: dict[int, int] = {}  # address -> stack of the alloc entry that made the block there
+    kept = {p.index for p in points}
+    for i, e in enumerate(rebuilt.entries):  # a free entry records no frames: it is shown with its alloc's
+        if e.get("action") == "alloc" and e.get("frames"):
+            allocated_by[int(e.get("addr", 0))] = frames.stack(e.get("frames"))
+        elif i in kept and not e.get("frames"):
+            allocated_by.setdefault(-1 - i, allocated_by.get(int(e.get("addr", 0)), 0))
     for p in points:
         e = rebuilt.entries[p.index]
         action = str(e.get("action", "?"))
@@ -75,7 +82,7 @@ def _timeline_data(rebuilt: Rebuilt, points: list[TimelinePoint]) -> dict[str, A
         out["action"].append(actions.index(action))
         out["size"].append(int(e.get("size", 0)))
         out["stream"].append(int(e.get("stream", 0)))
-        out["stack"].append(frames.stack(e.get("frames")))
+        out["stack"].append(frames.stack(e.get("frames")) if e.get("frames") else allocated_by.get(-1 - p.index, 0))
     return {**out, "actions": actions, "frames": frames.frames, "stacks": frames.stacks}
 
 

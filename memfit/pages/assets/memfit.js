@@ -23,7 +23,7 @@
   function fmt(v) {
     if (v === null || v === undefined) return "";
     if (Math.abs(v) >= 1e5 || Number.isInteger(v)) return String(Math.round(v * 1000) / 1000);
-    return Number(v).toPrecision(5);
+    return String(parseFloat(Number(v).toPrecision(5)));
   }
 
   // ---- hover boxes: describe the point under the cursor ------------------------------------------------
@@ -37,6 +37,7 @@
       box.appendChild(el("div", "allocated " + gib(s.allocated[i]) + " GiB, reserved " +
         gib(s.reserved[i]) + " GiB after it"));
       if (frames.length) {
+        if (s.actions[s.action[i]] !== "alloc") box.appendChild(el("div", "frames of the allocation it frees:", "muted"));
         var ol = el("ol", null, "frames");
         frames.forEach(function (f) { ol.appendChild(el("li", f)); });
         box.appendChild(ol);

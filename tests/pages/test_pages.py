@@ -1,0 +1,189 @@
+"""memfit report's pages, read as HTML (the browser tier is tests/integration/test_report_browser.py)."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from support.pages import HOSTILE, bench_dir, data_of, hostile_snapshot
+from support.snapshots import segment
+from support.tiny import FIXTURES
+
+from memfit.allocator.layout import Rebuilt
+from memfit.allocator.snapshot import analyze, load_snapshot
+from memfit.cli import main
+from memfit.config.strategy import levers
+from memfit.pages.html import script_json
+from memfit.pages.plan import plan_page
+from memfit.train.loop import Trainer
+
+H200 = FIXTURES / "h200-llama2-7b-lora-ffn-bf16pure-step3.pickle.gz"
+
+
+def report(*args: str) -> int:
+    return main(["report", *args])
+
+
+def test_the_data_block_cannot_close_its_script_and_survives_nan():
+    text = script_json({"name": HOSTILE, "loss": float("nan"), "big": float("inf")})
+    assert "<" not in text and ">" not in text and "&" not in text
+    assert json.loads(text) == {"name": HOSTILE, "loss": None, "big": None}
+
+
+def test_untrusted_snapshot_text_is_escaped_everywhere(tmp_path):
+    path = hostile_snapshot(tmp_path)
+    assert report(str(path), "--out", str(tmp_path / "p.html")) == 0
+    page = (tmp_path / "p.html").read_text()
+    assert "<script>alert" not in page and "<img src=x" not in page
+    assert "&lt;/script&gt;&lt;script&gt;alert(1)" in page  # a block's frames, in its title
+    assert HOSTILE in data_of(page)["snapshot"]["frames"][0]  # the hover's frames, as data read by textContent
+
+
+def test_the_h200_snapshot_page_holds_every_segment_and_the_numbers_of_frag(tmp_path):
+    out = tmp_path / "h200.html"
+    assert report(str(H200), "--simulate", "--capacity", "141GiB", "--out", str(out)) == 0
+    page = out.read_text()
+    snap = load_snapshot(H200)
+    at_dump, rebuilt = analyze(snap, 0), Rebuilt(snap, 0)
+    peak = rebuilt.peak()
+    assert page.count('<div class="seg">') == len(at_dump.segments) + len(peak.report.segments) == 2 * 529
+    numbers = page[page.index('id="numbers"') : page.index("</table>", page.index('id="numbers"'))]
+    assert f"{at_dump.reserved_bytes / 2**30:.3f} GiB" in numbers
+    assert f"{peak.report.allocated_bytes / 2**30:.3f} GiB" in numbers
+    assert f"{at_dump.fragmentation_ratio:.3f}" in numbers
+    data = data_of(page)
+    assert len(data["snapshot"]["entry"]) == len(rebuilt.entries)  # every entry of the trace, under the limit
+    assert data["snapshot"]["allocated"][peak.index] == peak.report.allocated_bytes
+    assert "recommendation: expandable_segments:True" in page
+    assert out.stat().st_size < 2_500_000  # mailable: 1.9 MB measured
+    assert not (tmp_path / ".h200.html.tmp").exists()
+
+
+def test_a_long_trace_is_drawn_from_buckets_that_keep_the_peak(tmp_path, monkeypatch):
+    import memfit.pages.snapshot as snapshot_page
+
+    monkeypatch.setattr(snapshot_page, "TIMELINE_POINTS", 1000)
+    out = tmp_path / "h200.html"
+    assert report(str(H200), "--out", str(out)) == 0
+    data = data_of(out.read_text())["snapshot"]
+    assert 900 < len(data["entry"]) <= 1000
+    peak = Rebuilt(load_snapshot(H200), 0).peak()
+    assert max(data["allocated"]) == peak.report.allocated_bytes
+
+
+def test_a_gzipped_snapshot_reads_as_the_pickle_and_a_damaged_one_is_one_line(tmp_path, capsys):
+    raw = tmp_path / "s.pickle"
+    raw.write_bytes(gzip.decompress(H200.read_bytes()))
+    assert load_snapshot(raw) == load_snapshot(H200)
+    bad = tmp_path / "bad.pickle.gz"
+    bad.write_bytes(H200.read_bytes()[:5000])
+    assert report(str(bad)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.pickle.gz" in err[0] and "not a readable pickle" in err[0]
+    assert not (tmp_path / "bad.pickle.gz.html").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    """memfit plan --json of the tiny preset, LoRA on a 2 GiB device (real traces)."""
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    args = ["plan", "--model", "tiny", "--gpu-mem", "2GiB", "--seq-len", "128", "--global-batch", "4", "--lora"]
+    args += ["--precision", "fp32", "--json"]
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(args) == 0
+    path.write_text(buf.getvalue())
+    return path
+
+
+def test_the_plan_page_lists_every_fitting_candidate_with_a_lever_column_each_that_varies(tiny_plan, tmp_path):
+    data = json.loads(tiny_plan.read_text())
+    page = plan_page(data, str(tiny_plan)).render()
+    table = page[page.index('id="candidates"') : page.index("</table>", page.index('id="candidates"'))]
+    assert table.count("<tr data-row=") == len(data["fitting"]) > 1
+    varying = [n for n in levers() if len({str(c[n]) for c in data["fitting"]}) > 1]
+    for name in varying:
+        assert f"<th>{name.replace('_', ' ')}</th>" in table
+    best = data["fitting"][0]
+    assert f"{best['peak_bytes'] / 2**30:.2f}" in table.split("<tr data-row=")[1]
+    candidates = data_of(page)["candidates"]
+    assert [c["phase_peaks_bytes"] for c in candidates] == [c["phase_peaks_bytes"] for c in data["fitting"]]
+
+
+def test_plan_html_writes_the_same_page_as_report_on_the_json(tiny_plan, tmp_path, capsys):
+    out = tmp_path / "plan.html"
+    args = ["plan", "--model", "tiny", "--gpu-mem", "2GiB", "--seq-len", "128", "--global-batch", "4", "--lora"]
+    assert main([*args, "--precision", "fp32", "--html", str(out)]) == 0
+    assert report(str(tiny_plan), "--out", str(tmp_path / "from-json.html")) == 0
+    direct, from_json = data_of(out.read_text()), data_of((tmp_path / "from-json.html").read_text())
+    assert direct["candidates"] == from_json["candidates"]
+
+
+def test_the_run_page_shows_steps_memory_and_the_summary_of_a_real_run(tiny_cfg, tmp_path):
+    cfg = tiny_cfg("train.max_steps=4", "train.eval_every=2")
+    Trainer(cfg).fit()
+    run_dir = Path(cfg.output.dir)
+    with (run_dir / "metrics.jsonl").open("a") as fh:
+        fh.write('{"kind": "step", "step": 5, "loss": 1.0')  # a killed run's torn last line
+    assert report(str(run_dir)) == 0
+    page = (run_dir / "report.html").read_text()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()[:-1]]
+    summary = next(r for r in records if r["kind"] == "summary")
+    losses = [r["loss"] for r in records if r["kind"] == "step"]
+    charts = data_of(page)["charts"]
+    assert charts["loss"]["series"][0]["values"][1:] == [float(f"{v:.6g}") for v in losses]
+    assert {s["label"] for s in charts["memory"]["series"]} >= {"RSS (end of step)", "peak RSS"}
+    assert f"{summary['peak_rss_bytes'] / 2**30:.3f} GiB" in page
+    assert "1 unreadable line(s) skipped" in page
+    assert "process peak (tensors + RSS before model load)" in page
+    assert "strategy:" in page  # the config that ran
+
+
+def test_the_bench_page_tabulates_every_cell_and_says_which_ran_out_of_memory(tmp_path):
+    out = bench_dir(tmp_path)
+    assert report(str(out)) == 0
+    page = (out / "report.html").read_text()
+    assert page.count("<tr>", page.index('id="cells"')) >= 2
+    assert "OOM asking for 3.00 GiB" in page and "0.879" in page  # 900 MiB peak
+    data = data_of(page)
+    assert [c["name"] for c in data["cells"]] == [c["name"] for c in json.loads((out / "results.json").read_text())]
+    assert data["charts"]["pareto"]["order"] == [0, 1]  # by peak; the OOM cell has no point
+    assert data["charts"]["pareto"]["series"][1]["values"] == [512.0, 1280.0]  # both on the front
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p / "missing", "does not exist"),
+        (lambda p: p, "holds neither metrics.jsonl nor results.json"),
+        (lambda p: (p / "notes.txt").write_text("hello") and p / "notes.txt", "neither a pickle nor JSON"),
+        (lambda p: (p / "x.json").write_text('{"a": 1}') and p / "x.json", "is not the output of memfit plan --json"),
+        (lambda p: (p / "y.json").write_text("{oops") and p / "y.json", "is not readable JSON"),
+    ],
+)
+def test_a_path_that_is_no_result_is_one_line_and_writes_nothing(tmp_path, capsys, make, message):
+    path = make(tmp_path)
+    before = set(tmp_path.rglob("*"))
+    assert report(str(path)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert set(tmp_path.rglob("*")) == before
+
+
+def test_snapshot_flags_on_another_kind_and_an_unwritable_out_are_one_line(tmp_path, capsys):
+    out = bench_dir(tmp_path)
+    assert report(str(out), "--simulate") == 2
+    assert report(str(out), "--out", str(tmp_path / "no" / "such" / "dir.html")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and "read a snapshot" in lines[0] and "does not exist" in lines[1]
+
+
+def test_segments_of_a_hand_built_snapshot_are_drawn_to_scale(tmp_path):
+    from memfit.pages.snapshot import segment_map
+
+    snap = {"segments": [segment(0x7F0000000000, [(3 << 20, "active_allocated", None), (1 << 20, "inactive", None)])]}
+    html = segment_map(analyze(snap, 0))
+    assert 'class="a" style="flex:75 1 0"' in html and 'class="f" style="flex:25 1 0"' in html
