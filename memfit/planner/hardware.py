@@ -25,6 +25,7 @@ class Gpu:
     vendor: str
     host_GBps: float = 25.0  # host<->device copies, each way: ~80% of PCIe x16 (Gen3 12, Gen4 25, Gen5 50 GB/s)
     fp32_slowdown: float = 4.0  # fp32 matmuls against the bf16 peak (TF32 on NVIDIA ~2x, MI200 fp32 matrix ~4x)
+    memory_GBps: float = 2039.0  # device memory bandwidth (HBM, datasheet): casts, gradient sums and AdamW read it
 
     @property
     def is_cpu(self) -> bool:
@@ -35,17 +36,17 @@ class Gpu:
 GPUS: dict[str, Gpu] = {
     g.name: g
     for g in (
-        Gpu("mi210", 64 * GIB, True, 181.0, 100.0, "amd"),
-        Gpu("mi250x", 128 * GIB, True, 383.0, 200.0, "amd"),
-        Gpu("mi300x", 192 * GIB, True, 1307.0, 448.0, "amd", 50.0),
-        Gpu("a100-40g", 40 * GIB, True, 312.0, 300.0, "nvidia"),
-        Gpu("a100-80g", 80 * GIB, True, 312.0, 300.0, "nvidia"),
-        Gpu("h100", 80 * GIB, True, 989.0, 450.0, "nvidia", 50.0),
-        Gpu("h200", 141 * GIB, True, 989.0, 450.0, "nvidia", 50.0),
-        Gpu("l40s", 48 * GIB, True, 362.0, 32.0, "nvidia"),
-        Gpu("rtx4090", 24 * GIB, True, 165.0, 32.0, "nvidia"),
-        Gpu("v100-32g", 32 * GIB, False, 125.0, 150.0, "nvidia", 12.0),
-        Gpu("t4", 16 * GIB, False, 65.0, 16.0, "nvidia", 12.0),
+        Gpu("mi210", 64 * GIB, True, 181.0, 100.0, "amd", memory_GBps=1638.0),
+        Gpu("mi250x", 128 * GIB, True, 383.0, 200.0, "amd", memory_GBps=3277.0),
+        Gpu("mi300x", 192 * GIB, True, 1307.0, 448.0, "amd", 50.0, memory_GBps=5300.0),
+        Gpu("a100-40g", 40 * GIB, True, 312.0, 300.0, "nvidia", memory_GBps=1555.0),
+        Gpu("a100-80g", 80 * GIB, True, 312.0, 300.0, "nvidia", memory_GBps=2039.0),
+        Gpu("h100", 80 * GIB, True, 989.0, 450.0, "nvidia", 50.0, memory_GBps=3350.0),
+        Gpu("h200", 141 * GIB, True, 989.0, 450.0, "nvidia", 50.0, memory_GBps=4800.0),
+        Gpu("l40s", 48 * GIB, True, 362.0, 32.0, "nvidia", memory_GBps=864.0),
+        Gpu("rtx4090", 24 * GIB, True, 165.0, 32.0, "nvidia", memory_GBps=1008.0),
+        Gpu("v100-32g", 32 * GIB, False, 125.0, 150.0, "nvidia", 12.0, memory_GBps=900.0),
+        Gpu("t4", 16 * GIB, False, 65.0, 16.0, "nvidia", 12.0, memory_GBps=320.0),
     )
 }
 
@@ -70,11 +71,12 @@ def custom_gpu(memory_bytes: int, bf16: bool = True) -> Gpu:
         a100.link_GBps,
         "unknown",
         a100.host_GBps,
+        memory_GBps=a100.memory_GBps,
     )
 
 
 def cpu_device(memory_bytes: int) -> Gpu:
     """The CPU as ``memfit plan --device cpu`` plans for it: ``memory_bytes`` of host memory, no collectives, and
     a rate for ranking only (1 TFLOP/s, fp32 as fast as bf16: a CPU without bf16 matrix units computes bf16 no
-    faster)."""
-    return Gpu("cpu", memory_bytes, True, 1.0, 0.0, "cpu", 0.0, 1.0)
+    faster; memory traffic not charged, see ``cost.memory_traffic_s``)."""
+    return Gpu("cpu", memory_bytes, True, 1.0, 0.0, "cpu", 0.0, 1.0, memory_GBps=0.0)

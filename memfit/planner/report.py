@@ -94,7 +94,14 @@ def _assumptions(r: PlanResult) -> str:
     optimizer = any(c.strategy.optimizer_offload for c in every)
     host = cl.gpu.host_GBps if activations or optimizer else None
     return assumptions(
-        cl.gpu.peak_tflops, cl.gpu.link_GBps, cl.nodes, host, activations, optimizer, cl.gpu.fp32_slowdown
+        cl.gpu.peak_tflops,
+        cl.gpu.link_GBps,
+        cl.nodes,
+        host,
+        activations,
+        optimizer,
+        cl.gpu.fp32_slowdown,
+        cl.gpu.memory_GBps,
     )
 
 

@@ -37,7 +37,15 @@ from memfit.config.strategy import (
 )
 from memfit.errors import UserError
 from memfit.planner.categories import DEVICE_CATEGORIES, Category, StepMemory
-from memfit.planner.cost import Shape, optimizer_offload_time_s, step_flops, step_time_s
+from memfit.planner.cost import (
+    Shape,
+    memory_traffic_bytes,
+    memory_traffic_s,
+    optimizer_offload_time_s,
+    recomputed_share,
+    step_flops,
+    step_time_s,
+)
 from memfit.planner.hardware import Gpu
 from memfit.planner.predict import Predictor
 from memfit.planner.sharding import ShardingSpec, comm_bytes_per_step, validate
@@ -441,9 +449,13 @@ def _candidate(strategy: Strategy, w: Workload, c: Cluster, pins: Pins, predicto
         w.lora is not None,
         c.gpu.fp32_slowdown,
     )
+    # the trained weights' gradients, whole at the optimizer step (with the step in backward, only those alive at once)
+    grads = max(b[Category.GRADS] for b in mem.phase_peaks.values())
     if strategy.optimizer_offload:
         # every gradient to the host and every updated weight back: the device's gradient bytes each way
-        seconds += optimizer_offload_time_s(mem.phase_peaks["optimizer"][Category.GRADS], host_state, c.gpu.host_GBps)
+        seconds += optimizer_offload_time_s(grads, host_state, c.gpu.host_GBps)
+    traffic = memory_traffic_bytes(grads, mem.peak[Category.OPTIMIZER], strategy, recomputed_share(shape, strategy))
+    seconds += memory_traffic_s(traffic, c.gpu.memory_GBps)
     return Candidate(
         strategy,
         mem,
