@@ -17,7 +17,7 @@ memory gives way to the next row.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from memfit.config.loader import parse_override
@@ -25,7 +25,7 @@ from memfit.config.schema import RunConfig
 from memfit.config.strategy import levers
 from memfit.errors import UserError
 from memfit.models.load import config_for_planning
-from memfit.planner.hardware import Gpu, cpu_device, custom_gpu
+from memfit.planner.hardware import cpu_device, device_preset
 from memfit.planner.search import Candidate, Cluster, Pins, PlanResult, Workload, search, table_rows
 from memfit.telemetry.readings import process_rss_bytes
 from memfit.units import GIB, meminfo, parse_memory, this_machine_memory
@@ -80,10 +80,9 @@ def this_cpu(mem: str | None, flag: str = "--mem") -> Cluster:
 
 
 def gpu_cluster(name: str, total_bytes: int, bf16: bool, per_node: int, nodes: int, host_bytes: int | None) -> Cluster:
-    """The visible GPU as the planner sees it: its memory and bf16 support (rates of an A100 assumed for the
-    ranking, as ``--gpu-mem`` does)."""
-    gpu: Gpu = replace(custom_gpu(total_bytes, bf16), name=name)
-    return Cluster(gpu, per_node, nodes, host_bytes)
+    """The visible GPU as the planner sees it: its memory and bf16 support, and the rates of the preset its name
+    carries (an A100's where none does, as ``--gpu-mem`` assumes)."""
+    return Cluster(device_preset(name, total_bytes, bf16), per_node, nodes, host_bytes)
 
 
 def global_batch_of(cfg: RunConfig, world_size: int) -> int:

@@ -4,12 +4,13 @@ Figures are the vendors' datasheet numbers (dense, no sparsity); ``link_GBps`` i
 bandwidth of the intra-node fabric (NVLink / Infinity Fabric / PCIe) used for collectives; ``host_GBps``
 the assumed host-device copy bandwidth each way (PCIe generation of the usual server: Gen5 for MI300X and
 H100/H200 SXM, Gen3 for V100 and T4, Gen4 otherwise; an MI250X in Frontier-like nodes has 36 GB/s per GCD
-over Infinity Fabric, not assumed).
+over Infinity Fabric, not assumed); ``memory_GBps`` the device memory's bandwidth.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 
 from memfit.errors import UserError, did_you_mean
 from memfit.units import GIB
@@ -73,6 +74,31 @@ def custom_gpu(memory_bytes: int, bf16: bool = True) -> Gpu:
         a100.host_GBps,
         memory_GBps=a100.memory_GBps,
     )
+
+
+_NAMED = (  # a device's marketing name (torch.cuda.get_device_properties(i).name) to its preset, first match wins
+    (r"h200", "h200"),
+    (r"h100", "h100"),
+    (r"a100", "a100"),
+    (r"mi300x", "mi300x"),
+    (r"mi250x?", "mi250x"),
+    (r"mi210", "mi210"),
+    (r"l40s", "l40s"),
+    (r"4090", "rtx4090"),
+    (r"v100", "v100-32g"),
+    (r"\bt4\b", "t4"),
+)
+
+
+def device_preset(name: str, memory_bytes: int, bf16: bool) -> Gpu:
+    """The preset whose name the device's name carries (``NVIDIA H200`` -> h200, ``AMD Instinct MI210`` -> mi210;
+    an A100 by its memory), with the device's own name, memory and bf16 support; else ``custom_gpu`` (A100 rates)."""
+    for pattern, key in _NAMED:
+        if re.search(pattern, name, re.IGNORECASE):
+            if key == "a100":
+                key = "a100-80g" if memory_bytes > 48 * GIB else "a100-40g"
+            return replace(GPUS[key], name=name, memory_bytes=memory_bytes, bf16=bf16)
+    return replace(custom_gpu(memory_bytes, bf16), name=name)
 
 
 def cpu_device(memory_bytes: int) -> Gpu:

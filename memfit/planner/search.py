@@ -415,10 +415,6 @@ def evaluate(strategy: Strategy, result: PlanResult, predictor: Predictor) -> Ca
 
 def _candidate(strategy: Strategy, w: Workload, c: Cluster, pins: Pins, predictor: Predictor, usable: int) -> Candidate:
     """One strategy's per-rank memory, whether it fits ``usable`` bytes, and its modelled step time."""
-    shape = Shape.of(w.model_config)
-    lowp_param_bytes = shape.matmul_weights * (4 if strategy.precision == "fp32" else 2)
-    tokens = strategy.micro_batch_size * strategy.grad_accum_steps * w.seq_len
-    flops = step_flops(shape, tokens, w.seq_len, w.lora is not None, strategy)
     sharding = None
     if c.world_size > 1:
         sharding = ShardingSpec.for_model(
@@ -431,6 +427,27 @@ def _candidate(strategy: Strategy, w: Workload, c: Cluster, pins: Pins, predicto
             offload_params=pins.offload_params,
         )
     mem = predictor.predict(strategy, sharding)
+    seconds, comm = modelled_step_time_s(strategy, w, c, mem)
+    return Candidate(
+        strategy,
+        mem,
+        reserved_estimate(mem.peak_bytes, c),
+        usable,
+        seconds,
+        comm,
+        mem.host_peak_bytes * c.gpus_per_node,
+        c.host_mem_bytes,
+        c.gpu.is_cpu,
+    )
+
+
+def modelled_step_time_s(strategy: Strategy, w: Workload, c: Cluster, mem: StepMemory) -> tuple[float, int]:
+    """The cost model's seconds for one optimizer step of ``strategy`` on one rank of ``c`` (``mem``: its predicted
+    memory), and the bytes its collectives move (see ``memfit.planner.cost``)."""
+    shape = Shape.of(w.model_config)
+    lowp_param_bytes = shape.matmul_weights * (4 if strategy.precision == "fp32" else 2)
+    tokens = strategy.micro_batch_size * strategy.grad_accum_steps * w.seq_len
+    flops = step_flops(shape, tokens, w.seq_len, w.lora is not None, strategy)
     trained_bytes = lowp_param_bytes if w.lora is None else 0  # LoRA: adapters only, negligible
     comm = comm_bytes_per_step(
         lowp_param_bytes, trained_bytes, strategy.zero_stage, c.world_size, strategy.grad_accum_steps
@@ -455,18 +472,7 @@ def _candidate(strategy: Strategy, w: Workload, c: Cluster, pins: Pins, predicto
         # every gradient to the host and every updated weight back: the device's gradient bytes each way
         seconds += optimizer_offload_time_s(grads, host_state, c.gpu.host_GBps)
     traffic = memory_traffic_bytes(grads, mem.peak[Category.OPTIMIZER], strategy, recomputed_share(shape, strategy))
-    seconds += memory_traffic_s(traffic, c.gpu.memory_GBps)
-    return Candidate(
-        strategy,
-        mem,
-        reserved_estimate(mem.peak_bytes, c),
-        usable,
-        seconds,
-        comm,
-        mem.host_peak_bytes * c.gpus_per_node,
-        c.host_mem_bytes,
-        c.gpu.is_cpu,
-    )
+    return seconds + memory_traffic_s(traffic, c.gpu.memory_GBps), comm
 
 
 def predict_run(

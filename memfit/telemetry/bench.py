@@ -62,6 +62,8 @@ class Cell:
     status: str = "pending"  # ok | oom | failed
     median_step_time_s: float | None = None
     step_time_spread_s: float | None = None
+    predicted_step_time_s: float | None = None  # the planner's cost model for this cell on this device
+    step_time_error_pct: float | None = None
     tokens_per_s: float | None = None
     supervised_tokens_per_s: float | None = None  # tokens that take a loss (what packing raises)
     peak_allocated_bytes: int | None = None
@@ -220,6 +222,11 @@ def run_cell(
     else:
         cell.peak_rss_bytes = max(r["peak_rss_bytes"] for r in measured)
     cell.predicted_peak_bytes = summary.get("predicted_peak_bytes")
+    cell.predicted_step_time_s = summary.get("predicted_step_time_s")
+    if cell.predicted_step_time_s:
+        cell.step_time_error_pct = (
+            100 * (cell.predicted_step_time_s - cell.median_step_time_s) / cell.median_step_time_s
+        )
     cell.modelled_reserved_bytes = summary.get("modelled_peak_reserved_bytes")
     cell.profiled_peak_bytes = next((r["profiled_peak_bytes"] for r in records if "profiled_peak_bytes" in r), None)
     reference = cell.peak_allocated_bytes or cell.profiled_peak_bytes
@@ -265,6 +272,8 @@ def rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
         "error %",
         "step s (median)",
         "spread s",
+        "modelled step s",
+        "step-time error %",
         "tokens/s",
         "supervised tokens/s",
         "loss",
@@ -291,6 +300,8 @@ def rows(cells: list[Cell]) -> tuple[list[str], list[list[str]]]:
                 "" if c.prediction_error_pct is None else f"{c.prediction_error_pct:+.1f}",
                 "" if c.median_step_time_s is None else f"{c.median_step_time_s:.3f}",
                 "" if c.step_time_spread_s is None else f"{c.step_time_spread_s:.3f}",
+                "" if c.predicted_step_time_s is None else f"{c.predicted_step_time_s:.3g}",
+                "" if c.step_time_error_pct is None else f"{c.step_time_error_pct:+.0f}",
                 "" if c.tokens_per_s is None else f"{c.tokens_per_s:.0f}",
                 "" if c.supervised_tokens_per_s is None else f"{c.supervised_tokens_per_s:.0f}",
                 "" if c.loss is None else f"{c.loss:.5f}",
@@ -333,7 +344,24 @@ def cells_summary(cells: list[Cell]) -> dict[str, Any]:
         "oom": sum(c.status == "oom" for c in cells),
         "failed": sum(c.status == "failed" for c in cells),
         "loss_flags": sum(bool(c.loss_flag) for c in cells),
+        **step_time_order(cells),
     }
+
+
+def step_time_order(cells: list[Cell]) -> dict[str, int]:
+    """How far the step-time model's ranking can be trusted on this device: of the pairs of cells that ran, how
+    many it orders as the measured medians do (pairs within 2% of each other in either are not counted)."""
+    timed = [c for c in cells if c.status == "ok" and c.predicted_step_time_s and c.median_step_time_s]
+    agree = pairs = 0
+    for i, a in enumerate(timed):
+        for b in timed[i + 1 :]:
+            modelled = a.predicted_step_time_s / b.predicted_step_time_s
+            measured = a.median_step_time_s / b.median_step_time_s
+            if abs(modelled - 1) < 0.02 or abs(measured - 1) < 0.02:
+                continue
+            pairs += 1
+            agree += (modelled > 1) == (measured > 1)
+    return {"step_time_pairs": pairs, "step_time_pairs_ordered_alike": agree}
 
 
 def run_in_group(cmd: list[str], timeout_s: float, cwd: Path | None = None) -> subprocess.CompletedProcess | None:

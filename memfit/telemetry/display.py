@@ -80,6 +80,8 @@ def summary_tables(summary: RunSummary) -> tuple[Table, Table]:
     if sm.median_step_time_s is not None:
         run.add_row("median step time", f"{sm.median_step_time_s:.3f} s")
         run.add_row("median tokens/s", f"{sm.median_tokens_per_s:.0f}")
+    if sm.predicted_step_time_s is not None:
+        run.add_row("planner's modelled step time", f"{sm.predicted_step_time_s:.3f} s (for ranking; docs/plan.md)")
     if sm.first_eval_loss is not None:
         run.add_row("eval loss (first → last)", f"{sm.first_eval_loss:.4f} → {sm.last_eval_loss:.4f}")
     run.add_row("parameters (trainable)", f"{states.params:,} ({states.trainable_params:,})")

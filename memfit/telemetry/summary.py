@@ -40,6 +40,7 @@ class RunSummary:
     baseline_rss_bytes: int | None = None
     # predictions beside measurements
     predicted_peak_bytes: int | None = None
+    predicted_step_time_s: float | None = None  # the planner's cost model for this device (median measured beside)
     host_state_bytes: int | None = None  # a GPU run's model states in host memory (offloaded), measured
     predicted_host_bytes: int | None = None  # the planner's host peak for this rank
     modelled_peak_reserved_bytes: int | None = None
@@ -92,6 +93,7 @@ class RunSummary:
             "profiled_step",
             "rank_peak_bytes",
             "predicted_peak_bytes",
+            "predicted_step_time_s",
             "host_state_bytes",
             "predicted_host_bytes",
             "world_size",
@@ -118,6 +120,7 @@ def summarize(
     predicted_peak_bytes: int | None = None,
     modelled_reserved_bytes: int | None = None,
     predicted_host_bytes: int | None = None,
+    predicted_step_time_s: float | None = None,
 ) -> RunSummary:
     """The summary of a run from its step and eval records (as ``metrics.jsonl`` holds them).
 
@@ -125,6 +128,7 @@ def summarize(
         states: this rank's model-state bytes (parameters, gradients at the optimizer step, optimizer state).
         baseline_rss_bytes: the process's RSS before the model was loaded (CPU runs).
         modelled_reserved_bytes: on a GPU, the allocator model's peak reserved for the planned steps.
+        predicted_step_time_s: the planner's cost model for this run's step (the measured median beside it).
     """
     step_times = [r["step_time_s"] for r in steps]
     tps = [r["tokens_per_s"] for r in steps]
@@ -137,6 +141,7 @@ def summarize(
         "last_eval_loss": evals[-1]["eval_loss"] if evals else None,
         "states": states,
         "predicted_peak_bytes": predicted_peak_bytes,
+        "predicted_step_time_s": predicted_step_time_s,
     }
     if states.host_bytes or predicted_host_bytes:  # a GPU run offloading to host memory
         out.update(host_state_bytes=states.host_bytes, predicted_host_bytes=predicted_host_bytes)

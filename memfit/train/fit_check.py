@@ -10,10 +10,20 @@ import torch
 from memfit.allocator.whatif import Replay, as_trace, compare, replay, restart_advice, settings_from_conf
 from memfit.config.schema import RunConfig
 from memfit.config.strategy import Strategy
-from memfit.device import device_name
+from memfit.device import device_name, supports_bf16
 from memfit.distributed.runtime import DistContext
 from memfit.planner.categories import StepMemory
-from memfit.planner.search import CONTEXT_BYTES, check_fits, check_host_fits, predict_run, step_allocations
+from memfit.planner.hardware import cpu_device, device_preset
+from memfit.planner.search import (
+    CONTEXT_BYTES,
+    Cluster,
+    Workload,
+    check_fits,
+    check_host_fits,
+    modelled_step_time_s,
+    predict_run,
+    step_allocations,
+)
 from memfit.planner.sharding import ShardingSpec
 from memfit.strategies.allocator import conf_in_effect
 from memfit.units import meminfo
@@ -27,10 +37,11 @@ def planned_step(
     ctx: DistContext,
     engine: str,
     offload_params: bool = False,
-) -> tuple[StepMemory, Replay | None]:
-    """This rank's predicted steady-state step peak (``memfit plan``'s engine), and on one GPU the
-    allocator model's replay of the planned steps (``None`` elsewhere). Offloading moves nothing on a CPU (host
-    and device are one memory there): the ranks' sharding is then predicted as without it.
+) -> tuple[StepMemory, Replay | None, float]:
+    """This rank's predicted steady-state step peak (``memfit plan``'s engine), on one GPU the allocator model's
+    replay of the planned steps (``None`` elsewhere), and the cost model's step time for this device (``memfit
+    plan``'s, for the preset the device's name carries; on a CPU the ranking-only CPU rates). Offloading moves
+    nothing on a CPU (host and device are one memory there): the ranks' sharding is then predicted as without it.
 
     Raises:
         UserError: on a GPU, when the prediction or the replay does not fit its memory (or memory_fraction).
@@ -50,16 +61,19 @@ def planned_step(
         )
     step = predict_run(mconf, cfg.data.seq_len, strategy, lora, on_gpu=gpu, sharding=sharding)
     replayed = None
+    total = torch.cuda.get_device_properties(device).total_memory if gpu else 0
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+    here = device_preset(device_name(device), total, supports_bf16(device)) if gpu else cpu_device(0)
+    cluster = Cluster(here, per_node, max(1, ctx.world_size // per_node))
+    step_time_s, _ = modelled_step_time_s(strategy, Workload(mconf, "", cfg.data.seq_len, 0, lora), cluster, step)
     if gpu:
-        total = torch.cuda.get_device_properties(device).total_memory
         capacity = int(total * (cfg.allocator.memory_fraction or 1.0))
         if cfg.train.allocator_model and not ctx.distributed:
             replayed = replay_planned_steps(cfg, strategy, mconf, total)
         check_fits(step, capacity, device_name(device), replayed)
         if step.host_peak_bytes:  # offloading: this node's ranks together, against the memory it has now
-            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
-            check_host_fits(step, ranks_here, meminfo().get("MemAvailable"))
-    return step, replayed
+            check_host_fits(step, per_node, meminfo().get("MemAvailable"))
+    return step, replayed, step_time_s
 
 
 def replay_planned_steps(cfg: RunConfig, strategy: Strategy, mconf, total_bytes: int) -> Replay:

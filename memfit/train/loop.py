@@ -175,14 +175,13 @@ class Trainer:
         train_ds, eval_ds = split(dataset, cfg.data.eval_fraction)
         self.train_ds, self.eval = train_ds, eval_batches(eval_ds, t.micro_batch_size, t.eval_batches)
 
-        self.predicted = None
-        self.replayed = None  # the allocator model's replay of the planned steps (one GPU)
+        self.predicted = self.predicted_step_s = self.replayed = None  # replayed: the allocator model's (one GPU)
         if t.plan_check:
             try:
                 # the planner's traces draw random numbers; forked, they leave the run's stream as seeded
                 # (adapters on a loaded checkpoint are initialised from it next)
                 with torch.random.fork_rng(devices=[]):
-                    self.predicted, self.replayed = planned_step(
+                    self.predicted, self.replayed, self.predicted_step_s = planned_step(
                         cfg, self.strategy, mconf, self.device, ctx, self.kind, self.offload_params
                     )
             except UserError:
@@ -569,6 +568,7 @@ class Trainer:
             self.predicted.peak_bytes if self.predicted else None,
             self.replayed.peak_reserved_bytes if self.replayed else None,
             self.predicted.host_peak_bytes if self.predicted else None,
+            self.predicted_step_s,
         )
         if ctx.distributed:
             held = ctx.gather_numbers([states.params_bytes, states.grads_bytes, states.optimizer_bytes])

@@ -55,6 +55,13 @@ def test_bench_2x2_matrix_on_cpu(tmp_path, capsys, embedded_dir):
     assert all(c["status"] == "ok" and c["tokens_per_s"] > 0 and c["predicted_peak_bytes"] > 0 for c in cells)
     # on CPU the planner is compared with the profiler's tensor peak of an extra (untimed) step
     assert all(abs(c["prediction_error_pct"]) <= 3 and c["profiled_peak_bytes"] > 0 for c in cells)
+    # the step-time model's error per cell, and how many pairs it orders as measured (on this CPU: ranking rates)
+    for c in cells:
+        assert c["step_time_error_pct"] == pytest.approx(
+            100 * (c["predicted_step_time_s"] - c["median_step_time_s"]) / c["median_step_time_s"]
+        )
+    assert 0 <= summary["step_time_pairs_ordered_alike"] <= summary["step_time_pairs"] <= 6
+    assert "| step-time error % |" in (out / "results.md").read_text()
     # checkpointing does not change the loss: same precision and tuning agree
     by = {c["name"]: c["loss"] for c in cells}
     assert by["ac-none_fp32_mb2_full"] == pytest.approx(by["ac-full_fp32_mb2_full"], rel=1e-5)

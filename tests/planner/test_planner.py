@@ -544,3 +544,30 @@ def test_the_step_time_model_charges_the_memory_traffic_that_separates_precision
     assert traffic[0] > 2 * traffic[1]  # fp32 everything, and the casts of every forward run
     lora_mixed, lora_pure = times[True, "bf16-mixed"], times[True, "bf16-pure"]
     assert lora_mixed.step_time_s == pytest.approx(lora_pure.step_time_s, rel=0.02)  # the fp32 adapters: 1.1%
+
+
+@pytest.mark.parametrize(
+    "name, memory_gib, preset",
+    [
+        ("NVIDIA H200", 141, "h200"),
+        ("NVIDIA H100 80GB HBM3", 80, "h100"),
+        ("NVIDIA A100-SXM4-40GB", 40, "a100-40g"),
+        ("NVIDIA A100-SXM4-80GB", 80, "a100-80g"),
+        ("AMD Instinct MI210", 64, "mi210"),
+        ("AMD Instinct MI300X", 192, "mi300x"),
+        ("NVIDIA GeForce RTX 4090", 24, "rtx4090"),
+        ("Tesla T4", 16, "t4"),
+        ("NVIDIA RTX 6000 Ada Generation", 48, None),
+    ],
+)
+def test_a_device_takes_the_rates_of_the_preset_its_name_carries(name, memory_gib, preset):
+    from memfit.planner.hardware import GPUS, custom_gpu, device_preset
+
+    gpu = device_preset(name, memory_gib * GIB, True)
+    assert gpu.name == name and gpu.memory_bytes == memory_gib * GIB
+    reference = GPUS[preset] if preset else custom_gpu(memory_gib * GIB)
+    assert (gpu.peak_tflops, gpu.memory_GBps, gpu.link_GBps) == (
+        reference.peak_tflops,
+        reference.memory_GBps,
+        reference.link_GBps,
+    )

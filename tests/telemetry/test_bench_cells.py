@@ -18,3 +18,16 @@ def test_a_command_past_its_limit_is_killed_with_its_whole_process_group(tmp_pat
 def test_a_command_within_its_limit_returns_its_output():
     proc = run_in_group(["bash", "-c", "echo out; echo err >&2; exit 3"], 30)
     assert (proc.returncode, proc.stdout, proc.stderr) == (3, "out\n", "err\n")
+
+
+def test_the_step_time_model_is_judged_by_how_many_pairs_of_cells_it_orders_as_measured():
+    from memfit.config.strategy import Strategy
+    from memfit.telemetry.bench import Cell, step_time_order
+
+    def cell(modelled, measured, status="ok"):
+        return Cell(Strategy(), True, status=status, predicted_step_time_s=modelled, median_step_time_s=measured)
+
+    cells = [cell(1.0, 2.0), cell(2.0, 3.0), cell(3.0, 2.5), cell(1.01, 2.9), cell(9.0, 9.0, "oom")]
+    # a-b, a-c and b-d ordered alike; b-c and c-d reversed; a-d within 2% in the model (not counted); the OOM cell
+    # never counts
+    assert step_time_order(cells) == {"step_time_pairs": 5, "step_time_pairs_ordered_alike": 3}
