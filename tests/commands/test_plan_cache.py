@@ -73,10 +73,15 @@ def test_written_files_are_written_again_and_a_changed_input_file_is_searched(pl
     assert code == 0 and NOTE not in err3 and "micro_batch_size: 1" in written.read_text()
 
 
-def test_a_plan_where_nothing_fits_is_replayed_with_its_one_line_and_status(plans, capsys):
-    code, _, err = _ask(capsys, "--gpu-mem", "1MiB", base=BASE)
-    again, _, err2 = _ask(capsys, "--gpu-mem", "1MiB", base=BASE)
+def test_a_plan_where_nothing_fits_is_replayed_with_its_one_line_status_and_page(plans, capsys, tmp_path):
+    page = tmp_path / "plan.html"
+    code, _, err = _ask(capsys, "--gpu-mem", "1MiB", "--html", str(page), base=BASE)
+    first = page.read_text()
+    assert "nothing fits" in first and "closest that do not fit" in first  # the page to look at when nothing fits
+    page.unlink()
+    again, _, err2 = _ask(capsys, "--gpu-mem", "1MiB", "--html", str(page), base=BASE)
     assert code == again == 2 and "nothing fits" in err and err2.startswith(err) and NOTE in err2
+    assert page.read_text() == first
 
 
 @pytest.mark.parametrize("damage", [b"", b"not gzip", gzip.compress(b"{not json"), gzip.compress(b'{"rc": "x"}')])
