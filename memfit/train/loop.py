@@ -295,8 +295,7 @@ class Trainer:
         return dcp_writer(self.ctx, self.par), dcp_reader(self.ctx, self.par)
 
     def _checkpoint(self, state: TrainerState) -> None:
-        """Write the checkpoint of ``state`` (refused in one line, the previous one untouched, when the disk
-        cannot hold it)."""
+        """Write the checkpoint of ``state`` (refused in one line, the previous one untouched, if the disk is full)."""
         keep = self.cfg.train.keep_checkpoints
         held = state_bytes(self.model, self.par.local_optimizer(), self.device.type == "cuda")
         needed = (held.trainable_params_bytes + held.optimizer_bytes) * self.ctx.world_size
@@ -587,7 +586,8 @@ class Trainer:
         return result
 
     def _out_of_memory(self, step: int, requested: int) -> OutOfMemoryExit:
-        return out_of_memory_exit(step, requested, self.watch, self.predicted, self.run, self.ctx.rank)
+        advice = restart_allocator(self.cfg, self.strategy, self.mconf, self.device, self.ctx)  # on_oom's 3rd rung
+        return out_of_memory_exit(step, requested, self.watch, self.predicted, self.run, self.ctx.rank, advice)
 
     def close(self) -> None:
         """Close the metrics file, stop the metrics endpoint, if one was started, and leave the process group."""

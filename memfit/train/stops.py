@@ -43,9 +43,12 @@ class StopSignals:
         self._previous = {}
 
 
-def out_of_memory_exit(step: int, requested: int, watch, predicted, run, rank: int) -> OutOfMemoryExit:
+def out_of_memory_exit(
+    step: int, requested: int, watch, predicted, run, rank: int, advice: dict | None = None
+) -> OutOfMemoryExit:
     """Dump a snapshot on a GPU (``watch``), record the failure as an ``oom`` record in the run's
-    ``metrics.jsonl``, and say what was asked, what the planner ``predicted`` (or None) and what to try."""
+    ``metrics.jsonl`` (with ``advice``: ``fit_check.restart_allocator``'s, for ``train.on_oom=next``), and say what
+    was asked, what the planner ``predicted`` (or None) and what to try."""
     path, cause = watch.oom_snapshot(step)
     where = f"; snapshot {path} (memfit frag {path} --simulate)" if path else ""
     where += f"; {cause}" if cause else ""
@@ -63,6 +66,7 @@ def out_of_memory_exit(step: int, requested: int, watch, predicted, run, rank: i
             "predicted_peak_bytes": predicted.peak_bytes if predicted is not None else None,
             "snapshot": str(path) if path else None,
             "cause": cause or None,
+            **(advice or {}),
         },
     )
     return OutOfMemoryExit(

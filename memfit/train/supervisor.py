@@ -9,9 +9,11 @@ out-of-memory exit the next child runs the next configuration that keeps the glo
 
 1. a smaller micro-batch with more accumulation (the largest divisor of the per-rank batch at most half the
    current micro-batch; not where the optimizer steps in backward, which cannot accumulate);
-2. then stronger activation checkpointing: none -> ffn -> full (every_k:N -> full).
+2. then stronger activation checkpointing: none -> ffn -> full (every_k:N -> full);
+3. then the allocator settings the what-if replay of the planned steps recommends, where they differ from those in
+   effect (one GPU: the child that ran out of memory writes the advice into its ``oom`` record).
 
-Both leave what the run computes unchanged (the same global batch; recomputation is exact), so in fp32 the loss
+All three leave what the run computes unchanged (the same global batch; recomputation is exact), so in fp32 the loss
 sequence continues as an uninterrupted run of the new configuration would (tested). At most
 ``train.oom_retries`` restarts; each switch is printed when it happens and written to ``metrics.jsonl`` as an
 ``on_oom`` record (step, what failed, what changed) when the last child ends, with an ``on_oom_summary`` record.
@@ -19,9 +21,9 @@ sequence continues as an uninterrupted run of the new configuration would (teste
 SIGTERM and Ctrl-C reach the child, which writes its checkpoint and stops as any run does; the supervisor then
 ends with its exit code.
 
-Known limitations: the allocator setting the what-if replay recommends is neither a step of the ladder nor applied
-on a restart yet (a GPU run's recorded trace would have to be replayed first); a child that fails otherwise ends
-the supervision with its exit code.
+Known limitations: the allocator advice replays the planned steps, not the run's own recorded trace; on a CPU or
+with several ranks there is none, so the ladder ends at full checkpointing; a child that fails otherwise ends the
+supervision with its exit code.
 """
 
 from __future__ import annotations
@@ -83,16 +85,27 @@ def _last(metrics: Path, kind: str) -> dict | None:
     return found[-1] if found else None
 
 
+def _saving(advice: dict) -> str:
+    now, then = advice.get("now_peak_reserved_bytes"), advice["peak_reserved_bytes"]
+    return f": peak reserved {now / GIB:.2f} -> {then / GIB:.2f} GiB in the replay" if now else ""
+
+
 def allocator_overrides(metrics: Path, say: Callable[[str], None]) -> list[str]:
     """The allocator settings the last ``restart`` record advises (the what-if replay of the planned steps, one
     GPU), said in one line; [] where it advises none."""
     advice = (_last(metrics, "restart") or {}).get("allocator")
     if not advice or not advice.get("overrides"):
         return []
-    now, then = advice.get("now_peak_reserved_bytes"), advice["peak_reserved_bytes"]
-    saving = f": peak reserved {now / GIB:.2f} -> {then / GIB:.2f} GiB in the replay" if now else ""
-    say(f"restart: with allocator settings {advice['settings']}{saving}")
+    say(f"restart: with allocator settings {advice['settings']}{_saving(advice)}")
     return list(advice["overrides"])
+
+
+def allocator_rung(oom: dict, overrides: list[str]) -> tuple[list[str], str] | None:
+    """The ladder's third step: the allocator settings an ``oom`` record advises, and what they change in words;
+    None where it advises none or the run has them already."""
+    advice = oom.get("allocator") or {}
+    extra = [o for o in advice.get("overrides", []) if o not in overrides]
+    return (extra, f"allocator settings {advice['settings']}{_saving(advice)}") if extra else None
 
 
 def _run_child(argv: list[str], env: dict[str, str]) -> int:
@@ -148,9 +161,12 @@ def supervise(
             if len(switches) >= cfg.train.oom_retries:
                 say(f"on_oom: out of memory again at step {step}; {len(switches)} restart(s) used (train.oom_retries)")
                 return code
-            ladder = next_after_oom(cfg, world_size)
+            ladder = next_after_oom(cfg, world_size) or allocator_rung(oom, overrides)
             if ladder is None:
-                say(f"on_oom: out of memory at step {step} with micro-batch 1 and full checkpointing; nothing left")
+                say(
+                    f"on_oom: out of memory at step {step} with micro-batch 1, full checkpointing and no other "
+                    "allocator settings advised; nothing left"
+                )
                 return code
             extra, change = ladder
             asked = oom.get("requested_bytes")

@@ -59,3 +59,31 @@ def test_the_supervisor_appends_the_last_restarts_advice_and_says_it(tmp_path):
     assert len(said) == 1 and "expandable_segments:True" in said[0] and "0.10 -> 0.09 GiB" in said[0]
     metrics.write_text(json.dumps(records[0]) + "\n")
     assert allocator_overrides(metrics, said.append) == [] and len(said) == 1
+
+
+def test_after_micro_batch_1_and_full_checkpointing_an_oom_takes_the_advised_allocator_settings(tmp_path, monkeypatch):
+    """The ladder's third rung: the child that ran out of memory wrote the what-if advice into its oom record; the
+    supervisor restarts with it, once (the same advice again means nothing is left)."""
+    import memfit.train.supervisor as supervisor
+    from memfit.errors import EXIT_OUT_OF_MEMORY
+
+    advice = restart_advice([_run(DEFAULT, 100 * MIB), _run(EXPANDABLE, 90 * MIB)], DEFAULT, None)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    runs = []
+
+    def child(argv, env):  # a child that runs out of memory at step 3 with the advice in its oom record
+        runs.append(argv[argv.index("train") + 1 :])
+        with metrics.open("a") as fh:
+            fh.write(json.dumps({"kind": "oom", "step": 3, "requested_bytes": 2 * MIB, "allocator": advice}) + "\n")
+        return EXIT_OUT_OF_MEMORY
+
+    monkeypatch.setattr(supervisor, "_run_child", child)
+    base = ["train.micro_batch_size=1", "strategy.activation_checkpointing=full", f"output.dir={metrics.parent}"]
+    said = []
+    code = supervisor.supervise([], base, lambda o: load_config(None, o), 1, said.append)
+    assert code == EXIT_OUT_OF_MEMORY and len(runs) == 2
+    assert runs[1] == [*base, "allocator.expandable_segments=true", "train.resume=true"]
+    assert "allocator settings expandable_segments:True" in said[0] and "nothing left" in said[1]
+    switch = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["kind"] == "on_oom"]
+    assert [s["overrides"] for s in switch] == [["allocator.expandable_segments=true"]]
