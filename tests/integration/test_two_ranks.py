@@ -135,6 +135,13 @@ def test_each_rank_holds_its_share_of_the_model_states(runs, engine):
         assert sum(h["optimizer_bytes"] for h in summary["rank_states"]) == OPT
 
 
+@pytest.mark.parametrize("engine", ["single", *ENGINES])
+def test_every_engines_summary_holds_the_plan_beside_the_measurement(runs, engine):
+    summary = _summary(runs[engine])
+    assert summary["predicted_peak_bytes"] > 0 and summary["predicted_step_time_s"] > 0
+    assert summary["median_step_time_s"] > 0 and summary["peak_rss_bytes"] > 0
+
+
 def test_per_rank_memory_is_recorded_with_max_and_min(runs):
     steps = _steps(runs["fsdp2-zero3"])
     for rec in steps:
