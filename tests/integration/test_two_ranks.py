@@ -33,21 +33,21 @@ COMMON = (
     "train.keep_checkpoints=10",
 )
 DS_FP32 = '{"zero_optimization": {"contiguous_gradients": true, "overlap_comm": false}}'  # stage from memfit's config
+CHUNKS = "strategy.loss_chunks=4"  # the chunked loss under every kind of engine: its weight is tied, sharded, gathered
 ENGINES = {
     "fsdp2-zero2": ("distributed.zero_stage=2",),
-    "fsdp2-zero3": ("distributed.zero_stage=3",),
-    "ddp-zero1": ("distributed.zero_stage=1",),
+    "fsdp2-zero3-chunked": ("distributed.zero_stage=3", CHUNKS),
+    "ddp-zero1-chunked": ("distributed.zero_stage=1", CHUNKS),
     "ddp-zero0": ("distributed.zero_stage=0",),
     "deepspeed-zero2": ("distributed.engine=deepspeed", "distributed.zero_stage=2"),
-    "deepspeed-zero3": ("distributed.engine=deepspeed", "distributed.zero_stage=3"),
+    "deepspeed-zero3-chunked": ("distributed.engine=deepspeed", "distributed.zero_stage=3", CHUNKS),
     # optimizer.offload: FSDP2's CPUOffloadPolicy; DeepSpeed's offload_optimizer, filled into its JSON by memfit
     "fsdp2-zero3-offload": ("distributed.zero_stage=3", "optimizer.offload=true"),
     "deepspeed-zero2-offload": ("distributed.engine=deepspeed", "distributed.zero_stage=2", "optimizer.offload=true"),
 }
-CHUNKED = {  # strategy.loss_chunks under every kind of engine: the projection's weight is tied, sharded or gathered
-    f"{name}-chunked": (*ENGINES[name], "strategy.loss_chunks=4")
-    for name in ("fsdp2-zero3", "ddp-zero1", "deepspeed-zero3")
-}
+"""One 2-rank run each. A chunked loss is exact in fp32, so three engines run it and their unchunked twins are
+covered by the engine's other runs (fsdp2-zero2 and -offload, ddp-zero0, deepspeed-zero2): one run per engine
+kind and feature instead of twelve."""
 
 
 def _memfit(args, nproc=None, popen=False, timeout=300, extra_flags=()):
@@ -83,8 +83,10 @@ def runs(tmp_path_factory, embedded_dir):
     code, _, err = _memfit(tiny_overrides(root / "single", *COMMON, "output.export=true"))
     assert code == 0, err[-3000:]
     out["single"] = root / "single"
-    for name, extra in {**ENGINES, **CHUNKED}.items():
-        export = ("output.export=true",) if name == "deepspeed-zero3" else ()  # the consolidation test reads it
+    for name, extra in ENGINES.items():
+        export = (
+            ("output.export=true",) if name.startswith("deepspeed-zero3") else ()
+        )  # the consolidation test reads it
         args = tiny_overrides(root / name, *COMMON, *extra, f"distributed.deepspeed_config={ds_json}", *export)
         code, _, err = _memfit(args, nproc=2)
         assert code == 0, f"{name}: {err[-3000:]}"
@@ -103,13 +105,6 @@ def test_two_ranks_reproduce_the_single_process_loss_curve(runs, engine):
         assert _close([r["grad_norm"] for r in _steps(runs[engine])], want_norm, 1e-3)
 
 
-@pytest.mark.parametrize("engine", list(CHUNKED))
-def test_a_chunked_loss_on_two_ranks_reproduces_the_single_process_loss_curve(runs, engine):
-    want = [r["loss"] for r in _steps(runs["single"])]
-    got = [r["loss"] for r in _steps(runs[engine])]
-    assert len(got) == STEPS and _close(got, want, 1e-4), f"{engine}: {got} vs {want}"
-
-
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_each_rank_holds_its_share_of_the_model_states(runs, engine):
     single = _summary(runs["single"])
@@ -123,7 +118,7 @@ def test_each_rank_holds_its_share_of_the_model_states(runs, engine):
         p, g, o = held["params_bytes"], held["grads_bytes"], held["optimizer_bytes"]
         if engine.startswith("fsdp2"):  # every tensor is split on dim 0: exactly half each
             assert (p, g, o) == (P // 2, G // 2, (OPT - steps) // 2 + steps), held
-        elif engine == "ddp-zero1":  # whole parameters go to one rank or the other
+        elif engine.startswith("ddp-zero1"):  # whole parameters go to one rank or the other
             assert (p, g) == (P, G) and 0 < o <= OPT // 2 + largest_param, held
         elif engine == "ddp-zero0":
             assert (p, g, o) == (P, G, OPT), held
@@ -131,7 +126,7 @@ def test_each_rank_holds_its_share_of_the_model_states(runs, engine):
             assert p == P and abs(o - OPT / 2) <= 0.01 * OPT, held
         else:  # DeepSpeed ZeRO-3: each parameter's own padded partition (ds_tensor), and its state
             assert abs(p - P / 2) <= 0.01 * P and abs(o - OPT / 2) <= 0.01 * OPT, held
-    if engine == "ddp-zero1":
+    if engine.startswith("ddp-zero1"):
         assert sum(h["optimizer_bytes"] for h in summary["rank_states"]) == OPT
 
 
@@ -143,11 +138,11 @@ def test_every_engines_summary_holds_the_plan_beside_the_measurement(runs, engin
 
 
 def test_per_rank_memory_is_recorded_with_max_and_min(runs):
-    steps = _steps(runs["fsdp2-zero3"])
+    steps = _steps(runs["fsdp2-zero3-chunked"])
     for rec in steps:
         per_rank = rec["rank_memory"]["peak_rss_bytes"]
         assert len(per_rank) == 2 and rec["peak_rss_bytes"] == max(per_rank)
-    summary = _summary(runs["fsdp2-zero3"])
+    summary = _summary(runs["fsdp2-zero3-chunked"])
     assert len(summary["rank_peak_bytes"]) == 2
     assert summary["peak_rss_bytes"] == max(summary["rank_peak_bytes"])
 
@@ -178,7 +173,7 @@ def _wait_for(predicate, proc, seconds: float) -> None:
     assert predicate(), "timed out waiting"
 
 
-@pytest.mark.parametrize("engine", ["fsdp2-zero2", "deepspeed-zero3"])
+@pytest.mark.parametrize("engine", ["fsdp2-zero2", "deepspeed-zero3-chunked"])
 def test_sharded_checkpoint_kill_and_resume_continue_the_same_losses(runs, tmp_path, engine):
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(DS_FP32)
@@ -287,7 +282,7 @@ def test_deepspeed_zero3_export_is_the_consolidated_model(runs):
     """ZeRO-3 partitions every weight between forward passes: the export gathers them on all ranks
     and rank 0 writes the whole model, equal to the one-process run's after the same 10 steps."""
     one = load_file(runs["single"] / "export" / "model.safetensors")
-    two = load_file(runs["deepspeed-zero3"] / "export" / "model.safetensors")
+    two = load_file(runs["deepspeed-zero3-chunked"] / "export" / "model.safetensors")
     assert one.keys() == two.keys() and len(one) > 0
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)

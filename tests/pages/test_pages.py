@@ -187,3 +187,35 @@ def test_segments_of_a_hand_built_snapshot_are_drawn_to_scale(tmp_path):
     snap = {"segments": [segment(0x7F0000000000, [(3 << 20, "active_allocated", None), (1 << 20, "inactive", None)])]}
     html = segment_map(analyze(snap, 0))
     assert 'class="a" style="flex:75 1 0"' in html and 'class="f" style="flex:25 1 0"' in html
+
+
+def test_a_gpu_runs_page_draws_allocated_reserved_and_fragmentation_beside_the_plan(tmp_path):
+    """Records shaped as a GPU run writes them (readings.memory_record's keys, the allocator watch's reading)."""
+    from memfit.pages.run import run_page
+
+    gib = 1 << 30
+    steps = [
+        {"kind": "step", "step": s, "loss": 2.0 - 0.1 * s, "lr": 1e-4, "step_time_s": 0.4, "tokens_per_s": 1e4}
+        | {"allocated_bytes": 13 * gib, "reserved_bytes": 20 * gib, "peak_allocated_bytes": 30 * gib + s}
+        | {"peak_reserved_bytes": 33 * gib, "fragmentation_ratio": 0.5 + 0.01 * s}
+        for s in range(1, 5)
+    ]
+    summary = {"kind": "summary", "peak_allocated_bytes": 30 * gib + 4, "predicted_peak_bytes": 31 * gib}
+    summary |= {"peak_reserved_bytes": 33 * gib, "modelled_peak_reserved_bytes": 32 * gib}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*steps, summary]))
+    page = run_page(tmp_path).render()
+    memory = data_of(page)["charts"]["memory"]
+    assert memory["title"] == "memory (GPU)" and memory["y2_label"] == "fragmentation ratio"
+    labels = [s["label"] for s in memory["series"]]
+    assert labels == [
+        "allocated (end of step)",
+        "reserved (end of step)",
+        "peak allocated",
+        "peak reserved",
+        "planner's predicted peak",
+        "fragmentation ratio",
+    ]
+    assert memory["series"][-1]["values"] == [0.51, 0.52, 0.53, 0.54]
+    versus = page[page.index('id="versus"') : page.index("</table>", page.index('id="versus"'))]
+    assert "peak allocated" in versus and "+3.33" in versus  # 31 GiB predicted against 30 GiB measured
+    assert "peak reserved (allocator model)" in versus and "-3.03" in versus
