@@ -339,6 +339,22 @@ class Strategy:
         """Lever name to plain value (policies as their text): for JSON and tables."""
         return {name: _plain(getattr(self, name)) for name in levers()}
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "Strategy":
+        """The strategy ``as_dict`` gave (results.json, plan JSON), each value parsed by its lever.
+
+        Raises:
+            UserError: a value its lever refuses, naming the lever.
+        """
+        table = levers()
+        return cls(
+            **{
+                name: table[name].parse(str(v).lower() if isinstance(v, bool) else str(v), name)
+                for name, v in values.items()
+                if name in table
+            }
+        )
+
     def label(self) -> str:
         """The strategy in one line, as tables and messages print it (the loss chunks only when on)."""
         chunks = f", base {self.quantize_base.upper()}" if self.quantize_base != "none" else ""

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
-from memfit.pages.html import Cell, Page, Series, paragraph, table
+from memfit.pages.html import Page, Series, paragraph, table
+from memfit.telemetry.bench import Cell as BenchCell
+from memfit.telemetry.bench import rows
 from memfit.units import GIB
 
 STATES = (
@@ -42,65 +44,10 @@ def _peak(c: dict[str, Any]) -> int | None:
     return c.get("peak_allocated_bytes") if c.get("peak_allocated_bytes") is not None else c.get("peak_rss_bytes")
 
 
-def _g(n: Any) -> Cell:
-    return Cell("" if n is None else f"{n / GIB:.3f}", n)
-
-
-def _n(v: Any, spec: str) -> Cell:
-    return Cell("" if v is None else format(v, spec), v)
-
-
 def _table(cells: list[dict[str, Any]]) -> str:
-    header = [
-        "#",
-        "cell",
-        "status",
-        "ranks x mb x acc",
-        "peak GiB",
-        "reserved GiB",
-        "modelled reserved GiB",
-        "frag",
-        "inspected step peak GiB",
-        "predicted GiB",
-        "error %",
-        "step s (median)",
-        "spread s",
-        "modelled step s",
-        "step-time error %",
-        "tokens/s",
-        "supervised tokens/s",
-        "loss",
-        "note",
-    ]
-    rows = []
-    for i, c in enumerate(cells, 1):
-        note = c.get("loss_flag") or c.get("message") or ""
-        if c.get("status") == "oom" and c.get("oom_request_bytes"):
-            note = note or f"OOM asking for {c['oom_request_bytes'] / GIB:.2f} GiB"
-        rows.append(
-            [
-                i,
-                c["name"],
-                c["status"],
-                f"{c.get('nproc', 1)}x{c.get('micro_batch_size')}x{c.get('grad_accum_steps')}",
-                _g(_peak(c)),
-                _g(c.get("peak_reserved_bytes")),
-                _g(c.get("modelled_reserved_bytes")),
-                _n(c.get("fragmentation_ratio"), ".3f"),
-                _g(c.get("profiled_peak_bytes")),
-                _g(c.get("predicted_peak_bytes")),
-                _n(c.get("prediction_error_pct"), "+.1f"),
-                _n(c.get("median_step_time_s"), ".3f"),
-                _n(c.get("step_time_spread_s"), ".3f"),
-                _n(c.get("predicted_step_time_s"), ".3g"),
-                _n(c.get("step_time_error_pct"), "+.0f"),
-                _n(c.get("tokens_per_s"), ".0f"),
-                _n(c.get("supervised_tokens_per_s"), ".0f"),
-                _n(c.get("loss"), ".5f"),
-                note,
-            ]
-        )
-    return table(header, rows, table_id="cells")
+    """The table ``memfit bench`` prints (``telemetry.bench.rows``), numbered, each column sortable."""
+    header, body = rows([BenchCell.from_dict(c) for c in cells])
+    return table(["#", *header], [[i, *row] for i, row in enumerate(body, 1)], table_id="cells")
 
 
 def bench_page(bench_dir: Path) -> Page:

@@ -24,7 +24,7 @@ import signal
 import statistics
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,12 @@ class Cell:
         """The cell for ``results.json``: its levers by name beside what was measured."""
         fields = {k: v for k, v in asdict(self).items() if k not in ("strategy", "axes")}
         return {"name": self.name, **self.strategy.as_dict(), **fields}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "Cell":
+        """A cell as ``as_dict`` wrote it to ``results.json``."""
+        known = {f.name for f in fields(cls)} - {"strategy", "axes"}
+        return cls(Strategy.from_dict(values), **{k: v for k, v in values.items() if k in known})
 
     @property
     def peak_bytes(self) -> int | None:

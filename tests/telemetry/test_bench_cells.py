@@ -1,5 +1,6 @@
 """Bench plumbing that needs no training run."""
 
+import json
 import time
 from pathlib import Path
 
@@ -31,3 +32,13 @@ def test_the_step_time_model_is_judged_by_how_many_pairs_of_cells_it_orders_as_m
     # a-b, a-c and b-d ordered alike; b-c and c-d reversed; a-d within 2% in the model (not counted); the OOM cell
     # never counts
     assert step_time_order(cells) == {"step_time_pairs": 5, "step_time_pairs_ordered_alike": 3}
+
+
+def test_a_cell_read_back_from_results_json_is_the_cell_written():
+    from memfit.config.strategy import CheckpointPolicy, Strategy
+    from memfit.telemetry.bench import Cell
+
+    strategy = Strategy(activation_checkpointing=CheckpointPolicy("every_k", 2), precision="bf16-mixed", packing=True)
+    cell = Cell(strategy, False, nproc=2, status="oom", oom_request_bytes=3 << 30, loss_flag="differs")
+    again = Cell.from_dict(json.loads(json.dumps(cell.as_dict())))
+    assert again.strategy == strategy and again.as_dict() == cell.as_dict()
