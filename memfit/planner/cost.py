@@ -165,7 +165,7 @@ def step_time_s(
 def offload_time_s(offload_bytes: int, host_GBps: float, compute_s: float, lora: bool) -> float:
     """Copy time that activation offloading adds: each way, what OFFLOAD_OVERLAP of the phase's compute
     time does not hide (to host during the forward, back during the backward)."""
-    if not offload_bytes:
+    if not offload_bytes or not host_GBps:  # nothing offloaded, or a CPU: host and device are one memory
         return 0.0
     copy_s = offload_bytes / (host_GBps * 1e9)
     forward_s = compute_s * (0.5 if lora else 1 / 3)
@@ -175,7 +175,10 @@ def offload_time_s(offload_bytes: int, host_GBps: float, compute_s: float, lora:
 
 def optimizer_offload_time_s(grad_bytes: int, host_state_bytes: int, host_GBps: float) -> float:
     """Seconds an offloaded optimizer step adds: ``grad_bytes`` to the host and the same back (the weights), at
-    ``host_GBps`` each way, and the host's step over ``host_state_bytes`` (read and written once)."""
+    ``host_GBps`` each way, and the host's step over ``host_state_bytes`` (read and written once); 0 on a CPU
+    (``host_GBps`` 0: host and device are one memory, the step is the plain one)."""
+    if not host_GBps:
+        return 0.0
     return 2 * grad_bytes / (host_GBps * 1e9) + 2 * host_state_bytes / (HOST_MEMORY_GBPS * 1e9)
 
 

@@ -37,6 +37,7 @@ def test_offloaded_activations_train_the_same_losses(tiny_cfg, tmp_path, lora):
         assert (trainer.runner.offload is not None) == offload
         results[offload] = trainer.fit()
     plain, offloaded = results[False], results[True]
+    assert offloaded.summary.predicted_peak_bytes and offloaded.summary.predicted_step_time_s  # the fit check ran
     assert [r["loss"] for r in offloaded.steps] == pytest.approx([r["loss"] for r in plain.steps], rel=1e-6)
     assert [e["eval_loss"] for e in offloaded.evals] == pytest.approx([e["eval_loss"] for e in plain.evals], rel=1e-6)
 

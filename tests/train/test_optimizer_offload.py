@@ -87,7 +87,9 @@ def test_offloading_moves_the_whole_state_and_the_step_off_the_device():
 def _losses(tiny_cfg, out, *extra):
     trainer = Trainer(tiny_cfg("train.max_steps=4", "train.eval_every=0", f"output.dir={out}", *extra))
     try:
-        return [r["loss"] for r in trainer.fit().steps]
+        result = trainer.fit()
+        assert result.summary.predicted_peak_bytes and result.summary.predicted_step_time_s  # the fit check ran
+        return [r["loss"] for r in result.steps]
     finally:
         trainer.close()
 
