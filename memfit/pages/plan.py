@@ -38,11 +38,23 @@ def _label(c: dict[str, Any]) -> str:
 
 def check_plan(data: Any, where: str) -> None:
     """Raises UserError unless ``data`` is ``memfit plan --json`` output."""
-    keys = ("model", "gpu", "gpu_memory_bytes", "fitting", "pruned")
+    keys = (
+        "model",
+        "gpu",
+        "gpu_memory_bytes",
+        "gpus_per_node",
+        "nodes",
+        "seq_len",
+        "global_batch",
+        "fitting",
+        "pruned",
+    )
     if not isinstance(data, dict) or any(k not in data for k in keys) or not isinstance(data["fitting"], list):
         raise UserError(f"'{where}' is not the output of memfit plan --json (it lacks {', '.join(keys)})")
+    if not isinstance(data["pruned"], list):
+        raise UserError(f"'{where}': 'pruned' is not a list; write it again with memfit plan --json")
     for c in (*data["fitting"], *data["pruned"]):
-        if not isinstance(c, dict) or not isinstance(c.get("phase_peaks_bytes"), dict):
+        if not isinstance(c, dict) or not isinstance(c.get("phase_peaks_bytes"), dict) or "peak_bytes" not in c:
             raise UserError(f"'{where}': a candidate has no phase_peaks_bytes; write it again with memfit plan --json")
 
 

@@ -104,7 +104,11 @@ def run_page(run_dir: Path) -> Page:
     """The page of one run directory."""
     records, skipped = read_run(run_dir)
     steps = [r for r in records if r.get("kind") == "step" and isinstance(r.get("step"), int)]
-    evals = [r for r in records if r.get("kind") == "eval" and isinstance(r.get("step"), int)]
+    evals = [
+        r
+        for r in records
+        if r.get("kind") == "eval" and isinstance(r.get("step"), int) and isinstance(r.get("eval_loss"), (int, float))
+    ]
     summary = next((r for r in reversed(records) if r.get("kind") == "summary"), {})
     events = [r for r in records if r.get("kind") not in ("step", "eval", "summary")]
     page = Page(

@@ -154,6 +154,13 @@ def test_the_bench_page_tabulates_every_cell_and_says_which_ran_out_of_memory(tm
     assert data["charts"]["pareto"]["series"][1]["values"] == [512.0, 1280.0]  # both on the front
 
 
+PLAN_WITHOUT_PEAKS = {
+    **{k: 1 for k in ("model", "gpu", "gpu_memory_bytes", "gpus_per_node", "nodes", "seq_len", "global_batch")},
+    "fitting": [{"phase_peaks_bytes": {}}],
+    "pruned": [],
+}
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
@@ -162,6 +169,7 @@ def test_the_bench_page_tabulates_every_cell_and_says_which_ran_out_of_memory(tm
         (lambda p: (p / "notes.txt").write_text("hello") and p / "notes.txt", "neither a pickle nor JSON"),
         (lambda p: (p / "x.json").write_text('{"a": 1}') and p / "x.json", "is not the output of memfit plan --json"),
         (lambda p: (p / "y.json").write_text("{oops") and p / "y.json", "is not readable JSON"),
+        (lambda p: (p / "z.json").write_text(json.dumps(PLAN_WITHOUT_PEAKS)) and p / "z.json", "a candidate has no"),
     ],
 )
 def test_a_path_that_is_no_result_is_one_line_and_writes_nothing(tmp_path, capsys, make, message):
@@ -202,7 +210,8 @@ def test_a_gpu_runs_page_draws_allocated_reserved_and_fragmentation_beside_the_p
     ]
     summary = {"kind": "summary", "peak_allocated_bytes": 30 * gib + 4, "predicted_peak_bytes": 31 * gib}
     summary |= {"peak_reserved_bytes": 33 * gib, "modelled_peak_reserved_bytes": 32 * gib}
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*steps, summary]))
+    evals = [{"kind": "eval", "step": 0, "eval_loss": 2.5}, {"kind": "eval", "step": 4}]  # the second without a loss
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*evals, *steps, summary]))
     page = run_page(tmp_path).render()
     memory = data_of(page)["charts"]["memory"]
     assert memory["title"] == "memory (GPU)" and memory["y2_label"] == "fragmentation ratio"
@@ -215,7 +224,8 @@ def test_a_gpu_runs_page_draws_allocated_reserved_and_fragmentation_beside_the_p
         "planner's predicted peak",
         "fragmentation ratio",
     ]
-    assert memory["series"][-1]["values"] == [0.51, 0.52, 0.53, 0.54]
+    assert memory["series"][-1]["values"] == [None, 0.51, 0.52, 0.53, 0.54]  # step 0: the first eval, no step
+    assert data_of(page)["charts"]["loss"]["series"][1]["values"] == [2.5, None, None, None, None]
     versus = page[page.index('id="versus"') : page.index("</table>", page.index('id="versus"'))]
     assert "peak allocated" in versus and "+3.33" in versus  # 31 GiB predicted against 30 GiB measured
     assert "peak reserved (allocator model)" in versus and "-3.03" in versus
