@@ -71,33 +71,30 @@ def _column(steps: list[dict[str, Any]], key: str, scale: float = 1.0) -> list[f
     return [None if not isinstance(r.get(key), (int, float)) else r[key] / scale for r in steps]
 
 
+def _row(what: str, predicted: float, measured: float, unit: str, scale: float) -> list[Any]:
+    return [
+        what,
+        Cell(f"{predicted / scale:.3f} {unit}", predicted),
+        Cell(f"{measured / scale:.3f} {unit}", measured),
+        Cell(f"{100 * (predicted - measured) / measured:+.2f}", (predicted - measured) / measured),
+    ]
+
+
 def _versus(summary: dict[str, Any]) -> str:
     rows = []
     for what, predicted_key, measured_key in VERSUS:
         p, m = summary.get(predicted_key), summary.get(measured_key)
         if isinstance(p, (int, float)) and isinstance(m, (int, float)) and m:
-            rows.append(
-                [
-                    what,
-                    Cell(f"{p / GIB:.3f}", p),
-                    Cell(f"{m / GIB:.3f}", m),
-                    Cell(f"{100 * (p - m) / m:+.2f}", (p - m) / m),
-                ]
-            )
+            rows.append(_row(what, p, m, "GiB", GIB))
     p, base, m = (summary.get(k) for k in ("predicted_peak_bytes", "baseline_rss_bytes", "peak_rss_bytes"))
     if not rows and all(isinstance(v, int) for v in (p, base, m)) and m:  # a CPU run: tensors + the runtime's RSS
-        q = p + base
-        rows.append(
-            [
-                "process peak (tensors + RSS before model load)",
-                Cell(f"{q / GIB:.3f}", q),
-                Cell(f"{m / GIB:.3f}", m),
-                Cell(f"{100 * (q - m) / m:+.2f}", (q - m) / m),
-            ]
-        )
+        rows.append(_row("process peak (tensors + RSS before model load)", p + base, m, "GiB", GIB))
+    p, m = summary.get("predicted_step_time_s"), summary.get("median_step_time_s")
+    if isinstance(p, (int, float)) and isinstance(m, (int, float)) and m:  # the cost model ranks; see plan.md
+        rows.append(_row("step time (cost model, for ranking)", p, m, "s", 1.0))
     if not rows:
         return paragraph("no prediction and measurement of the same quantity in this run's summary", "note")
-    return table(["quantity", "predicted GiB", "measured GiB", "error %"], rows, table_id="versus")
+    return table(["quantity", "predicted", "measured", "error %"], rows, table_id="versus")
 
 
 def run_page(run_dir: Path) -> Page:

@@ -139,6 +139,8 @@ def test_the_run_page_shows_steps_memory_and_the_summary_of_a_real_run(tiny_cfg,
     assert f"{summary['peak_rss_bytes'] / 2**30:.3f} GiB" in page
     assert "1 unreadable line(s) skipped" in page
     assert "process peak (tensors + RSS before model load)" in page
+    step_time = f"{summary['predicted_step_time_s']:.3f} s"  # the cost model beside the measured median
+    assert "step time (cost model, for ranking)" in page and step_time in page
     assert "strategy:" in page  # the config that ran
 
 
