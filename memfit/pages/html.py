@@ -226,5 +226,5 @@ def write_page(page: Page, path: Path) -> Path:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write '{path}' ({e.strerror}); choose another --out") from None
+        raise UserError(f"cannot write '{path}' ({e.strerror}); choose another path for the page") from None
     return path
