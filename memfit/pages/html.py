@@ -67,10 +67,11 @@ def table(
     table_id: str | None = None,
     row_ids: list[str] | None = None,
     caption: str | None = None,
+    css_class: str = "",
 ) -> str:
     """An HTML table; numbers (or ``Cell`` sort values) sort numerically when a header is clicked."""
     attrs = f' id="{esc(table_id)}"' if table_id else ""
-    cls = "sortable" if sortable else "plain"
+    cls = ("sortable" if sortable else "plain") + (f" {css_class}" if css_class else "")
     out = [f'<table class="{cls}"{attrs}>']
     if caption:
         out.append(f"<caption>{esc(caption)}</caption>")
@@ -109,7 +110,7 @@ def _text(value: Any) -> str:
 
 def key_values(pairs: list[tuple[str, Any]]) -> str:
     """A two-column table of names and values (not sortable)."""
-    return table(None, [[k, v] for k, v in pairs], sortable=False)
+    return table(None, [[k, v] for k, v in pairs], sortable=False, css_class="kv")
 
 
 def pre(text: str) -> str:
