@@ -30,14 +30,35 @@ def _peak_dict(peak: Moment | None) -> dict | None:
     }
 
 
-def run(ns) -> int:
-    snap = load_snapshot(ns.snapshot)
+def open_snapshot(path: str, device: int | None) -> tuple[dict[str, Any], FragReport, Rebuilt]:
+    """The snapshot at ``path``, the numbers of ``device`` (default: the first) at the dump, and its trace rebuilt
+    (``memfit frag`` and ``memfit report``).
+
+    Raises:
+        UserError: an unreadable snapshot, or a device it has no segments on.
+    """
+    snap = load_snapshot(path)
     devices = devices_in(snap)
-    device = ns.device if ns.device is not None else devices[0]
+    device = device if device is not None else devices[0]
     if device not in devices:
         raise UserError(f"--device {device}: the snapshot has segments on device(s) {', '.join(map(str, devices))}")
-    report = analyze(snap, device, where=ns.snapshot)
-    rebuilt = Rebuilt(snap, device)
+    return snap, analyze(snap, device, where=path), Rebuilt(snap, device)
+
+
+def scenarios(snap: dict[str, Any], report: FragReport, rebuilt: Rebuilt, where: str, ns) -> Simulation:
+    """``--simulate``: the trace replayed under every allocator scenario, with ``--capacity``, judged for
+    ``--hip-version`` and ``--torch-version`` (default: this build)."""
+    import torch
+
+    capacity = parse_memory(ns.capacity, "--capacity") if ns.capacity else None
+    hip = ns.hip_version if ns.hip_version is not None else torch.version.hip
+    torch_version = ns.torch_version or torch.__version__
+    return replay_scenarios(snap, report, rebuilt, where, capacity, hip, torch_version)
+
+
+def run(ns) -> int:
+    snap, report, rebuilt = open_snapshot(ns.snapshot, ns.device)
+    device = report.device
     points = rebuilt.totals()
     peak = rebuilt.peak()
     out_dir = Path(ns.out) if ns.out else Path(str(ns.snapshot) + ".frag")
@@ -165,16 +186,14 @@ def render_whatif(
 
 def simulate(snap: dict[str, Any], report: FragReport, ns, out_dir: Path, rebuilt: Rebuilt) -> tuple[Simulation, Path]:
     """Replay the snapshot's trace under several allocator settings, side by side, and plot it."""
-    import torch
-
     from memfit.telemetry.plots import whatif_timeline
 
-    capacity = parse_memory(ns.capacity, "--capacity") if ns.capacity else None
-    hip = ns.hip_version if ns.hip_version is not None else torch.version.hip
-    torch_version = ns.torch_version or torch.__version__
-    sim = replay_scenarios(snap, report, rebuilt, str(ns.snapshot), capacity, hip, torch_version)
+    sim = scenarios(snap, report, rebuilt, str(ns.snapshot), ns)
     plot = whatif_timeline(
-        sim.results, out_dir / f"whatif_device{report.device}.png", f"{Path(ns.snapshot).name}: {sim.title}", capacity
+        sim.results,
+        out_dir / f"whatif_device{report.device}.png",
+        f"{Path(ns.snapshot).name}: {sim.title}",
+        sim.capacity_bytes,
     )
     return sim, plot
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from memfit.errors import UserError
 from memfit.pages.html import write_page
-from memfit.units import parse_memory
 
 KINDS = "a run directory (metrics.jsonl), a bench directory (results.json), a snapshot pickle or plan JSON"
 
@@ -62,26 +61,12 @@ def build(path: Path, kind: str, ns):
 
 
 def _snapshot(path: Path, ns):
-    from memfit.allocator.layout import Rebuilt
-    from memfit.allocator.simulation import simulate
-    from memfit.allocator.snapshot import analyze, devices_in, load_snapshot
+    from memfit.commands.frag import open_snapshot, scenarios
     from memfit.pages.snapshot import snapshot_page
 
-    snap = load_snapshot(path)
-    devices = devices_in(snap)
-    device = ns.device if ns.device is not None else devices[0]
-    if device not in devices:
-        raise UserError(f"--device {device}: the snapshot has segments on device(s) {', '.join(map(str, devices))}")
-    report = analyze(snap, device, where=str(path))
-    rebuilt = Rebuilt(snap, device)
-    sim = None
-    if ns.simulate:
-        import torch
-
-        capacity = parse_memory(ns.capacity, "--capacity") if ns.capacity else None
-        hip = ns.hip_version if ns.hip_version is not None else torch.version.hip
-        sim = simulate(snap, report, rebuilt, str(path), capacity, hip, ns.torch_version or torch.__version__)
-    return snapshot_page(snap, device, str(path), report, rebuilt, sim)
+    snap, report, rebuilt = open_snapshot(str(path), ns.device)
+    sim = scenarios(snap, report, rebuilt, str(path), ns) if ns.simulate else None
+    return snapshot_page(snap, report.device, str(path), report, rebuilt, sim)
 
 
 def run(ns) -> int:

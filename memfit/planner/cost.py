@@ -79,34 +79,33 @@ class Shape:
 def step_flops(shape: Shape, tokens: int, seq_len: int, lora: bool, strategy: Strategy) -> float:
     """Training FLOPs for ``tokens`` tokens (one optimizer step on one rank): forward, backward and what
     checkpointing and a chunked loss recompute (each chunk's output projection runs again in backward)."""
-    ac = strategy.activation_checkpointing
     attn_core = 2 * seq_len * shape.hidden  # per token per layer
     layer_fwd = 2 * (shape.attn_weights + shape.mlp_weights) + attn_core
     mlp_fwd = 2 * shape.mlp_weights
     fwd = shape.layers * layer_fwd + 2 * shape.vocab * shape.hidden
-    kind, k = ac.kind, ac.every
-    recompute = {
-        "none": 0.0,
-        "full": shape.layers * layer_fwd,
-        "ffn": shape.layers * mlp_fwd,
-        "every_k": -(-shape.layers // k) * layer_fwd,
-    }[kind]
+    whole, mlp_only = recomputed_layers(shape, strategy)
+    recompute = whole * layer_fwd + mlp_only * mlp_fwd
     if strategy.loss_chunks:
         recompute += 2 * shape.vocab * shape.hidden
     return tokens * (fwd * (2 if lora else 3) + recompute)
 
 
+def recomputed_layers(shape: Shape, strategy: Strategy) -> tuple[int, int]:
+    """How many decoder layers checkpointing runs a second time in backward: whole, and MLP blocks only."""
+    ac = strategy.activation_checkpointing
+    return {
+        "none": (0, 0),
+        "full": (shape.layers, 0),
+        "ffn": (0, shape.layers),
+        "every_k": (-(-shape.layers // ac.every), 0),
+    }[ac.kind]
+
+
 def recomputed_share(shape: Shape, strategy: Strategy) -> float:
     """The share of the decoder's matmul weights that checkpointing runs a second time in backward."""
-    ac = strategy.activation_checkpointing
+    whole, mlp_only = recomputed_layers(shape, strategy)
     layer = shape.attn_weights + shape.mlp_weights
-    again = {
-        "none": 0,
-        "full": shape.layers * layer,
-        "ffn": shape.layers * shape.mlp_weights,
-        "every_k": -(-shape.layers // ac.every) * layer,
-    }[ac.kind]
-    return again / (shape.layers * layer)
+    return (whole * layer + mlp_only * shape.mlp_weights) / (shape.layers * layer)
 
 
 def memory_traffic_bytes(grad_bytes: int, optimizer_bytes: int, strategy: Strategy, recomputed: float) -> int:
