@@ -5,8 +5,10 @@ micro-batch B runs the same ops as at B = 2 and 3 with every tensor's batch dime
 bytes after each op are linear in B (but see ``_traced_as_is``): the timelines at B = 2 and 3 are
 combined op by op, and only then is the peak taken (the moment of the peak may move with B). Each
 phase's peak is then linear in depth (identical decoder layers): two depths extrapolate to any depth. The
-optimizer and clipping phases depend on (precision, optimizer implementation and states, LoRA) only. Traces
-are cached, so a search over hundreds of candidates costs a few dozen traces of two to four layers.
+optimizer and clipping phases depend on (precision, optimizer implementation and states, LoRA) only: they are
+traced apart (``StepSpec.part``: forward and backward without an optimizer; the update alone, on gradients made
+for it, at one and two layers). Traces are cached, so a search over hundreds of candidates costs a few dozen
+traces of one to four layers, and the moments are combined once per set of levers that share them.
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ class Predictor:
         self._cache: dict[tuple, Timeline] = {}
         self._moments: dict[tuple, dict[str, tuple[int, ...]]] = {}
         self._opt: dict[tuple, dict[str, tuple[int, ...]]] = {}
+        self._full: dict[tuple, dict[str, tuple[int, ...]]] = {}  # _passes
+        self._steady: dict[tuple, tuple[dict[str, tuple[int, ...]], dict[str, float]]] = {}  # _steady_moments
         self.traces = 0  # timelines this predictor read: traced, or ``cached`` of them from the trace cache
         self.cached = 0
 
     @staticmethod
     def _key(spec: StepSpec, layers: int) -> tuple:
-        return (spec.strategy, layers)
+        return (spec.strategy, spec.part, layers)
 
     def _trace(self, spec: StepSpec, layers: int) -> Timeline:
         key = self._key(spec, layers)
@@ -73,12 +77,13 @@ class Predictor:
         afterwards), nor on the micro-batch (extrapolated): one spec per remaining levers traces them all.
         With the optimizer step in backward, backward holds the steps: its optimizer is kept."""
         if strategy.optimizer_in_backward:
-            optimizer = {}
+            optimizer, part = {}, "step"
         else:
-            optimizer = {"optimizer": "for-loop", "optimizer_name": "adamw", "optimizer_offload": False}
+            optimizer, part = {"optimizer": "for-loop", "optimizer_name": "adamw", "optimizer_offload": False}, "passes"
         return replace(
             self.base,
             strategy=strategy.replace(**optimizer, micro_batch_size=1, grad_accum_steps=1, zero_stage=0),
+            part=part,
         )
 
     def _optimizer_spec(self, spec: StepSpec, strategy: Strategy) -> StepSpec:
@@ -94,10 +99,14 @@ class Predictor:
                 optimizer_offload=strategy.optimizer_offload,
                 micro_batch_size=2,
             ),
+            part="update",
         )
 
     def _optimizer_depths(self) -> tuple[int, ...]:
-        return (2, 3) if self.depth > 3 else (self.depth,)
+        """Depths traced for clipping and the optimizer step: at any depth they hold every parameter, gradient and
+        state, and the largest step's temporaries (of one parameter, or of all in a foreach or fused step), so their
+        peaks are linear in depth from one layer on (``test_update_moments_extrapolate_from_one_and_two_layers``)."""
+        return (1, 2) if self.depth > 2 else (self.depth,)
 
     def _step_depths(self, spec: StepSpec) -> tuple[int, ...]:
         """Depths traced for forward and backward: the model whole when shallow, else two to extrapolate."""
@@ -226,15 +235,13 @@ class Predictor:
             self._opt[key] = {k: v for k, v in regions.items() if k in ("clip", "optimizer")}
         return self._opt[key]
 
-    def predict(self, strategy: Strategy, sharding: ShardingSpec | None = None) -> StepMemory:
-        """The steady-state step of ``strategy`` on one device, or on one rank of ``sharding`` (which
-        carries the ZeRO stage's rules for this model and world size).
-
-        Every moment of the step is made steady (optimizer state whole; with accumulation, forward and
-        backward run with all gradients alive) and, for a rank, sharded, before the peaks are taken.
-        """
-        micro_batch, grad_accum = strategy.micro_batch_size, strategy.grad_accum_steps
-        spec = self._step_spec(strategy)
+    def _passes(self, spec: StepSpec, micro_batch: int) -> dict[str, tuple[int, ...]]:
+        """Forward and backward moments of ``spec`` (a ``_step_spec``) at full depth and ``micro_batch``: one per
+        search for every accumulation, ZeRO stage and optimizer that share them."""
+        key = (spec.strategy, micro_batch)
+        if key in self._full:
+            return self._full[key]
+        strategy = spec.strategy
         depths = self._step_depths(spec)
         if len(depths) == 1:  # shallow model: traced whole
             regions = dict(self._at_batch(spec, self.depth, micro_batch))
@@ -249,26 +256,51 @@ class Predictor:
             regions = extrapolate_regions(ra, rb, la, lb, self.depth)
             if strategy.loss_chunks:
                 regions = self._with_chunked_loss(regions, spec, micro_batch)
-        regions = {k: v for k, v in regions.items() if k.startswith(("forward", "backward"))}
+        self._full[key] = {k: v for k, v in regions.items() if k.startswith(("forward", "backward"))}
+        return self._full[key]
+
+    def predict(self, strategy: Strategy, sharding: ShardingSpec | None = None) -> StepMemory:
+        """The steady-state step of ``strategy`` on one device, or on one rank of ``sharding`` (which
+        carries the ZeRO stage's rules for this model and world size).
+
+        Every moment of the step is made steady (optimizer state whole; with accumulation, forward and
+        backward run with all gradients alive) and, for a rank, sharded, before the peaks are taken.
+        """
+        micro_batch, accumulated = strategy.micro_batch_size, strategy.grad_accum_steps > 1
+        spec = self._step_spec(strategy)
+        update = None
         if not strategy.optimizer_in_backward:
             # with several ranks the engine offloads its shards (``ShardingSpec.offload``): the step is traced as
             # the plain AdamW it runs on them
             stepped = strategy if sharding is None else strategy.replace(optimizer_offload=False)
-            regions.update(self._optimizer_moments(self._optimizer_spec(spec, stepped)))
+            update = self._optimizer_spec(spec, stepped)
+        key = (spec.strategy, micro_batch, update and update.strategy, accumulated)
+        if key not in self._steady:
+            self._steady[key] = self._steady_moments(spec, micro_batch, update, accumulated)
+        steady, grads_done = self._steady[key]
+        if sharding is not None:
+            return per_rank_moments(steady, sharding, grads_done, accumulated=accumulated)
+        return collapse_regions(steady)
+
+    def _steady_moments(
+        self, spec: StepSpec, micro_batch: int, update: StepSpec | None, accumulated: bool
+    ) -> tuple[dict[str, tuple[int, ...]], dict[str, float]]:
+        """Every moment of the step made steady, and the share of the step's gradients each holds (``predict``)."""
+        regions = dict(self._passes(spec, micro_batch))
+        if update is not None:
+            regions.update(self._optimizer_moments(update))
         gi = list(Category).index(Category.GRADS)
         g_total = max(row[gi] for row in regions.values())
         grads_done = {k: (row[gi] / g_total if g_total else 0.0) for k, row in regions.items()}
         # created lazily in step 1, whole afterwards; traced with the forward and backward only when the step
-        # runs inside backward (else those traces ran 32-bit AdamW on the device, whatever the optimizer: _step_spec)
+        # runs inside backward (else those traces ran no optimizer: _step_spec)
         own = [row for k, row in regions.items() if k in ("clip", "optimizer")] or list(regions.values())
         steady = {}
         for key, row in zip(regions, steady_rows(list(regions.values()), own)):
-            if grad_accum > 1 and key.startswith(("forward", "backward")):
+            if accumulated and key.startswith(("forward", "backward")):
                 row = (*row[:gi], g_total, *row[gi + 1 :])  # later micro-batches run with every gradient alive
             steady[key] = row
-        if sharding is not None:
-            return per_rank_moments(steady, sharding, grads_done, accumulated=grad_accum > 1)
-        return collapse_regions(steady)
+        return steady, grads_done
 
 
 def _traced_as_is(strategy: Strategy) -> bool:

@@ -62,6 +62,7 @@ class StepSpec:
     lora: LoraConfig | None = None
     round_to: int = 1  # 512 for a CUDA/HIP caching allocator's block rounding
     host_is_device: bool = False  # a CPU run: offloaded activations stay in the one memory there is
+    part: str = "step"  # what runs: the whole "step", its "passes" (forward and backward) or its "update" (see _traced)
 
     def with_strategy(self, **changes) -> StepSpec:
         """This spec with some levers changed."""
@@ -115,11 +116,20 @@ def trace_allocations(spec: StepSpec, num_layers: int | None = None, steps: int 
 
 
 def _traced(spec: StepSpec, num_layers: int | None, steps: int = 1) -> StepTracker:
-
+    """Run ``steps`` steps of ``spec`` under a tracker. ``spec.part`` narrows what runs, for the predictor, which
+    reads forward and backward from one trace and clipping and the optimizer step from another: "passes" runs
+    forward and backward only (``StepRunner.accumulate``); "update" runs clipping and the optimizer step only
+    (``StepRunner.update``), on zero gradients of the trainable parameters' shapes made before it, as backward
+    leaves them. An offloaded optimizer moves each gradient to the host from a hook in backward, so its update is
+    traced after a real backward."""
     depth = num_layers or spec.model_config.num_hidden_layers
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _build_fake_model(spec, depth, fake_mode)
     model.train()
+    if steps > 1 and spec.part != "step":
+        raise ValueError("only a whole step is traced over several steps")
+    in_backward = spec.strategy.optimizer_in_backward  # no update of its own: the whole step is traced
+    update_alone = spec.part == "update" and not spec.strategy.optimizer_offload and not in_backward
     with fake_mode:
         runner = StepRunner.for_strategy(model, spec.strategy, CPU, copies_back=not spec.host_is_device)
         optimizer = runner.optimizer
@@ -128,12 +138,29 @@ def _traced(spec: StepSpec, num_layers: int | None, steps: int = 1) -> StepTrack
             sample_batch(torch.zeros(shape, dtype=torch.long), spec.strategy.packing)
             for _ in range(spec.strategy.grad_accum_steps)
         ]
+        if update_alone:
+            for p in runner.params:
+                p.grad = torch.zeros_like(p)
         tracker = StepTracker(model, optimizer, spec.round_to, spec.host_is_device)
         tracker.track([*model.parameters(), *model.buffers(), *(t for b in batches for t in b)])
+        if update_alone:
+            # what backward leaves: the gradients, the step's loss (held by ``step``), and the token ids, which a
+            # trainable embedding saved for its backward (activations, as a traced backward counts them)
+            loss_sum = torch.zeros((), device=CPU)
+            saved = [b[0] for b in batches] if model.get_input_embeddings().weight.requires_grad else []
+            tracker.backward_done([p.grad for p in runner.params], [loss_sum], saved)
         packed = spec.strategy.packing  # real packed rows take the block-causal mask path, as fake ones do
         with tracker, contextlib.nullcontext() if packed else _masks_as_on_real_tensors():
             for _ in range(steps):
-                runner.step(batches)
+                if spec.part == "step" or in_backward:
+                    runner.step(batches)
+                elif spec.part == "passes":
+                    runner.accumulate(batches)
+                    tracker.mark_grads(runner.params)  # as the optimizer's step would
+                else:
+                    if not update_alone:
+                        loss_sum = runner.accumulate(batches)  # held through the update, as ``step`` holds it
+                    runner.update()
                 runner.zero_grad()
     return tracker
 

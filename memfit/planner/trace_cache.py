@@ -3,9 +3,9 @@
 Each entry is one ``Timeline`` (the bytes per category after every op of one traced step) as gzipped JSON, under
 ``$MEMFIT_TRACE_CACHE`` (default ``<memfit cache>/traces``; ``MEMFIT_TRACE_CACHE=off`` turns the cache off). Its
 name is the SHA-256 of everything that changes a trace: the model config, the sequence length, the strategy, the
-LoRA config, the rounding, whether host and device are one memory, the depth, the versions of torch,
-transformers, peft and torchao, and the bytes of memfit's own source files (so a changed planner never reads an
-old trace, even at the same version number).
+LoRA config, the rounding, whether host and device are one memory, the depth, the part of the step traced, the
+versions of torch, transformers, peft and torchao, and the bytes of memfit's own source files (so a changed planner
+never reads an old trace, even at the same version number).
 
 Writers write a temporary file in the same directory and rename it into place (atomic on POSIX), so concurrent
 planners never see half an entry and the last writer wins with identical content. An entry that cannot be read
@@ -42,6 +42,7 @@ def trace_key(spec, layers: int) -> str:
             "round_to": spec.round_to,
             "host_is_device": spec.host_is_device,
             "layers": layers,
+            "part": spec.part,
             "code": code_and_versions(),
         }
     )

@@ -268,6 +268,21 @@ class StepTracker(TorchDispatchMode):
                 self._add(t)
         self._ops.append((len(self._events), "forward"))
 
+    def mark_grads(self, params: Iterable[torch.Tensor]) -> None:
+        """Count the gradients of ``params`` as gradients (a trace without an optimizer step, which would)."""
+        self._mark((p.grad for p in params if p.grad is not None), Category.GRADS)
+
+    def backward_done(
+        self, grads: Iterable[torch.Tensor], temporaries: Iterable[torch.Tensor], saved: Iterable[torch.Tensor]
+    ) -> None:
+        """Count what backward leaves (``grads``, ``temporaries``, inputs it ``saved``) before the context starts:
+        what follows is clipping (a trace of the update alone)."""
+        self._mark(grads, Category.GRADS)
+        self._mark(saved, Category.ACTIVATIONS)
+        self._mark(temporaries, Category.TEMPORARIES)
+        self._after_backward = True
+        self._ops.append((len(self._events), "clip"))
+
     def _pack(self, t: torch.Tensor, category: Category = Category.ACTIVATIONS) -> torch.Tensor:
         serial = self._add(t)
         if serial is not None:

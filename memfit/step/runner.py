@@ -115,6 +115,12 @@ class StepRunner:
         """
         if isinstance(self.optimizer, OptimizerInBackward):
             return self._step_in_backward(batches)
+        loss_sum = self.accumulate(batches)
+        return self.ctx.all_reduce_sum(loss_sum), self.update()
+
+    def accumulate(self, batches: list[Batch]) -> torch.Tensor:
+        """Forward and backward over ``batches``, gradients summed: this rank's share of the step's mean token loss.
+        The first half of ``step``; the planner traces it alone for the moments of forward and backward."""
         n_tokens = global_token_count(batches, self.ctx, self.device)
         world = self.ctx.world_size
         loss_sum = torch.zeros((), device=self.device)
@@ -124,6 +130,12 @@ class StepRunner:
                 scaled = loss * world if world > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach()
+        return loss_sum
+
+    def update(self) -> torch.Tensor:
+        """Unscale, clip and step on the gradients ``accumulate`` left: the gradient norm. The second half of
+        ``step``; the planner traces it alone, on gradients of the parameters' shapes, for the clipping and
+        optimizer moments."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.params, self.grad_clip or float("inf"))
@@ -132,7 +144,7 @@ class StepRunner:
             self.scaler.update()
         else:
             self.optimizer.step()
-        return self.ctx.all_reduce_sum(loss_sum), grad_norm
+        return grad_norm
 
     def _step_in_backward(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         (batch,) = batches  # Strategy.conflict: one micro-batch, one process, no scaler
