@@ -401,15 +401,33 @@ def part_on_oom(s, out: Path, log) -> dict:
     )
     if proc is None:
         return {"status": "timed out"}
-    records = (
-        [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        if (run / "metrics.jsonl").is_file()
-        else []
-    )
     return {
         "status": "ok" if proc.returncode == 0 else f"exit {proc.returncode}",
-        "switches": [r for r in records if r.get("kind") == "on_oom"],
+        "switches": _records(run, "on_oom"),
     }
+
+
+def _records(run: Path, kind: str) -> list[dict]:
+    """The ``kind`` records of a run's metrics.jsonl ([] where it wrote none)."""
+    metrics = run / "metrics.jsonl"
+    records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.is_file() else []
+    return [r for r in records if r.get("kind") == kind]
+
+
+def part_restart(s, out: Path, log) -> dict:
+    """``train.restart_on`` with the whole run's allocator trace recorded: the restart record's allocator advice
+    comes from the what-if replay of that recorded trace (``replayed``), and the run resumes in a fresh process."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "why": "needs a CUDA/ROCm device"}
+    run = s.work / "restart"
+    extra = ["train.max_steps=4", "train.restart_on=every:2steps", "train.max_restarts=1"]
+    extra += ["train.record_memory_history=true", "train.keep_checkpoints=1"]
+    proc = _run(_train_args(s, run, *s.replay_cell, *extra), 300, log)
+    if proc is None:
+        return {"status": "timed out"}
+    return {"status": "ok" if proc.returncode == 0 else f"exit {proc.returncode}", "restarts": _records(run, "restart")}
 
 
 def part_exporter(s, out: Path, log) -> dict:
@@ -667,6 +685,7 @@ def main() -> int:
         "exporter": lambda log: part_exporter(ns, out, log),
         "auto": lambda log: part_auto(ns, out, log),
         "on-oom": lambda log: part_on_oom(ns, out, log),
+        "restart": lambda log: part_restart(ns, out, log),
     }
     with open(out / "log.txt", "a") as log:
         for name in ns.parts.split(","):

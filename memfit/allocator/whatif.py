@@ -330,6 +330,26 @@ def restart_advice(
     }
 
 
+def recorded_advice(
+    snap: dict[str, Any],
+    device: int,
+    capacity: int,
+    now: AllocatorSettings,
+    hip: str | None,
+    torch_version: str | None = None,
+) -> tuple[dict[str, Any] | None, int]:
+    """``restart_advice`` from a run's own recorded allocator trace (``snap``: ``torch.cuda.memory._snapshot()``
+    with history recorded since the start), every scenario replaying the trace from the blocks alive when the
+    recording began, as ``memfit frag --simulate`` does; and the number of trace events replayed (0: ``device``'s
+    trace holds no allocation, nothing was replayed and the advice is None)."""
+    traces = snap.get("device_traces") or []
+    entries = traces[device] if device < len(traces) else []
+    if not any(e.get("action") == "alloc" for e in entries):
+        return None, 0
+    results, _ = compare(entries, capacity, hip, live_at_start(Rebuilt(snap, device)), torch_version)
+    return restart_advice(results, now, hip, torch_version), len(entries)
+
+
 def as_trace(events: list[tuple[int, int]]) -> list[dict[str, Any]]:
     """A traced step's storage allocations (``trace_allocations``: (serial, +bytes) then (serial, -bytes))
     as snapshot trace entries, the serial standing for the address."""

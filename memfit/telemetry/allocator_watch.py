@@ -121,6 +121,11 @@ class AllocatorWatch:
                     allocated_at_peak_bytes=peak.report.allocated_bytes,
                 )
 
+    def recorded(self) -> dict[str, Any] | None:
+        """The allocator's snapshot with this run's whole trace so far (``train.record_memory_history``), for the
+        what-if replay a restart takes its allocator settings from; None where the run records no whole trace."""
+        return torch.cuda.memory._snapshot() if self.on and self.record_history else None
+
     def oom_snapshot(self, step: int) -> tuple[Path | None, str]:
         """The allocator's state after an out-of-memory error (None off a GPU), and, when the trace was
         being recorded, what the layout at the failed request says caused it ("" otherwise)."""

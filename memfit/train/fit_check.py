@@ -7,7 +7,15 @@ import os
 
 import torch
 
-from memfit.allocator.whatif import Replay, as_trace, compare, replay, restart_advice, settings_from_conf
+from memfit.allocator.whatif import (
+    Replay,
+    as_trace,
+    compare,
+    recorded_advice,
+    replay,
+    restart_advice,
+    settings_from_conf,
+)
 from memfit.config.schema import RunConfig
 from memfit.config.strategy import Strategy
 from memfit.device import device_name, supports_bf16
@@ -93,15 +101,24 @@ def _planned_trace(cfg: RunConfig, strategy: Strategy, mconf) -> list[dict]:
     return as_trace(step_allocations(mconf, cfg.data.seq_len, strategy, cfg.lora if cfg.lora.enabled else None))
 
 
-def restart_allocator(cfg: RunConfig, strategy: Strategy, mconf, device: torch.device, ctx: DistContext) -> dict:
-    """For a ``restart`` record on one GPU: the allocator settings the what-if replay of the planned steps advises
-    the fresh process to run with, as ``{"allocator": restart_advice(...)}`` where they differ from the settings in
-    effect (``{}`` elsewhere: a CPU, several ranks, ``train.allocator_model`` off, or nothing to change). The
-    supervisor appends its ``overrides``."""
+def restart_allocator(
+    cfg: RunConfig, strategy: Strategy, mconf, device: torch.device, ctx: DistContext, recorded: dict | None = None
+) -> dict:
+    """For a ``restart`` or ``oom`` record on one GPU: the allocator settings the what-if replay advises the fresh
+    process to run with, as ``{"allocator": restart_advice(...)}`` where they differ from the settings in effect
+    (``{}`` elsewhere: a CPU, several ranks, ``train.allocator_model`` off, or nothing to change). The replay is of
+    this run's own allocator trace where it was recorded (``recorded``: ``AllocatorWatch.recorded``), else of the
+    planned first two steps; the advice says which (``replayed``). The supervisor appends its ``overrides``."""
     if device.type != "cuda" or ctx.distributed or not cfg.train.allocator_model:
         return {}
-    hip, version = torch.version.hip, torch.__version__
+    hip, version, now = torch.version.hip, torch.__version__, _settings_now(cfg)
     capacity = torch.cuda.get_device_properties(device).total_memory - CONTEXT_BYTES
-    results, _ = compare(_planned_trace(cfg, strategy, mconf), capacity, hip, torch_version=version)
-    advice = restart_advice(results, _settings_now(cfg), hip, version)
-    return {"allocator": advice} if advice else {}
+    events = 0
+    if recorded is not None:
+        advice, events = recorded_advice(recorded, device.index or 0, capacity, now, hip, version)
+    if events:
+        replayed = f"this run's recorded allocator trace ({events} events)"
+    else:
+        results, _ = compare(_planned_trace(cfg, strategy, mconf), capacity, hip, torch_version=version)
+        advice, replayed = restart_advice(results, now, hip, version), "the planned first two steps"
+    return {"allocator": {**advice, "replayed": replayed}} if advice else {}

@@ -346,7 +346,7 @@ class Trainer:
         """Checkpoint (if not just written), a ``restart`` record (allocator advice on one GPU) and one line."""
         if not saved:
             self._checkpoint(state)
-        advice = restart_allocator(self.cfg, self.strategy, self.mconf, self.device, self.ctx)
+        advice = restart_allocator(self.cfg, self.strategy, self.mconf, self.device, self.ctx, self.watch.recorded())
         log.write({"kind": "restart", "step": state.step, "reason": why, **advice})
         display.log(
             f"restart: {why} after step {state.step}; {checkpoint_dir(self.run.checkpoints, state.step)} holds it"
@@ -586,7 +586,7 @@ class Trainer:
         return result
 
     def _out_of_memory(self, step: int, requested: int) -> OutOfMemoryExit:
-        advice = restart_allocator(self.cfg, self.strategy, self.mconf, self.device, self.ctx)  # on_oom's 3rd rung
+        advice = restart_allocator(self.cfg, self.strategy, self.mconf, self.device, self.ctx, self.watch.recorded())
         return out_of_memory_exit(step, requested, self.watch, self.predicted, self.run, self.ctx.rank, advice)
 
     def close(self) -> None:

@@ -87,12 +87,13 @@ def _last(metrics: Path, kind: str) -> dict | None:
 
 def _saving(advice: dict) -> str:
     now, then = advice.get("now_peak_reserved_bytes"), advice["peak_reserved_bytes"]
-    return f": peak reserved {now / GIB:.2f} -> {then / GIB:.2f} GiB in the replay" if now else ""
+    of = f" of {advice['replayed']}" if advice.get("replayed") else ""
+    return f": peak reserved {now / GIB:.2f} -> {then / GIB:.2f} GiB in the replay{of}" if now else ""
 
 
 def allocator_overrides(metrics: Path, say: Callable[[str], None]) -> list[str]:
-    """The allocator settings the last ``restart`` record advises (the what-if replay of the planned steps, one
-    GPU), said in one line; [] where it advises none."""
+    """The allocator settings the last ``restart`` record advises (the what-if replay of the run's recorded trace or
+    of its planned steps, one GPU), said in one line; [] where it advises none."""
     advice = (_last(metrics, "restart") or {}).get("allocator")
     if not advice or not advice.get("overrides"):
         return []

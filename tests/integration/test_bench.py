@@ -155,7 +155,15 @@ def test_gpu_check_script_runs_its_parts_on_cpu(tmp_path, embedded_dir):
     script = REPO / "benchmarks" / "gpu_check.py"
     out = tmp_path / "gc"
     proc = subprocess.run(
-        [sys.executable, str(script), "--smoke", "--out", str(out), "--parts", "doctor,replay,layout,bench-full"],
+        [
+            sys.executable,
+            str(script),
+            "--smoke",
+            "--out",
+            str(out),
+            "--parts",
+            "doctor,replay,layout,restart,bench-full",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -166,6 +174,7 @@ def test_gpu_check_script_runs_its_parts_on_cpu(tmp_path, embedded_dir):
         "doctor": "ok",
         "replay": "skipped",
         "layout": "skipped",
+        "restart": "skipped",
         "bench-full": "ok",
     }
     cell = summary["parts"]["bench-full"]["cells"][0]

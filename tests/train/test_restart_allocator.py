@@ -1,13 +1,17 @@
 """A restart in a fresh process takes the allocator settings the what-if replay advises: the advice is the
 recommended scenario the run config can set, as allocator.* overrides that the config accepts, none where the
-settings in effect are already the best; the supervisor appends them and says so in one line."""
+settings in effect are already the best; from the run's own recorded allocator trace where it recorded one, and it
+is what `memfit frag --simulate` recommends for that trace; the supervisor appends them and says so in one line."""
 
 import json
 
 from support.snapshots import sawtooth
+from support.tiny import FIXTURES
 
 from memfit.allocator.model import AllocatorSettings
-from memfit.allocator.whatif import Replay, compare, restart_advice
+from memfit.allocator.snapshot import load_snapshot
+from memfit.allocator.whatif import Replay, compare, recorded_advice, restart_advice
+from memfit.cli import main
 from memfit.config.loader import load_config
 from memfit.train.supervisor import allocator_overrides
 
@@ -49,14 +53,41 @@ def test_the_advice_on_a_recorded_trace_is_what_the_replay_recommends():
     assert load_config(None, advice["overrides"]).allocator is not None
 
 
+def test_the_advice_from_a_runs_own_recorded_trace_is_what_memfit_frag_recommends_for_it(tmp_path, capsys):
+    """The H200's recorded trace of a Llama-2-7B LoRA step (the blocks alive when recording began allocated first):
+    the restart's advice equals `memfit frag --simulate`'s recommendation and numbers for the same trace."""
+    fixture = FIXTURES / "h200-llama2-7b-lora-ffn-bf16pure-step3.pickle.gz"
+    snap = load_snapshot(fixture)
+    advice, events = recorded_advice(snap, 0, 140 << 30, DEFAULT, None, "2.11.0")
+    assert events == len(snap["device_traces"][0]) > 20_000
+    args = ["frag", str(fixture), "--simulate", "--capacity", "140GiB", "--torch-version", "2.11.0", "--json"]
+    assert main([*args, "--out", str(tmp_path / "frag")]) == 0
+    simulated = json.loads(capsys.readouterr().out)["simulate"]
+    by_label = {s["label"]: s for s in simulated["settings"]}
+    assert advice["settings"] == simulated["recommended"] == "expandable_segments:True"
+    assert advice["peak_reserved_bytes"] == by_label[advice["settings"]]["peak_reserved_bytes"]
+    assert (
+        advice["now_peak_reserved_bytes"] == by_label["default"]["peak_reserved_bytes"] > advice["peak_reserved_bytes"]
+    )
+    assert advice["overrides"] == ["allocator.expandable_segments=true"]
+    assert recorded_advice(snap, 0, 140 << 30, EXPANDABLE, None, "2.11.0") == (None, events)  # already the best
+
+
+def test_a_snapshot_without_a_recorded_trace_advises_nothing():
+    for snap in ({"segments": []}, {"segments": [], "device_traces": [[]]}, {"device_traces": [[{"action": "free"}]]}):
+        assert recorded_advice(snap, 0, 1 << 30, DEFAULT, None) == (None, 0)
+
+
 def test_the_supervisor_appends_the_last_restarts_advice_and_says_it(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     advice = restart_advice([_run(DEFAULT, 100 * MIB), _run(EXPANDABLE, 90 * MIB)], DEFAULT, None)
+    advice["replayed"] = "this run's recorded allocator trace (90 events)"
     records = [{"kind": "restart", "step": 2, "reason": "r"}, {"kind": "restart", "step": 4, "allocator": advice}]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
     said = []
     assert allocator_overrides(metrics, said.append) == ["allocator.expandable_segments=true"]
     assert len(said) == 1 and "expandable_segments:True" in said[0] and "0.10 -> 0.09 GiB" in said[0]
+    assert said[0].endswith("in the replay of this run's recorded allocator trace (90 events)")
     metrics.write_text(json.dumps(records[0]) + "\n")
     assert allocator_overrides(metrics, said.append) == [] and len(said) == 1
 
