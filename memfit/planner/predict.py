@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.planner import trace_cache
-from memfit.planner.categories import Category, StepMemory
+from memfit.planner.categories import StepMemory
 from memfit.planner.sharding import ShardingSpec, per_rank_moments
 from memfit.planner.trace import (
     StepSpec,
@@ -29,7 +29,7 @@ from memfit.planner.trace import (
     extrapolation_depths,
     steady_timeline,
 )
-from memfit.planner.tracker import Timeline, collapse_regions, steady_rows
+from memfit.planner.tracker import Moments, Timeline
 
 LOSS_DELTA_DEPTH = 2  # decoder layers of the traces that measure what a chunked loss changes
 
@@ -49,7 +49,7 @@ class Predictor:
         self._moments: dict[tuple, dict[str, tuple[int, ...]]] = {}
         self._opt: dict[tuple, dict[str, tuple[int, ...]]] = {}
         self._full: dict[tuple, dict[str, tuple[int, ...]]] = {}  # _passes
-        self._steady: dict[tuple, tuple[dict[str, tuple[int, ...]], dict[str, float]]] = {}  # _steady_moments
+        self._steady: dict[tuple, Moments] = {}  # predict: the moments of the step, made steady
         self.traces = 0  # timelines this predictor read: traced, or ``cached`` of them from the trace cache
         self.cached = 0
 
@@ -276,31 +276,16 @@ class Predictor:
             update = self._optimizer_spec(spec, stepped)
         key = (spec.strategy, micro_batch, update and update.strategy, accumulated)
         if key not in self._steady:
-            self._steady[key] = self._steady_moments(spec, micro_batch, update, accumulated)
-        steady, grads_done = self._steady[key]
+            regions = dict(self._passes(spec, micro_batch))
+            if update is not None:
+                regions.update(self._optimizer_moments(update))
+            # the optimizer state is created lazily in step 1 and whole afterwards: traced with forward and
+            # backward only when the step runs inside backward (else those traces ran no optimizer: _step_spec)
+            self._steady[key] = Moments.of(regions).steady(accumulated)
+        moments = self._steady[key]
         if sharding is not None:
-            return per_rank_moments(steady, sharding, grads_done, accumulated=accumulated)
-        return collapse_regions(steady)
-
-    def _steady_moments(
-        self, spec: StepSpec, micro_batch: int, update: StepSpec | None, accumulated: bool
-    ) -> tuple[dict[str, tuple[int, ...]], dict[str, float]]:
-        """Every moment of the step made steady, and the share of the step's gradients each holds (``predict``)."""
-        regions = dict(self._passes(spec, micro_batch))
-        if update is not None:
-            regions.update(self._optimizer_moments(update))
-        gi = list(Category).index(Category.GRADS)
-        g_total = max(row[gi] for row in regions.values())
-        grads_done = {k: (row[gi] / g_total if g_total else 0.0) for k, row in regions.items()}
-        # created lazily in step 1, whole afterwards; traced with the forward and backward only when the step
-        # runs inside backward (else those traces ran no optimizer: _step_spec)
-        own = [row for k, row in regions.items() if k in ("clip", "optimizer")] or list(regions.values())
-        steady = {}
-        for key, row in zip(regions, steady_rows(list(regions.values()), own)):
-            if accumulated and key.startswith(("forward", "backward")):
-                row = (*row[:gi], g_total, *row[gi + 1 :])  # later micro-batches run with every gradient alive
-            steady[key] = row
-        return steady, grads_done
+            return per_rank_moments(moments, sharding, accumulated=accumulated)
+        return moments.collapse()
 
 
 def _traced_as_is(strategy: Strategy) -> bool:

@@ -49,10 +49,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from memfit.errors import UserError
-from memfit.planner.categories import Breakdown, Category, StepMemory
+from memfit.planner.categories import PHASES, Breakdown, Category, StepMemory
 from memfit.planner.cost import Shape
-from memfit.planner.tracker import collapse_regions
+from memfit.planner.tracker import Moments
 
 ENGINES = ("fsdp2", "deepspeed")
 
@@ -127,84 +129,105 @@ _P, _G, _O, _T, _H, _HS = (
         Category.HOST_STATE,
     )
 )
+_BACKWARD, _CLIP, _OPTIMIZER = (PHASES.index(p) for p in ("backward", "clip", "optimizer"))
 
 
-def _shard_row(
-    row: tuple[int, ...], s: ShardingSpec, phase: str, grads_done: float, g_total: int, accumulated: bool = False
-) -> tuple[int, ...]:
-    """One moment's bytes (in ``Category`` order) on one rank; ``grads_done`` is the fraction of the
-    step's gradients this micro-batch's backward had produced by then (where FSDP2 has resharded),
-    ``g_total`` the bytes of all gradients, ``accumulated`` whether earlier micro-batches of the step
-    left (sharded) gradients behind."""
+def _shard_rows(
+    rows: np.ndarray,
+    s: ShardingSpec,
+    phases: np.ndarray,
+    grads_done: np.ndarray,
+    g_total: int,
+    accumulated: bool = False,
+) -> np.ndarray:
+    """Moments' bytes (int64 rows in ``Category`` order) on one rank. ``phases`` holds each moment's index in
+    ``PHASES``; ``grads_done`` the fraction of the step's gradients this micro-batch's backward had produced by
+    then (where FSDP2 has resharded); ``g_total`` the bytes of all gradients; ``accumulated`` whether earlier
+    micro-batches of the step left (sharded) gradients behind. Integer arithmetic as in Python: products with a
+    fraction truncated, quotients floored (every value is non-negative)."""
     n, layers = s.world_size, max(1, s.num_layers)
-    p, g, o = row[_P], row[_G], row[_O]
-    root_p = int(p * s.root_param_fraction)
+    backward, update = phases == _BACKWARD, (phases == _CLIP) | (phases == _OPTIMIZER)
+    out = rows.copy()
+    p, g, o = rows[:, _P], rows[:, _G], rows[:, _O]
+    root_p = _times(p, s.root_param_fraction)
     layer_p = (p - root_p) // layers
     # unsharded gradients in flight during backward: the root group's share of the gradients produced
     # so far in this micro-batch (reduce-scattered at the root's post-backward) and one layer's before
     # its reduce-scatter; none in forward (earlier micro-batches' gradients are sharded by then)
-    in_flight = root_in_flight = 0
-    if phase == "backward" and grads_done > 0:
-        root_g = int(g_total * s.root_grad_fraction)
-        root_in_flight = int(grads_done * root_g)
-        in_flight = root_in_flight + (g_total - root_g) // layers
+    flying = backward & (grads_done > 0)
+    root_g = int(g_total * s.root_grad_fraction)
+    root_in_flight = np.where(flying, _times(np.full_like(p, root_g), grads_done), 0)
+    in_flight = np.where(flying, root_in_flight + (g_total - root_g) // layers, 0)
     # sharded gradients: every gradient of earlier micro-batches, else this backward's layers so far
-    sharded_g = g // n if accumulated else max(0, g - root_in_flight) // n
+    sharded_g = g // n if accumulated else np.maximum(0, g - root_in_flight) // n
     if s.stage == 0:
         p2, g2, o2 = p, g + (g if n > 1 else 0), o
     elif s.engine == "deepspeed":
         if s.stage == 1:
             p2, g2, o2 = p, g, o // n
         elif s.stage == 2:
-            p2, g2, o2 = p, g // n + min(g, s.bucket_bytes), o // n
+            p2, g2, o2 = p, g // n + np.minimum(g, s.bucket_bytes), o // n
         else:
-            p2, g2, o2 = p // n + min(p, s.bucket_bytes) + layer_p, g // n, o // n
+            p2, g2, o2 = p // n + np.minimum(p, s.bucket_bytes) + layer_p, g // n, o // n
     elif s.stage == 1:
         p2, g2, o2 = p, 2 * g, o // n
-    elif phase in ("clip", "optimizer"):  # every group resharded after backward
-        p2, g2, o2 = p // n, g // n, o // n
-    elif s.stage == 2:
-        gathered = p if phase != "backward" else root_p + int((1 - grads_done) * (p - root_p))
-        p2, g2, o2 = p // n + gathered, sharded_g + in_flight, o // n
-    else:
-        p2, g2, o2 = p // n + root_p + 2 * layer_p, sharded_g + in_flight, o // n
-    out = list(row)
-    out[_P], out[_G], out[_O] = p2, g2 if g else 0, o2
-    if phase == "optimizer" and s.stage >= 1:
-        out[_T] = row[_T] // n  # each rank steps only its shard
+    else:  # FSDP2 stages 2 and 3; after backward every group is resharded
+        if s.stage == 2:
+            gathered = np.where(backward, root_p + _times(p - root_p, 1 - grads_done), p)
+            p2 = p // n + gathered
+        else:
+            p2 = p // n + root_p + 2 * layer_p
+        p2 = np.where(update, p // n, p2)
+        g2 = np.where(update, g // n, sharded_g + in_flight)
+        o2 = o // n
+    out[:, _P], out[:, _G], out[:, _O] = p2, np.where(g != 0, g2, 0), o2
+    if s.stage >= 1:
+        stepping = phases == _OPTIMIZER
+        out[stepping, _T] = rows[stepping, _T] // n  # each rank steps only its shard
     if s.offload or s.offload_params:
-        _offloaded(out, s, phase, p // n, (g // n if phase in ("clip", "optimizer") or accumulated else sharded_g))
-    return tuple(out)
+        _offloaded(out, s, phases, p // n, np.where(update | accumulated, g // n, sharded_g))
+    return out
 
 
-def _offloaded(out: list[int], s: ShardingSpec, phase: str, p_shard: int, g_shard: int) -> None:
-    """Move what ``s`` offloads of one rank's moment (``out``, sharded) to host memory, in place."""
-    o_shard, host = out[_O], 0
+def _times(values: np.ndarray, fraction) -> np.ndarray:
+    """``int(v * fraction)`` of each value (``fraction`` a float or one per value), as Python computes it."""
+    return (values.astype(np.float64) * fraction).astype(np.int64)
+
+
+def _offloaded(out: np.ndarray, s: ShardingSpec, phases: np.ndarray, p_shard: np.ndarray, g_shard: np.ndarray) -> None:
+    """Move what ``s`` offloads of one rank's moments (``out``, sharded) to host memory, in place."""
+    o_shard, host = out[:, _O].copy(), np.zeros_like(p_shard)
     if s.engine == "fsdp2":  # CPUOffloadPolicy: every sharded state lives on the host, the step runs there
-        out[_P] -= p_shard
-        out[_G] -= min(out[_G], g_shard)
+        out[:, _P] -= p_shard
+        out[:, _G] -= np.minimum(out[:, _G], g_shard)
         host = p_shard + g_shard + o_shard
-        if phase in ("clip", "optimizer"):
-            out[_H] += out[_T]
-            out[_T] = 0
+        _step_on_host(out, (phases == _CLIP) | (phases == _OPTIMIZER))
     else:  # DeepSpeed: optimizer state and the fp32 gradient partition; with offload_param the parameters
         if s.offload:
-            out[_G] = min(out[_G], s.bucket_bytes) if s.stage == 2 else out[_G] - min(out[_G], g_shard)
-            host += g_shard + o_shard
-            if phase == "optimizer":
-                out[_H] += out[_T]
-                out[_T] = 0
+            g = out[:, _G]
+            out[:, _G] = np.minimum(g, s.bucket_bytes) if s.stage == 2 else g - np.minimum(g, g_shard)
+            host = host + g_shard + o_shard
+            _step_on_host(out, phases == _OPTIMIZER)
         else:
-            o_shard = 0
+            o_shard = np.zeros_like(o_shard)
         if s.offload_params and s.stage == 3:
-            out[_P] -= p_shard
-            host += p_shard
-    out[_O] -= o_shard
-    out[_HS] += host
+            out[:, _P] -= p_shard
+            host = host + p_shard
+    out[:, _O] -= o_shard
+    out[:, _HS] += host
+
+
+def _step_on_host(out: np.ndarray, where: np.ndarray) -> None:
+    """The optimizer step's temporaries of the moments ``where`` are host memory: it runs there."""
+    out[where, _H] += out[where, _T]
+    out[where, _T] = 0
 
 
 def _shard_phase(b: Breakdown, s: ShardingSpec, phase: str, grads_done: float, g_total: int) -> Breakdown:
-    return Breakdown(dict(zip(_CATS, _shard_row(tuple(b[c] for c in _CATS), s, phase, grads_done, g_total))))
+    row = np.array([[b[c] for c in _CATS]], dtype=np.int64)
+    code = np.array([PHASES.index(phase)])
+    sharded = _shard_rows(row, s, code, np.array([grads_done]), g_total)[0]
+    return Breakdown(dict(zip(_CATS, map(int, sharded))))
 
 
 def per_rank(step: StepMemory, s: ShardingSpec) -> StepMemory:
@@ -220,19 +243,12 @@ def per_rank(step: StepMemory, s: ShardingSpec) -> StepMemory:
     return StepMemory(peak=phases[peak_phase], phase_peaks=phases, peak_phase=peak_phase)
 
 
-def per_rank_moments(
-    moments: dict[str, tuple[int, ...]], s: ShardingSpec, grads_done: dict[str, float], accumulated: bool = False
-) -> StepMemory:
-    """Every traced moment (rows in ``Category`` order, keyed ``phase:...``) as one rank sees it, and
-    then the peaks: the moment of a rank's peak can differ from the single device's (e.g. ZeRO-2
-    frees each layer's gathered weights during backward)."""
-
-    g_total = max(row[_G] for row in moments.values())
-    out = {}
-    for key, row in moments.items():
-        phase = key.split(":", 1)[0].split("#", 1)[0]
-        out[key] = _shard_row(row, s, phase, grads_done.get(key, 0.0), g_total, accumulated)
-    return collapse_regions(out)
+def per_rank_moments(moments: Moments, s: ShardingSpec, accumulated: bool = False) -> StepMemory:
+    """Every traced moment as one rank sees it, and then the peaks: the moment of a rank's peak can differ from
+    the single device's (e.g. ZeRO-2 frees each layer's gathered weights during backward)."""
+    g_total = int(moments.rows[:, _G].max())
+    rows = _shard_rows(moments.rows, s, moments.phases, moments.grads_done, g_total, accumulated)
+    return moments.with_rows(rows).collapse()
 
 
 def comm_bytes_per_step(param_bytes: int, trainable_bytes: int, stage: int, world_size: int, grad_accum: int) -> int:

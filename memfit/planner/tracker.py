@@ -49,12 +49,13 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from memfit.models.load import decoder_layers
-from memfit.planner.categories import HOST_CATEGORIES, Breakdown, Category, StepMemory
+from memfit.planner.categories import HOST_CATEGORIES, PHASES, Breakdown, Category, StepMemory
 from memfit.strategies.host_optimizer import host_tensors, observing_host
 from memfit.strategies.offload import Offloaded, observing
 from memfit.strategies.tensors import plain_tensors, state_tensors
@@ -131,16 +132,7 @@ class Timeline:
 
 def collapse_regions(region_peaks: dict[str, tuple[int, ...]]) -> StepMemory:
     """Per-phase peaks (max over each phase's moments) and the overall peak."""
-    best: dict[str, tuple[int, tuple[int, ...]]] = {}
-    for key, row in region_peaks.items():
-        phase = key.split(":", 1)[0].split("#", 1)[0]
-        total = device_bytes(row)
-        if phase not in best or total > best[phase][0]:
-            best[phase] = (total, row)
-    phase_peaks = {p: Breakdown(dict(zip(CATEGORIES, row))) for p, (_, row) in best.items()}
-    peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p].total_bytes)
-    host_peak = max((host_bytes(row) for row in region_peaks.values()), default=0)
-    return StepMemory(phase_peaks[peak_phase], phase_peaks, peak_phase, host_peak)
+    return Moments.of(region_peaks).collapse()
 
 
 CATEGORIES = tuple(Category)
@@ -168,9 +160,71 @@ def host_bytes(row: tuple[int, ...]) -> int:
 def steady_rows(rows: list[tuple[int, ...]], own: list[tuple[int, ...]] | None = None) -> list[tuple[int, ...]]:
     """``rows`` with each ``STATE_CATEGORIES`` column at its highest over ``own`` (default ``rows``): the state
     as it is at every moment once step 1 has created it."""
-    own = rows if own is None else own
-    state = {i: max((row[i] for row in own), default=0) for i in _STATE}
-    return [tuple(state.get(i, v) for i, v in enumerate(row)) for row in rows]
+    array = _array(rows)
+    _whole_state(array, array if own is None else _array(own))
+    return [tuple(r) for r in array.tolist()]
+
+
+def _array(rows: list[tuple[int, ...]]) -> np.ndarray:
+    return np.array(rows, dtype=np.int64).reshape(len(rows), len(CATEGORIES))
+
+
+def _whole_state(rows: np.ndarray, own: np.ndarray) -> None:
+    """``steady_rows`` in place on an int64 array."""
+    for i in _STATE:
+        rows[:, i] = own[:, i].max(initial=0)
+
+
+_PHASE = {p: i for i, p in enumerate(PHASES)}
+_G = CATEGORIES.index(Category.GRADS)
+
+
+@dataclass(frozen=True)
+class Moments:
+    """A step's moments as arrays, for a search's per-candidate arithmetic: each moment's key, phase (its index in
+    ``PHASES``), bytes (int64, ``Category`` order) and the share of the step's gradients it holds."""
+
+    keys: tuple[str, ...]
+    phases: np.ndarray
+    rows: np.ndarray
+    grads_done: np.ndarray
+
+    @classmethod
+    def of(cls, regions: dict[str, tuple[int, ...]]) -> Moments:
+        """``regions`` (``Timeline.region_peaks``-style keys and rows) as arrays."""
+        keys = tuple(regions)
+        rows = _array(list(regions.values()))
+        phases = np.array([_PHASE[k.split(":", 1)[0].split("#", 1)[0]] for k in keys], dtype=np.int64)
+        g_total = rows[:, _G].max(initial=0)
+        grads_done = rows[:, _G] / g_total if g_total else np.zeros(len(keys))
+        return cls(keys, phases, rows, grads_done)
+
+    def steady(self, accumulated: bool) -> Moments:
+        """Every moment with the optimizer state whole (at its highest over the clip and optimizer moments, or over
+        all where there are none: the step ran inside backward), and with ``accumulated`` micro-batches every
+        forward and backward moment holding all gradients (later micro-batches run with them alive)."""
+        rows = self.rows.copy()
+        own = (self.phases == _PHASE["clip"]) | (self.phases == _PHASE["optimizer"])
+        _whole_state(rows, rows[own] if own.any() else rows)
+        if accumulated:
+            rows[~own, _G] = rows[:, _G].max(initial=0)
+        return self.with_rows(rows)
+
+    def with_rows(self, rows: np.ndarray) -> Moments:
+        return Moments(self.keys, self.phases, rows, self.grads_done)
+
+    def collapse(self) -> StepMemory:
+        """``collapse_regions`` of these moments: per phase the first moment with the most device bytes."""
+        device = self.rows.sum(axis=1) - self.rows[:, _HOST] - self.rows[:, _HOST_STATE]
+        firsts = sorted((int(np.flatnonzero(self.phases == code)[0]), int(code)) for code in np.unique(self.phases))
+        phase_peaks = {}
+        for _, code in firsts:
+            at = np.flatnonzero(self.phases == code)
+            row = self.rows[at[np.argmax(device[at])]].tolist()
+            phase_peaks[PHASES[code]] = Breakdown(dict(zip(CATEGORIES, row)))
+        peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p].total_bytes)
+        host_peak = int((self.rows[:, _HOST] + self.rows[:, _HOST_STATE]).max(initial=0))
+        return StepMemory(phase_peaks[peak_phase], phase_peaks, peak_phase, host_peak)
 
 
 # The layer of a saved tensor that several decoder layers saved (RoPE's cos/sin). Tagged with the last
