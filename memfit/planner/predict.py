@@ -47,8 +47,8 @@ class Predictor:
         self.depth = base.model_config.num_hidden_layers
         self._cache: dict[tuple, Timeline] = {}
         self._moments: dict[tuple, dict[str, tuple[int, ...]]] = {}
-        self._opt: dict[tuple, dict[str, tuple[int, ...]]] = {}
-        self._full: dict[tuple, dict[str, tuple[int, ...]]] = {}  # _passes
+        self._opt: dict[tuple, Moments] = {}
+        self._full: dict[tuple, Moments] = {}  # _passes
         self._steady: dict[tuple, Moments] = {}  # predict: the moments of the step, made steady
         self.traces = 0  # timelines this predictor read: traced, or ``cached`` of them from the trace cache
         self.cached = 0
@@ -216,7 +216,7 @@ class Predictor:
                 ).region_peaks()
         return self._moments[key]
 
-    def _optimizer_moments(self, spec: StepSpec) -> dict[str, tuple[int, ...]]:
+    def _optimizer_moments(self, spec: StepSpec) -> Moments:
         """Clipping and optimizer-step peaks: independent of micro-batch and checkpointing."""
         key = (
             spec.strategy.precision,
@@ -232,10 +232,10 @@ class Predictor:
                 regions = extrapolate_regions(oa, ob, *depths, self.depth)
             else:
                 regions = self._trace(spec, self.depth).region_peaks()
-            self._opt[key] = {k: v for k, v in regions.items() if k in ("clip", "optimizer")}
+            self._opt[key] = Moments.of({k: v for k, v in regions.items() if k in ("clip", "optimizer")})
         return self._opt[key]
 
-    def _passes(self, spec: StepSpec, micro_batch: int) -> dict[str, tuple[int, ...]]:
+    def _passes(self, spec: StepSpec, micro_batch: int) -> Moments:
         """Forward and backward moments of ``spec`` (a ``_step_spec``) at full depth and ``micro_batch``: one per
         search for every accumulation, ZeRO stage and optimizer that share them."""
         key = (spec.strategy, micro_batch)
@@ -256,7 +256,7 @@ class Predictor:
             regions = extrapolate_regions(ra, rb, la, lb, self.depth)
             if strategy.loss_chunks:
                 regions = self._with_chunked_loss(regions, spec, micro_batch)
-        self._full[key] = {k: v for k, v in regions.items() if k.startswith(("forward", "backward"))}
+        self._full[key] = Moments.of({k: v for k, v in regions.items() if k.startswith(("forward", "backward"))})
         return self._full[key]
 
     def predict(self, strategy: Strategy, sharding: ShardingSpec | None = None) -> StepMemory:
@@ -276,12 +276,12 @@ class Predictor:
             update = self._optimizer_spec(spec, stepped)
         key = (spec.strategy, micro_batch, update and update.strategy, accumulated)
         if key not in self._steady:
-            regions = dict(self._passes(spec, micro_batch))
+            moments = self._passes(spec, micro_batch)
             if update is not None:
-                regions.update(self._optimizer_moments(update))
+                moments = moments.joined(self._optimizer_moments(update))
             # the optimizer state is created lazily in step 1 and whole afterwards: traced with forward and
             # backward only when the step runs inside backward (else those traces ran no optimizer: _step_spec)
-            self._steady[key] = Moments.of(regions).steady(accumulated)
+            self._steady[key] = moments.steady(accumulated)
         moments = self._steady[key]
         if sharding is not None:
             return per_rank_moments(moments, sharding, accumulated=accumulated)

@@ -31,6 +31,7 @@ import contextlib
 import copy
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -212,12 +213,13 @@ def extrapolate_regions(
     layer has not got).
     """
     k = (depth - la) / (lb - la)
-    out = {}
-    for key, a in ra.items():
-        b = rb.get(key)
-        if b is not None and (keep_mid or not key.endswith(":mid")):
-            out[key] = tuple(round(x + k * (y - x)) for x, y in zip(a, b))
-    return out
+    keys = [key for key in ra if key in rb and (keep_mid or not key.endswith(":mid"))]
+    if not keys:
+        return {}
+    a = np.array([ra[key] for key in keys], dtype=np.int64)
+    b = np.array([rb[key] for key in keys], dtype=np.int64)
+    rows = np.rint(a + k * (b - a)).astype(np.int64).tolist()  # rounded half to even, as Python's round
+    return dict(zip(keys, map(tuple, rows)))
 
 
 def extrapolation_depths(spec: StepSpec) -> tuple[int, int]:

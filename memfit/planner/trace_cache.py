@@ -18,8 +18,11 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
+
 from memfit.cache import cache_root as _root
 from memfit.cache import code_and_versions, digest, drop_damaged, read_entry, write_entry
+from memfit.planner.categories import Category
 from memfit.planner.tracker import Timeline
 
 FORMAT = 1  # bump when the entry layout changes
@@ -56,12 +59,13 @@ def load(key: str) -> Timeline | None:
         return None
     try:
         phases, rows = data["phases"], data["rows"]
+        values = np.asarray(rows) if isinstance(rows, list) else None  # ragged rows raise ValueError
         if not (
             isinstance(phases, list)
-            and isinstance(rows, list)
-            and len(phases) == len(rows)
+            and values is not None
+            and values.dtype == np.int64
+            and values.shape == (len(phases), len(Category))
             and all(isinstance(p, str) for p in phases)
-            and all(isinstance(r, list) and all(isinstance(x, int) for x in r) for r in rows)
         ):
             raise ValueError("not a timeline")
         return Timeline(phases, [tuple(r) for r in rows])

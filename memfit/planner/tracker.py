@@ -80,15 +80,21 @@ class Timeline:
     """
 
     phases: list[str]  # "phase:region" per op (region only for forward and backward)
-    rows: list[tuple[int, ...]]  # one per op, in Category order
+    rows: list[tuple[int, ...]] | np.ndarray  # one per op, in Category order (an int64 array when combined)
     _peaks: dict[str, tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
+    _keys: tuple[list[str], np.ndarray] | None = field(default=None, repr=False, compare=False)  # _moment_keys
+
+    def _array(self) -> np.ndarray:
+        return self.rows if isinstance(self.rows, np.ndarray) else _array(self.rows)
 
     def combine(self, other: "Timeline", k: float) -> "Timeline":
-        """``self + k * (other - self)`` at every op (linear extrapolation in batch size)."""
+        """``self + k * (other - self)`` at every op (linear extrapolation in batch size), each value rounded to the
+        nearest integer (half to even, as Python's ``round``)."""
         if self.phases != other.phases:
             raise ValueError("timelines of different op sequences cannot be combined")
-        rows = [tuple(round(a + k * (b - a)) for a, b in zip(ra, rb)) for ra, rb in zip(self.rows, other.rows)]
-        return Timeline(self.phases, rows)
+        a, b = self._array(), other._array()
+        rows = np.rint(a + k * (b - a)).astype(np.int64)
+        return Timeline(self.phases, rows, _keys=self._keys)
 
     def steady(self) -> "Timeline":
         """Every later step's moments from this first step's: the optimizer state (and, offloaded, its host
@@ -97,34 +103,45 @@ class Timeline:
         any peak is taken, so a phase's peak is the moment that is highest with the state whole."""
         return Timeline(self.phases, steady_rows(self.rows))
 
+    def _moment_keys(self) -> tuple[list[str], np.ndarray]:
+        """``region_peaks``' keys in order of first appearance, and each op's index into them (once per op
+        sequence: a combined timeline shares its source's)."""
+        if self._keys is None:
+            names: dict[str, int] = {}
+            index = []
+            occurrences: dict[str, int] = {}
+            prev, offset = None, 0
+            for label in self.phases:
+                if label != prev:
+                    occurrences[label] = occurrences.get(label, -1) + 1
+                    prev, offset = label, 0
+                if label.endswith(":mid") or ":" not in label:
+                    key = label
+                else:
+                    key = f"{label}#{occurrences[label]}+{offset}"
+                offset += 1
+                index.append(names.setdefault(key, len(names)))
+            self._keys = (list(names), np.array(index, dtype=np.int64))
+        return self._keys
+
     def region_peaks(self) -> dict[str, tuple[int, ...]]:
         """Bytes per category (rows in Category order) at every moment that exists at any depth,
         keyed so that the same op has the same key at every depth: ``phase:region#occurrence+offset``
         for forward/backward ops outside the middle layers, and the phase's peak for ``clip`` and
         ``optimizer``. Middle-layer moments are reduced to their peak (``phase:mid``): they repeat per
-        layer and are not aligned. Computed once per timeline."""
+        layer and are not aligned. Per key the first op with the most device bytes, and on a tie the one with
+        more host bytes (the host peak is kept). Computed once per timeline."""
         if self._peaks is not None:
             return self._peaks
-        out: dict[str, tuple[int, ...]] = {}
-        totals: dict[str, int] = {}
-        occurrences: dict[str, int] = {}
-        prev, offset = None, 0
-        for label, row in zip(self.phases, self.rows):
-            if label != prev:
-                occurrences[label] = occurrences.get(label, -1) + 1
-                prev, offset = label, 0
-            if label.endswith(":mid") or ":" not in label:
-                key = label
-            else:
-                key = f"{label}#{occurrences[label]}+{offset}"
-            offset += 1
-            total = device_bytes(row)
-            if total > totals.get(key, -1) or (
-                total == totals.get(key, -1) and host_bytes(row) > host_bytes(out[key])
-            ):  # on a tie, the moment with more host bytes: the host peak is kept
-                out[key], totals[key] = row, total
-        self._peaks = out
-        return out
+        names, index = self._moment_keys()
+        rows = self._array()
+        host = rows[:, _HOST] + rows[:, _HOST_STATE]
+        device = rows.sum(axis=1) - host
+        order = np.lexsort((np.arange(len(index)), -host, -device, index))
+        grouped = index[order]
+        first = order[np.r_[True, grouped[1:] != grouped[:-1]]] if len(order) else order
+        self._peaks = {names[i]: tuple(r) for i, r in zip(index[first].tolist(), rows[first].tolist())}
+        return self._peaks
 
     def step_memory(self) -> StepMemory:
         return collapse_regions(self.region_peaks())
@@ -145,16 +162,6 @@ _STATE = tuple(CATEGORIES.index(c) for c in STATE_CATEGORIES)
 
 def _pow2_ceil(n: int) -> int:
     return 1 << max(0, n - 1).bit_length() if n > 0 else 0
-
-
-def device_bytes(row: tuple[int, ...]) -> int:
-    """A moment's device bytes (rows in ``Category`` order): all but what is in host memory."""
-    return sum(row) - row[_HOST] - row[_HOST_STATE]
-
-
-def host_bytes(row: tuple[int, ...]) -> int:
-    """A moment's host bytes (offloaded activations, the host optimizer's state and temporaries)."""
-    return row[_HOST] + row[_HOST_STATE]
 
 
 def steady_rows(rows: list[tuple[int, ...]], own: list[tuple[int, ...]] | None = None) -> list[tuple[int, ...]]:
@@ -193,11 +200,19 @@ class Moments:
     def of(cls, regions: dict[str, tuple[int, ...]]) -> Moments:
         """``regions`` (``Timeline.region_peaks``-style keys and rows) as arrays."""
         keys = tuple(regions)
-        rows = _array(list(regions.values()))
         phases = np.array([_PHASE[k.split(":", 1)[0].split("#", 1)[0]] for k in keys], dtype=np.int64)
+        return cls._made(keys, phases, _array(list(regions.values())))
+
+    @classmethod
+    def _made(cls, keys: tuple[str, ...], phases: np.ndarray, rows: np.ndarray) -> Moments:
         g_total = rows[:, _G].max(initial=0)
         grads_done = rows[:, _G] / g_total if g_total else np.zeros(len(keys))
         return cls(keys, phases, rows, grads_done)
+
+    def joined(self, other: Moments) -> Moments:
+        """These moments followed by ``other``'s (keys apart), the gradients' shares taken over both."""
+        rows = np.concatenate((self.rows, other.rows))
+        return Moments._made(self.keys + other.keys, np.concatenate((self.phases, other.phases)), rows)
 
     def steady(self, accumulated: bool) -> Moments:
         """Every moment with the optimizer state whole (at its highest over the clip and optimizer moments, or over
