@@ -342,9 +342,9 @@ def recorded_advice(
     with history recorded since the start), every scenario replaying the trace from the blocks alive when the
     recording began, as ``memfit frag --simulate`` does; and the number of trace events replayed (0: ``device``'s
     trace holds no allocation, nothing was replayed and the advice is None)."""
-    traces = snap.get("device_traces") or []
-    entries = traces[device] if device < len(traces) else []
-    if not any(e.get("action") == "alloc" for e in entries):
+    try:
+        entries = trace_entries(snap, device)
+    except UserError:  # no history recorded on this device
         return None, 0
     results, _ = compare(entries, capacity, hip, live_at_start(Rebuilt(snap, device)), torch_version)
     return restart_advice(results, now, hip, torch_version), len(entries)

@@ -123,12 +123,12 @@ def _traced(spec: StepSpec, num_layers: int | None, steps: int = 1) -> StepTrack
     (``StepRunner.update``), on zero gradients of the trainable parameters' shapes made before it, as backward
     leaves them. An offloaded optimizer moves each gradient to the host from a hook in backward, so its update is
     traced after a real backward."""
+    if steps > 1 and spec.part != "step":
+        raise ValueError("only a whole step is traced over several steps")
     depth = num_layers or spec.model_config.num_hidden_layers
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _build_fake_model(spec, depth, fake_mode)
     model.train()
-    if steps > 1 and spec.part != "step":
-        raise ValueError("only a whole step is traced over several steps")
     in_backward = spec.strategy.optimizer_in_backward  # no update of its own: the whole step is traced
     update_alone = spec.part == "update" and not spec.strategy.optimizer_offload and not in_backward
     with fake_mode:

@@ -135,8 +135,7 @@ class Timeline:
             return self._peaks
         names, index = self._moment_keys()
         rows = self._array()
-        host = rows[:, _HOST] + rows[:, _HOST_STATE]
-        device = rows.sum(axis=1) - host
+        device, host = _device_and_host(rows)
         order = np.lexsort((np.arange(len(index)), -host, -device, index))
         grouped = index[order]
         first = order[np.r_[True, grouped[1:] != grouped[:-1]]] if len(order) else order
@@ -174,6 +173,13 @@ def steady_rows(rows: list[tuple[int, ...]], own: list[tuple[int, ...]] | None =
 
 def _array(rows: list[tuple[int, ...]]) -> np.ndarray:
     return np.array(rows, dtype=np.int64).reshape(len(rows), len(CATEGORIES))
+
+
+def _device_and_host(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each moment's device bytes (every category but the host ones) and host bytes (offloaded activations, the
+    host optimizer's state and temporaries)."""
+    host = rows[:, _HOST] + rows[:, _HOST_STATE]
+    return rows.sum(axis=1) - host, host
 
 
 def _whole_state(rows: np.ndarray, own: np.ndarray) -> None:
@@ -230,7 +236,7 @@ class Moments:
 
     def collapse(self) -> StepMemory:
         """``collapse_regions`` of these moments: per phase the first moment with the most device bytes."""
-        device = self.rows.sum(axis=1) - self.rows[:, _HOST] - self.rows[:, _HOST_STATE]
+        device, host = _device_and_host(self.rows)
         firsts = sorted((int(np.flatnonzero(self.phases == code)[0]), int(code)) for code in np.unique(self.phases))
         phase_peaks = {}
         for _, code in firsts:
@@ -238,7 +244,7 @@ class Moments:
             row = self.rows[at[np.argmax(device[at])]].tolist()
             phase_peaks[PHASES[code]] = Breakdown(dict(zip(CATEGORIES, row)))
         peak_phase = max(phase_peaks, key=lambda p: phase_peaks[p].total_bytes)
-        host_peak = int((self.rows[:, _HOST] + self.rows[:, _HOST_STATE]).max(initial=0))
+        host_peak = int(host.max(initial=0))
         return StepMemory(phase_peaks[peak_phase], phase_peaks, peak_phase, host_peak)
 
 
