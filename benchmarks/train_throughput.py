@@ -3,7 +3,10 @@
 Same model (the embedded SmolLM2-135M-Instruct, LoRA r=8 on all projections), same data (Shakespeare
 rows from memfit's loader), same batch, sequence length, optimizer (AdamW foreach, lr 2e-3, clip 1.0)
 and thread count. Every run is its own subprocess so its peak RSS is its own; each reports the median
-step time over the steps after warm-up. The parent prints a table and ends with one JSON line.
+step time over the steps after warm-up, and the minor page faults of those steps (memory the kernel mapped and
+zeroed afresh). ``memfit-returning`` is memfit with ``allocator.host_keep_freed=false``: glibc's malloc returning
+freed memory to the kernel, as it does by default (and did in memfit before that setting). The parent prints a table
+and ends with one JSON line.
 
     python benchmarks/train_throughput.py                 # defaults below
     python benchmarks/train_throughput.py --reps 1 --steps 6   # quick look
@@ -30,7 +33,12 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _memfit_config(a, out_dir: str, ac: str = "none"):
+def _faults() -> int:
+    """Minor page faults of this process so far (a page the kernel mapped and zeroed for it)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _memfit_config(a, out_dir: str, ac: str = "none", keep: str = "null"):
     from memfit.config.loader import load_config
     from memfit.config.shipped import shipped_configs
 
@@ -47,6 +55,7 @@ def _memfit_config(a, out_dir: str, ac: str = "none"):
             "output.export=false",
             "optimizer.warmup_steps=2",
             f"strategy.activation_checkpointing={ac}",
+            f"allocator.host_keep_freed={keep}",
             f"output.dir={out_dir}",
         ],
     )
@@ -80,17 +89,31 @@ def _lora_model():
     )
 
 
-def run_memfit(a, ac: str = "none") -> dict:
+def run_memfit(a, ac: str = "none", keep: str = "null") -> dict:
     import tempfile
+
+    from rich.console import Console
 
     from memfit.train.loop import Trainer
 
-    with tempfile.TemporaryDirectory() as d:
-        from rich.console import Console
+    faults = []
 
-        result = Trainer(_memfit_config(a, f"{d}/run", ac), display_console=Console(quiet=True)).fit()
+    class Counted(Trainer):  # the page faults of each step's forward, backward and update
+        def _step(self, *args):
+            before = _faults()
+            out = super()._step(*args)
+            faults.append(_faults() - before)
+            return out
+
+    with tempfile.TemporaryDirectory() as d:
+        result = Counted(_memfit_config(a, f"{d}/run", ac, keep), display_console=Console(quiet=True)).fit()
     times = [r["step_time_s"] for r in result.steps]
-    return {"step_times_s": times, "loss": result.steps[-1]["loss"]}
+    return {"step_times_s": times, "step_faults": faults, "loss": result.steps[-1]["loss"]}
+
+
+def run_memfit_returning(a) -> dict:
+    """memfit with the host's malloc left to return freed memory, as before ``allocator.host_keep_freed``."""
+    return run_memfit(a, keep="false")
 
 
 def run_plain(a) -> dict:
@@ -101,13 +124,14 @@ def run_plain(a) -> dict:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), foreach=True)
-    times = []
+    times, faults = [], []
     for step in range(a.steps):
         batch = rows[step * a.batch : (step + 1) * a.batch]
-        start = time.perf_counter()
+        start, before = time.perf_counter(), _faults()
         loss = plain_step(model, params, opt, batch)
         times.append(time.perf_counter() - start)
-    return {"step_times_s": times, "loss": float(loss)}
+        faults.append(_faults() - before)
+    return {"step_times_s": times, "step_faults": faults, "loss": float(loss)}
 
 
 def plain_step(model, params, opt, batch):
@@ -131,14 +155,15 @@ def run_hf(a) -> dict:
 
     rows = _rows(a)
     data = [{"input_ids": r[:-1], "labels": r[:-1]} for r in rows]  # HF shifts labels itself
-    times, losses = [], []
+    times, faults, losses = [], [], []
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *args, **kw):
-            self.t = time.perf_counter()
+            self.t, self.f = time.perf_counter(), _faults()
 
         def on_step_end(self, *args, **kw):
             times.append(time.perf_counter() - self.t)
+            faults.append(_faults() - self.f)
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -164,10 +189,10 @@ def run_hf(a) -> dict:
             seed=0,
         )
         Trainer(model=_lora_model(), args=args, train_dataset=data, callbacks=[Clock()]).train()
-    return {"step_times_s": times, "loss": losses[-1] if losses else None}
+    return {"step_times_s": times, "step_faults": faults, "loss": losses[-1] if losses else None}
 
 
-RUNNERS = {"memfit": run_memfit, "plain": run_plain, "hf": run_hf}
+RUNNERS = {"memfit": run_memfit, "memfit-returning": run_memfit_returning, "plain": run_plain, "hf": run_hf}
 
 
 def child(a) -> None:
@@ -178,6 +203,7 @@ def child(a) -> None:
     times = out["step_times_s"][a.warmup :]
     out.update(
         median_step_time_s=statistics.median(times),
+        median_step_faults=statistics.median(out["step_faults"][a.warmup :]),
         peak_rss_bytes=_peak_rss_bytes(),
         tokens_per_s=a.batch * a.seq_len / statistics.median(times),
     )
@@ -222,7 +248,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--documents", type=int, default=4)
-    p.add_argument("--ac", default="none,ffn,every_k:2,full", help="AC policies for the memfit table")
+    p.add_argument("--ac", default="none,ffn,every_k:2,full", help="AC policies for the memfit table ('' for none)")
     a = p.parse_args()
     if a.runner:
         return child(a)
@@ -231,17 +257,23 @@ def main() -> None:
     for rep in range(a.reps):
         for name in RUNNERS:  # interleaved so drift hits all trainers alike
             results[name].append(spawn(a, name))
-            print(f"rep {rep + 1}/{a.reps} {name:7s} {results[name][-1]['tokens_per_s']:8.1f} tok/s", file=sys.stderr)
+            r = results[name][-1]
+            print(
+                f"rep {rep + 1}/{a.reps} {name:16s} {r['tokens_per_s']:8.1f} tok/s, "
+                f"{r['median_step_faults']:,.0f} page faults a step",
+                file=sys.stderr,
+            )
     med = {
         k: {
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in v),
             "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in v),
             "runs_tokens_per_s": [round(r["tokens_per_s"], 1) for r in v],
+            "step_faults": statistics.median(r["median_step_faults"] for r in v),
         }
         for k, v in results.items()
     }
     ac_rows = {}
-    for policy in a.ac.split(","):
+    for policy in filter(None, a.ac.split(",")):
         r = spawn(a, f"ac:{policy}")
         ac_rows[policy] = {
             "median_step_time_s": r["median_step_time_s"],
@@ -256,11 +288,14 @@ def main() -> None:
         f"({platform.processor() or platform.machine()}), "
         f"{a.reps} runs x {a.steps} steps (median of steps {a.warmup + 1}..{a.steps})"
     )
-    print(f"{'trainer':8s} {'tokens/s (median)':>18s} {'runs':>24s} {'peak RSS GiB':>13s} {'memfit ÷ this':>14s}")
+    print(
+        f"{'trainer':17s} {'tokens/s (median)':>18s} {'runs':>40s} {'page faults/step':>17s} "
+        f"{'peak RSS GiB':>13s} {'memfit ÷ this':>14s}"
+    )
     for k, v in med.items():
         ratio = med["memfit"]["tokens_per_s"] / v["tokens_per_s"]
         print(
-            f"{k:8s} {v['tokens_per_s']:18.1f} {str(v['runs_tokens_per_s']):>24s} "
+            f"{k:17s} {v['tokens_per_s']:18.1f} {str(v['runs_tokens_per_s']):>40s} {v['step_faults']:17,.0f} "
             f"{v['peak_rss_bytes'] / gib:13.3f} {ratio:14.3f}"
         )
     print(f"\n{'AC policy':10s} {'step time s':>12s} {'peak RSS GiB':>13s} {'loss after N':>13s}")
@@ -274,6 +309,7 @@ def main() -> None:
         "trainers": med,
         "ratio_vs_plain": med["memfit"]["tokens_per_s"] / med["plain"]["tokens_per_s"],
         "ratio_vs_hf": med["memfit"]["tokens_per_s"] / med["hf"]["tokens_per_s"],
+        "ratio_vs_memfit_returning": med["memfit"]["tokens_per_s"] / med["memfit-returning"]["tokens_per_s"],
         "ac": ac_rows,
     }
     print(json.dumps(summary))

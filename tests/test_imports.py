@@ -20,3 +20,20 @@ def test_core_never_imports_benchmarks_or_tests():
         text = path.read_text()
         assert "import benchmarks" not in text and "from benchmarks" not in text, path
         assert "from tests" not in text and "import conftest" not in text, path
+
+
+def test_the_train_command_imports_the_trainer_only_where_a_process_trains():
+    """A torchrun launcher and a supervisor only start processes: importing ``memfit train``'s command must not
+    pull in transformers, PEFT, DeepSpeed, the planner or the trainer (seconds before any rank starts)."""
+    import json
+    import subprocess
+    import sys
+
+    probe = (
+        "import json, sys\n"
+        "import memfit.cli, memfit.commands.train\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'peft', 'deepspeed')"
+        " or m.startswith(('memfit.planner', 'memfit.train.loop', 'memfit.models')))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(done.stdout.splitlines()[-1]) == []

@@ -7,24 +7,23 @@ import json
 import os
 import sys
 from pathlib import Path
-
-from rich.console import Console
+from typing import TYPE_CHECKING
 
 from memfit.config.loader import config_help, dump_config, load_config
 from memfit.config.schema import RunConfig
 from memfit.config.shipped import resolve_config_path, split_train_args
-from memfit.device import device_name, resolve_device, supports_bf16
 from memfit.distributed.launch import LaunchSpec, launch
 from memfit.distributed.runtime import launched_ranks
 from memfit.errors import UserError
-from memfit.planner.auto import AutoChoice, auto_plan, choose, gpu_cluster, this_cpu
-from memfit.planner.report import plan_dict, render_table
 from memfit.telemetry.metrics_file import read_metrics
-from memfit.train.fit_check import replay_planned_steps
-from memfit.train.loop import Trainer
-from memfit.train.rank import run_rank
 from memfit.train.supervisor import is_child, supervise
 from memfit.units import GIB, meminfo
+
+if TYPE_CHECKING:
+    from memfit.planner.auto import AutoChoice
+
+# The trainer, the planner and what they import (transformers, PEFT, DeepSpeed) are imported where a run or a plan
+# happens: a torchrun launcher or a supervisor only starts processes, and starts them seconds sooner without them.
 
 AUTO_ROWS_SHOWN = 5
 
@@ -62,6 +61,9 @@ def run(ns) -> int:
         if choice is not None and ns.node_rank == 0:
             write_auto_plan(Path(cfg.output.dir), choice)
         return code
+    from memfit.train.loop import Trainer
+    from memfit.train.rank import run_rank
+
     if launched_ranks() > 1:  # a rank started by torchrun
         run_rank(cfg)
     trainer = Trainer(cfg)
@@ -90,6 +92,12 @@ def auto_choice(cfg: RunConfig, overrides: list[str], ns) -> AutoChoice:
         UserError: a resumed run, ``--mem`` on a GPU, several CPU ranks, or nothing that fits.
     """
     import torch
+    from rich.console import Console
+
+    from memfit.device import device_name, resolve_device, supports_bf16
+    from memfit.planner.auto import auto_plan, choose, gpu_cluster, this_cpu
+    from memfit.planner.report import render_table
+    from memfit.train.fit_check import replay_planned_steps
 
     if cfg.train.resume:
         raise UserError(
@@ -133,6 +141,8 @@ def auto_choice(cfg: RunConfig, overrides: list[str], ns) -> AutoChoice:
 def write_auto_plan(root: Path, choice: AutoChoice) -> None:
     """The plan ``--auto`` chose from, beside the run's config.yaml (which holds the chosen levers), with the
     chosen row's predicted step time beside the run's measured median (printed too, once the run has one)."""
+    from memfit.planner.report import plan_dict
+
     if not (root / "config.yaml").is_file():
         return  # the run never started
     records = read_metrics(root / "metrics.jsonl") if (root / "metrics.jsonl").is_file() else []

@@ -157,6 +157,11 @@ class AllocatorConfig:
     allow_unsafe: bool = _f(
         False, "run allocator settings known to misbehave on this platform (ROCm: max_split_size_mb with expandable)"
     )
+    host_keep_freed: Optional[bool] = _f(
+        None,
+        "while training, the host's malloc (glibc) keeps freed memory for reuse instead of returning it to the "
+        "kernel, so a step does not fault in its transients' pages again (None = on for CPU training)",
+    )
 
 
 ON_OOM = ("stop", "next")

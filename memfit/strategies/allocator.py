@@ -5,11 +5,22 @@ ROCm builds, ``PYTORCH_ALLOC_CONF`` on recent releases) when the allocator start
 GPU allocation. ``apply_allocator_env`` must therefore run before anything touches the GPU; if the
 allocator is already up, the settings go through ``torch.cuda.memory._set_allocator_settings``.
 On CPU none of this applies and the trainer says so once.
+
+On the host, ``host_memory_kept`` keeps glibc's malloc from handing freed memory back to the kernel while a run
+trains (``allocator.host_keep_freed``, on for CPU training). By default glibc serves a block over its mmap threshold
+(128 KiB, raised up to 32 MiB as such blocks are freed) with a fresh ``mmap`` and unmaps it on ``free``, and trims the
+top of the heap past twice that: every step's logits, activations and gradients then arrive as new pages that the
+kernel faults in and zeroes again, step after step. Measured on CPU that was 100,000-300,000 page faults a step and
+the cause of a whole run being slower than a plain loop (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -83,9 +94,63 @@ def apply_allocator_env(cfg: AllocatorConfig) -> str | None:
     return conf
 
 
+# glibc's mallopt parameters (malloc.h) and their documented defaults, which a run's end puts back
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_KEEP = {_M_TRIM_THRESHOLD: 2**31 - 1, _M_MMAP_MAX: 0}  # no trimming below 2 GiB of free heap top; no mmap'd blocks
+_GLIBC_DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_MAX: 65536}
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (whose ``mallopt`` and ``malloc_trim`` we call), else None."""
+    if sys.platform != "linux":
+        return None
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION"):
+            return None
+        return ctypes.CDLL("libc.so.6")
+    except (OSError, ValueError):  # musl has no CS_GNU_LIBC_VERSION; no libc.so.6
+        return None
+
+
+def keeps_host_memory(cfg: AllocatorConfig, device: torch.device) -> bool:
+    """Whether a run with this config on this device keeps freed host memory (``host_memory_kept``)."""
+    wanted = cfg.host_keep_freed if cfg.host_keep_freed is not None else device.type == "cpu"
+    return wanted and _glibc() is not None
+
+
+@contextlib.contextmanager
+def host_memory_kept(cfg: AllocatorConfig, device: torch.device) -> Iterator[None]:
+    """While open (when ``keeps_host_memory``), glibc serves every block from its heap and keeps what is freed:
+    from the second step on a step reuses the pages the first one faulted in. On the way out glibc's default
+    thresholds return and ``malloc_trim`` hands the free heap back to the kernel.
+
+    The cost is resident memory: the process keeps its peak heap for the run, and a block freed in the middle of
+    the heap is reused rather than returned.
+    """
+    libc = _glibc() if keeps_host_memory(cfg, device) else None
+    if libc is None:
+        yield
+        return
+    for param, value in _KEEP.items():
+        libc.mallopt(param, value)
+    try:
+        yield
+    finally:
+        for param, value in _GLIBC_DEFAULTS.items():
+            libc.mallopt(param, value)
+        libc.malloc_trim(0)
+
+
 def apply_device_limits(cfg: AllocatorConfig, device: torch.device) -> list[str]:
     """Memory-fraction cap and pre-warm reservation on a GPU. Returns notes for the run log."""
     notes: list[str] = []
+    if keeps_host_memory(cfg, device):
+        notes.append(
+            "host memory freed while training is kept for reuse, not returned to the kernel "
+            "(allocator.host_keep_freed=false returns it)"
+        )
+    elif cfg.host_keep_freed and _glibc() is None:
+        notes.append("allocator.host_keep_freed needs glibc's malloc (Linux); this host's is left as it is")
     if device.type != "cuda":
         if alloc_conf_items(cfg) or cfg.memory_fraction or cfg.prewarm_gib or cfg.empty_cache_every:
             notes.append("allocator settings apply to CUDA/ROCm devices only; ignored on CPU")

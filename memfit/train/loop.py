@@ -41,6 +41,7 @@ from memfit.step.runner import DeepSpeedRunner, StepEngine, StepRunner
 from memfit.strategies.allocator import (
     apply_allocator_env,
     apply_device_limits,
+    host_memory_kept,
     maybe_release_cache,
     refuse_unsafe,
 )
@@ -145,7 +146,6 @@ class Trainer:
             self.notes.append(f"distributed.deepspeed_config is not read: this run's engine is {self.kind}")
         if t.resume and self.resume_from is None:
             self.notes.append(f"train.resume=true but {self.run.root} holds no checkpoint yet: starting at step 0")
-
         # may convert the embedded GGUF (with its progress bar): rank 0 first, the others then hit the cache
         source = on_main(ctx, lambda: resolve_source(cfg.model.source))
         if not ctx.is_main:
@@ -482,7 +482,7 @@ class Trainer:
         first, started = state.step, time.perf_counter()  # this process's share of the run (train.restart_on)
         self.par.model.train()
         try:
-            with display, StopSignals() as signals:
+            with display, StopSignals() as signals, host_memory_kept(cfg.allocator, self.device):
                 if state.step == 0:
                     do_eval(0)
                 for step in range(state.step + 1, t.max_steps + 1):

@@ -52,12 +52,18 @@ MAY_CHANGE_ON_RESUME = {
 MAY_CHANGE_ON_RESUME |= {("distributed", "timeout_s"), ("output", "export"), ("strategy", "activation_checkpointing")}
 MAY_CHANGE_ON_RESUME |= {
     ("allocator", key)
-    for key in ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold", "empty_cache_every")
+    for key in (
+        "expandable_segments",
+        "max_split_size_mb",
+        "garbage_collection_threshold",
+        "empty_cache_every",
+        "host_keep_freed",
+    )
 }
 """Settings that do not change what the run computes (ports, cadences, workers, how long it trains, what is
-recomputed in backward, how the caching allocator keeps memory): a resume may change them, and each change is
-printed. ``train.max_steps`` trains a run on past its end, with the LR
-schedule stretched from the next step."""
+recomputed in backward, how the caching allocator and the host's malloc keep memory): a resume may change them, and
+each change is printed. ``train.max_steps`` trains a run on past its end, with the LR schedule stretched from the next
+step."""
 
 
 BATCH_SPLIT = {("train", "micro_batch_size"), ("train", "grad_accum_steps"), ("train", "global_batch_size")}

@@ -1,17 +1,26 @@
 """Strategies against references: every checkpointing policy vs none, optimizer implementations,
 precision rules, LoRA wiring and allocator settings."""
 
+import json
+import resource
+import subprocess
+import sys
 import zlib
 
 import pytest
 import torch
 
-from memfit.config.schema import LoraConfig, ModelConfig, OptimizerConfig
+from memfit.config.schema import AllocatorConfig, LoraConfig, ModelConfig, OptimizerConfig
 from memfit.config.strategy import CheckpointPolicy
 from memfit.errors import UserError
 from memfit.models.load import ModelSource, build_model
 from memfit.step.loss import token_loss_sum
-from memfit.strategies.allocator import alloc_conf_items, apply_device_limits, merge_conf
+from memfit.strategies.allocator import (
+    alloc_conf_items,
+    apply_device_limits,
+    keeps_host_memory,
+    merge_conf,
+)
 from memfit.strategies.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 from memfit.strategies.lora import apply_lora
 from memfit.strategies.optimizer import build_optimizer, lr_at
@@ -178,8 +187,6 @@ def test_a_bf16_frozen_base_trains_the_losses_of_an_fp32_one_within_a_bf16_round
 
 
 def test_allocator_settings_string():
-    from memfit.config.schema import AllocatorConfig
-
     cfg = AllocatorConfig(expandable_segments=True, max_split_size_mb=256, garbage_collection_threshold=0.8)
     assert alloc_conf_items(cfg) == {
         "expandable_segments": "True",
@@ -194,8 +201,59 @@ def test_allocator_settings_string():
     assert merge_conf("roundup_power2_divisions:[256:1,512:2,>:4]", {"expandable_segments": "True"}) == (
         "roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:True"
     )
-    assert apply_device_limits(cfg, CPU) == ["allocator settings apply to CUDA/ROCm devices only; ignored on CPU"]
-    assert apply_device_limits(AllocatorConfig(), CPU) == []
+    cpu_only = AllocatorConfig(expandable_segments=True, host_keep_freed=False)
+    assert apply_device_limits(cpu_only, CPU) == ["allocator settings apply to CUDA/ROCm devices only; ignored on CPU"]
+    assert apply_device_limits(AllocatorConfig(host_keep_freed=False), CPU) == []
+
+
+_FAULTS_SCRIPT = """
+import json, resource, sys, torch
+from memfit.config.schema import AllocatorConfig
+from memfit.strategies.allocator import host_memory_kept
+
+def faults(times):  # minor page faults while a 64 MiB block is allocated, filled and freed, each time
+    out = []
+    for _ in range(times):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        block = torch.ones(16 << 20)
+        del block
+        out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return out
+
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
+
+cpu = torch.device("cpu")
+r = {"default": faults(3)}
+with host_memory_kept(AllocatorConfig(host_keep_freed=False), cpu):
+    r["opted_out"] = faults(3)
+with host_memory_kept(AllocatorConfig(), cpu):
+    r["kept"] = faults(8)
+    r["resident_kept"] = resident()
+r["resident_after"] = resident()
+print(json.dumps(r))
+"""
+
+
+@pytest.mark.skipif(not keeps_host_memory(AllocatorConfig(), CPU), reason="needs glibc's malloc (Linux)")
+def test_host_memory_kept_while_training_stops_each_step_faulting_its_blocks_in_again():
+    # in a fresh process: what glibc does with a block depends on the holes earlier tests left in the heap
+    done = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, check=True)
+    r = json.loads(done.stdout.splitlines()[-1])
+    pages = (64 << 20) // resource.getpagesize()
+    # glibc's defaults (and the opt-out): a block over its mmap threshold (32 MiB at most) is mapped afresh and its
+    # pages faulted in every time
+    assert min(r["default"] + r["opted_out"]) >= pages // 2, r
+    # kept: the heap grows to hold the block, once or twice more while the holes settle (an aligned block may not fit
+    # a freed hole that a small allocation has since taken the end of), then every block reuses those pages
+    assert r["kept"][0] >= pages // 2 and sum(r["kept"]) <= 3 * pages and max(r["kept"][4:]) < pages // 20, r
+    assert r["resident_kept"] - r["resident_after"] >= (64 << 20), r  # handed back to the kernel at the end
+    assert apply_device_limits(AllocatorConfig(), CPU) == [
+        "host memory freed while training is kept for reuse, not returned to the kernel "
+        "(allocator.host_keep_freed=false returns it)"
+    ]
+    assert not keeps_host_memory(AllocatorConfig(), torch.device("cuda"))  # on a GPU run only when asked
+    assert keeps_host_memory(AllocatorConfig(host_keep_freed=True), torch.device("cuda"))
 
 
 @pytest.mark.parametrize("has_flag", [True, False])
