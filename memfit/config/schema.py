@@ -160,7 +160,8 @@ class AllocatorConfig:
     host_keep_freed: Optional[bool] = _f(
         None,
         "while training, the host's malloc (glibc) keeps freed memory for reuse instead of returning it to the "
-        "kernel, so a step does not fault in its transients' pages again (None = on for CPU training)",
+        "kernel, so a step does not fault its blocks' pages in again; faster, but the kept heap's resident peak is "
+        "higher (None = on for CPU training when 3x the predicted step peak fits the memory left)",
     )
 
 

@@ -156,9 +156,10 @@ def step_time_s(
         lora: the forward is half the training compute (a third for a full fine-tune).
     """
     rate = peak_tflops * 1e12 * MFU / (fp32_slowdown if precision == "fp32" else 1.0)
-    bandwidth = max(INTER_NODE_GBPS if nodes > 1 else link_GBps, 1e-9) * 1e9
+    bandwidth = (INTER_NODE_GBPS if nodes > 1 else link_GBps) * 1e9
     compute_s = flops / rate
-    return compute_s + comm_bytes / bandwidth + offload_time_s(offload_bytes, host_GBps, compute_s, lora)
+    comm_s = comm_bytes / bandwidth if bandwidth else 0.0  # a CPU (link 0): gloo's collectives on one node not charged
+    return compute_s + comm_s + offload_time_s(offload_bytes, host_GBps, compute_s, lora)
 
 
 def offload_time_s(offload_bytes: int, host_GBps: float, compute_s: float, lora: bool) -> float:

@@ -102,7 +102,8 @@ def device_preset(name: str, memory_bytes: int, bf16: bool) -> Gpu:
 
 
 def cpu_device(memory_bytes: int) -> Gpu:
-    """The CPU as ``memfit plan --device cpu`` plans for it: ``memory_bytes`` of host memory, no collectives, and
-    a rate for ranking only (1 TFLOP/s, fp32 as fast as bf16: a CPU without bf16 matrix units computes bf16 no
-    faster; memory traffic not charged, see ``cost.memory_traffic_s``)."""
+    """The CPU as ``memfit plan --device cpu`` plans for it: ``memory_bytes`` of host memory, no link (one process;
+    the collectives of a trainer's gloo ranks are not charged, see ``cost.step_time_s``), and a rate for ranking only
+    (1 TFLOP/s, fp32 as fast as bf16: a CPU without bf16 matrix units computes bf16 no faster; memory traffic not
+    charged, see ``cost.memory_traffic_s``)."""
     return Gpu("cpu", memory_bytes, True, 1.0, 0.0, "cpu", 0.0, 1.0, memory_GBps=0.0)

@@ -7,11 +7,13 @@ allocator is already up, the settings go through ``torch.cuda.memory._set_alloca
 On CPU none of this applies and the trainer says so once.
 
 On the host, ``host_memory_kept`` keeps glibc's malloc from handing freed memory back to the kernel while a run
-trains (``allocator.host_keep_freed``, on for CPU training). By default glibc serves a block over its mmap threshold
-(128 KiB, raised up to 32 MiB as such blocks are freed) with a fresh ``mmap`` and unmaps it on ``free``, and trims the
-top of the heap past twice that: every step's logits, activations and gradients then arrive as new pages that the
-kernel faults in and zeroes again, step after step. Measured on CPU that was 100,000-300,000 page faults a step and
-the cause of a whole run being slower than a plain loop (benchmarks/RESULTS.md).
+trains (``allocator.host_keep_freed``; unset, on for CPU training with room to spare: ``host_keep_decision``). By
+default glibc serves a block over its mmap threshold (128 KiB, raised up to 32 MiB as such blocks are freed) with a
+fresh ``mmap`` and unmaps it on ``free``, and trims the top of the heap past twice that: every step's logits,
+activations and gradients then arrive as new pages that the kernel faults in and zeroes again, step after step. On
+CPU that was 100,000-400,000 page faults a step (0.4-1.6 GB of pages zeroed), 8% of the default job's step time and
+about half of a tiny model's at seq 512 (benchmarks/RESULTS.md). The price is resident memory: a kept heap reuses its
+holes instead of returning them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import ctypes
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -28,7 +31,7 @@ from memfit.allocator.conf import parse, split_pairs, unsafe_combination
 from memfit.config.schema import AllocatorConfig
 from memfit.device import is_rocm
 from memfit.errors import UserError
-from memfit.units import GIB
+from memfit.units import GIB, meminfo
 
 
 def alloc_conf_items(cfg: AllocatorConfig) -> dict[str, str]:
@@ -112,22 +115,78 @@ def _glibc() -> ctypes.CDLL | None:
         return None
 
 
-def keeps_host_memory(cfg: AllocatorConfig, device: torch.device) -> bool:
-    """Whether a run with this config on this device keeps freed host memory (``host_memory_kept``)."""
-    wanted = cfg.host_keep_freed if cfg.host_keep_freed is not None else device.type == "cpu"
-    return wanted and _glibc() is not None
+KEEP_HEADROOM = 3
+"""``allocator.host_keep_freed`` unset keeps freed host memory only where this many times the step's predicted peak
+fits in the room the process has: a kept heap reuses holes rather than returning them, and its resident peak measured
+1.1-1.7x the returning heap's on CPU steps (benchmarks/RESULTS.md)."""
+
+
+def host_memory_room() -> int | None:
+    """Bytes this process may still take: the least of the host's ``MemAvailable``, the address-space limit
+    (``RLIMIT_AS``) less what is mapped, and the cgroup's ``memory.max`` less its usage (None where none is known)."""
+    import resource
+
+    room = [meminfo().get("MemAvailable")]
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        room.append(soft - _status_bytes("VmSize"))
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            room.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    known = [r for r in room if r is not None]
+    return min(known) if known else None
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def host_keep_decision(
+    cfg: AllocatorConfig, device: torch.device, predicted_peak: int | None, notes: list[str], room: int | None = -1
+) -> bool:
+    """Whether a run keeps freed host memory while it trains (``host_memory_kept``); a note for the run log, when it
+    does or cannot, goes to ``notes``.
+
+    ``host_keep_freed`` true or false decides (true needs glibc); unset, a CPU run keeps it when its predicted step
+    peak times ``KEEP_HEADROOM`` fits in ``room`` (default: ``host_memory_room()``), and a GPU run does not.
+    """
+    if cfg.host_keep_freed is False or (cfg.host_keep_freed is None and device.type != "cpu"):
+        return False
+    if _glibc() is None:
+        if cfg.host_keep_freed:
+            notes.append("allocator.host_keep_freed needs glibc's malloc (Linux); this host's is left as it is")
+        return False
+    if cfg.host_keep_freed is None:
+        room = host_memory_room() if room == -1 else room
+        if predicted_peak is None or room is None or KEEP_HEADROOM * predicted_peak > room:
+            return False
+    notes.append(
+        "host memory freed while training is kept for reuse, not returned to the kernel "
+        "(allocator.host_keep_freed=false returns it)"
+    )
+    return True
 
 
 @contextlib.contextmanager
-def host_memory_kept(cfg: AllocatorConfig, device: torch.device) -> Iterator[None]:
-    """While open (when ``keeps_host_memory``), glibc serves every block from its heap and keeps what is freed:
+def host_memory_kept(keep: bool) -> Iterator[None]:
+    """While open (when ``keep``: ``host_keep_decision``), glibc serves every block from its heap and keeps what is
+    freed:
     from the second step on a step reuses the pages the first one faulted in. On the way out glibc's default
     thresholds return and ``malloc_trim`` hands the free heap back to the kernel.
 
     The cost is resident memory: the process keeps its peak heap for the run, and a block freed in the middle of
     the heap is reused rather than returned.
     """
-    libc = _glibc() if keeps_host_memory(cfg, device) else None
+    libc = _glibc() if keep else None
     if libc is None:
         yield
         return
@@ -144,13 +203,6 @@ def host_memory_kept(cfg: AllocatorConfig, device: torch.device) -> Iterator[Non
 def apply_device_limits(cfg: AllocatorConfig, device: torch.device) -> list[str]:
     """Memory-fraction cap and pre-warm reservation on a GPU. Returns notes for the run log."""
     notes: list[str] = []
-    if keeps_host_memory(cfg, device):
-        notes.append(
-            "host memory freed while training is kept for reuse, not returned to the kernel "
-            "(allocator.host_keep_freed=false returns it)"
-        )
-    elif cfg.host_keep_freed and _glibc() is None:
-        notes.append("allocator.host_keep_freed needs glibc's malloc (Linux); this host's is left as it is")
     if device.type != "cuda":
         if alloc_conf_items(cfg) or cfg.memory_fraction or cfg.prewarm_gib or cfg.empty_cache_every:
             notes.append("allocator settings apply to CUDA/ROCm devices only; ignored on CPU")

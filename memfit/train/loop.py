@@ -41,6 +41,7 @@ from memfit.step.runner import DeepSpeedRunner, StepEngine, StepRunner
 from memfit.strategies.allocator import (
     apply_allocator_env,
     apply_device_limits,
+    host_keep_decision,
     host_memory_kept,
     maybe_release_cache,
     refuse_unsafe,
@@ -190,6 +191,9 @@ class Trainer:
                 self.notes.append(f"planner failed ({type(e).__name__}: {e}); running without the fit check")
         self.baseline_rss_bytes = process_rss_bytes()
         self.notes += apply_device_limits(cfg.allocator, self.device)
+        self.keep_host = host_keep_decision(
+            cfg.allocator, self.device, getattr(self.predicted, "peak_bytes", None), self.notes
+        )
         self.kernels = KernelProfiler(t.kernel_profile_every, self.device)
         self.watch = AllocatorWatch(
             self.device,
@@ -482,7 +486,7 @@ class Trainer:
         first, started = state.step, time.perf_counter()  # this process's share of the run (train.restart_on)
         self.par.model.train()
         try:
-            with display, StopSignals() as signals, host_memory_kept(cfg.allocator, self.device):
+            with display, StopSignals() as signals, host_memory_kept(self.keep_host):
                 if state.step == 0:
                     do_eval(0)
                 for step in range(state.step + 1, t.max_steps + 1):

@@ -2,6 +2,7 @@
 precision rules, LoRA wiring and allocator settings."""
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from memfit.step.loss import token_loss_sum
 from memfit.strategies.allocator import (
     alloc_conf_items,
     apply_device_limits,
-    keeps_host_memory,
+    host_keep_decision,
     merge_conf,
 )
 from memfit.strategies.checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
@@ -206,9 +207,35 @@ def test_allocator_settings_string():
     assert apply_device_limits(AllocatorConfig(host_keep_freed=False), CPU) == []
 
 
+GLIBC = sys.platform == "linux" and bool(os.confstr("CS_GNU_LIBC_VERSION"))
+KEPT = (
+    "host memory freed while training is kept for reuse, not returned to the kernel "
+    "(allocator.host_keep_freed=false returns it)"
+)
+
+
+@pytest.mark.skipif(not GLIBC, reason="needs glibc's malloc (Linux)")
+@pytest.mark.parametrize(
+    "setting, device, peak, room, kept",
+    [
+        (None, "cpu", 1 << 30, 3 << 30, True),  # room for 3x the predicted peak
+        (None, "cpu", 1 << 30, (3 << 30) - 1, False),  # not quite: the heap returns what is freed, as by default
+        (None, "cpu", None, 64 << 30, False),  # no prediction (plan_check off): nothing to judge the room by
+        (None, "cpu", 1 << 30, None, False),  # the room is not known
+        (None, "cuda", 1 << 30, 64 << 30, False),  # a GPU run's host memory is left alone unless asked
+        (True, "cuda", 1 << 30, 0, True),
+        (True, "cpu", None, None, True),
+        (False, "cpu", 1 << 20, 64 << 30, False),
+    ],
+)
+def test_freed_host_memory_is_kept_where_asked_or_where_a_cpu_run_has_room(setting, device, peak, room, kept):
+    notes: list[str] = []
+    assert host_keep_decision(AllocatorConfig(host_keep_freed=setting), torch.device(device), peak, notes, room) is kept
+    assert notes == ([KEPT] if kept else [])
+
+
 _FAULTS_SCRIPT = """
 import json, resource, sys, torch
-from memfit.config.schema import AllocatorConfig
 from memfit.strategies.allocator import host_memory_kept
 
 def faults(times):  # minor page faults while a 64 MiB block is allocated, filled and freed, each time
@@ -223,11 +250,10 @@ def faults(times):  # minor page faults while a 64 MiB block is allocated, fille
 def resident():
     return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 
-cpu = torch.device("cpu")
 r = {"default": faults(3)}
-with host_memory_kept(AllocatorConfig(host_keep_freed=False), cpu):
+with host_memory_kept(False):
     r["opted_out"] = faults(3)
-with host_memory_kept(AllocatorConfig(), cpu):
+with host_memory_kept(True):
     r["kept"] = faults(8)
     r["resident_kept"] = resident()
 r["resident_after"] = resident()
@@ -235,7 +261,7 @@ print(json.dumps(r))
 """
 
 
-@pytest.mark.skipif(not keeps_host_memory(AllocatorConfig(), CPU), reason="needs glibc's malloc (Linux)")
+@pytest.mark.skipif(not GLIBC, reason="needs glibc's malloc (Linux)")
 def test_host_memory_kept_while_training_stops_each_step_faulting_its_blocks_in_again():
     # in a fresh process: what glibc does with a block depends on the holes earlier tests left in the heap
     done = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, check=True)
@@ -248,12 +274,6 @@ def test_host_memory_kept_while_training_stops_each_step_faulting_its_blocks_in_
     # a freed hole that a small allocation has since taken the end of), then every block reuses those pages
     assert r["kept"][0] >= pages // 2 and sum(r["kept"]) <= 3 * pages and max(r["kept"][4:]) < pages // 20, r
     assert r["resident_kept"] - r["resident_after"] >= (64 << 20), r  # handed back to the kernel at the end
-    assert apply_device_limits(AllocatorConfig(), CPU) == [
-        "host memory freed while training is kept for reuse, not returned to the kernel "
-        "(allocator.host_keep_freed=false returns it)"
-    ]
-    assert not keeps_host_memory(AllocatorConfig(), torch.device("cuda"))  # on a GPU run only when asked
-    assert keeps_host_memory(AllocatorConfig(host_keep_freed=True), torch.device("cuda"))
 
 
 @pytest.mark.parametrize("has_flag", [True, False])
