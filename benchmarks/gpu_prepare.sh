@@ -20,4 +20,6 @@ $PY -c "from memfit.train.data import shakespeare_files as s; print('\n'.join(ma
 # torchao (optimizer.name adamw8bit/adamw4bit, lora.quantize_base nf4) is one pure-Python wheel, no deps
 mkdir -p .gpu_carry/wheels
 $PY -m pip download --no-deps --only-binary=:all: -d .gpu_carry/wheels "torchao>=0.18" >/dev/null
+# accelerate: HF Trainer's dependency, for train_throughput.py's three-way comparison (pure Python, no deps taken)
+$PY -m pip download --no-deps --only-binary=:all: -d .gpu_carry/wheels accelerate >/dev/null
 du -sh .gpu_carry

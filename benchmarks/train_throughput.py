@@ -10,6 +10,8 @@ and ends with one JSON line.
 
     python benchmarks/train_throughput.py                 # defaults below
     python benchmarks/train_throughput.py --reps 1 --steps 6   # quick look
+    python benchmarks/train_throughput.py --model random:llama2-7b --device cuda --precision bf16-mixed \
+        --seq-len 1024 --runners memfit,plain,hf --ac ""         # on a GPU: the 7B-shaped LoRA cell, with MFU
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ def _memfit_config(a, out_dir: str, ac: str = "none", keep: str = "null"):
             f"strategy.activation_checkpointing={ac}",
             f"allocator.host_keep_freed={keep}",
             f"output.dir={out_dir}",
+            f"model.source={a.model}",
+            f"data.source={a.data}",
+            f"train.device={a.device}",
+            f"strategy.precision={a.precision}",
         ],
     )
 
@@ -69,10 +75,25 @@ def _rows(a):
     cfg = _memfit_config(a, "/nonexistent")
     tok = load_tokenizer(ModelSource("hf", path=embedded_checkpoint_dir()))
     train, _ = split(load_dataset(cfg.data, tok), cfg.data.eval_fraction)
-    return train.tokens[: a.steps * a.batch]  # (steps * B, T + 1)
+    rows = train.tokens[: a.steps * a.batch]  # (steps * B, T + 1)
+    vocab = _model_config(a).vocab_size
+    return (rows % vocab).to(a.device)  # a random preset's smaller vocabulary: ids folded, as memfit folds them
 
 
-def _lora_model():
+def _model_config(a):
+    from memfit.models.load import embedded_checkpoint_dir
+    from memfit.models.presets import preset_config
+
+    if a.model.startswith("random:"):
+        return preset_config(a.model.removeprefix("random:"), "sdpa")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(embedded_checkpoint_dir())
+
+
+def _lora_model(a=None):
+    """The plain loop's and HF Trainer's model: the embedded SmolLM2 (or a random preset with ``--model``), LoRA r=8
+    on every projection; under bf16-mixed the frozen base in bf16 and the adapters in fp32, as memfit keeps them."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -80,13 +101,30 @@ def _lora_model():
     from memfit.models.load import embedded_checkpoint_dir
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(
-        embedded_checkpoint_dir(), dtype=torch.float32, attn_implementation="sdpa"
-    )
+    if a is None or not a.model.startswith("random:"):
+        model = AutoModelForCausalLM.from_pretrained(
+            embedded_checkpoint_dir(), dtype=torch.float32, attn_implementation="sdpa"
+        )
+    else:  # built where it trains, in its base dtype: a 7B model initialised on a CPU takes minutes
+        with torch.device(a.device):
+            model = AutoModelForCausalLM.from_config(_model_config(a), dtype=torch.float32)
     model.config.use_cache = False
-    return get_peft_model(
+    if a is not None and a.precision == "bf16-mixed":
+        model.to(torch.bfloat16)
+    model = get_peft_model(
         model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     )
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model.to(a.device if a is not None else "cpu")
+
+
+def _sync(a) -> None:
+    if a.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def run_memfit(a, ac: str = "none", keep: str = "null") -> dict:
@@ -120,7 +158,7 @@ def run_plain(a) -> dict:
     import torch
 
     rows = _rows(a)
-    model = _lora_model()
+    model = _lora_model(a)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-3, betas=(0.9, 0.95), foreach=True)
@@ -128,18 +166,20 @@ def run_plain(a) -> dict:
     for step in range(a.steps):
         batch = rows[step * a.batch : (step + 1) * a.batch]
         start, before = time.perf_counter(), _faults()
-        loss = plain_step(model, params, opt, batch)
+        loss = plain_step(model, params, opt, batch, a.precision == "bf16-mixed")
+        _sync(a)
         times.append(time.perf_counter() - start)
         faults.append(_faults() - before)
     return {"step_times_s": times, "step_faults": faults, "loss": float(loss)}
 
 
-def plain_step(model, params, opt, batch):
-    """One step of the plain PyTorch loop (also ``step_ab.py``'s reference): forward, fp32 cross-entropy,
-    backward, clip at 1.0, optimizer step, zero_grad. Returns the loss tensor."""
+def plain_step(model, params, opt, batch, bf16: bool = False):
+    """One step of the plain PyTorch loop (also ``step_ab.py``'s reference): forward (under bf16 autocast with
+    ``bf16``), fp32 cross-entropy, backward, clip at 1.0, optimizer step, zero_grad. Returns the loss tensor."""
     import torch
 
-    logits = model(input_ids=batch[:, :-1]).logits  # (B, T, V)
+    with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = model(input_ids=batch[:, :-1]).logits  # (B, T, V)
     loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -153,7 +193,7 @@ def run_hf(a) -> dict:
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    rows = _rows(a)
+    rows = _rows(a).cpu()
     data = [{"input_ids": r[:-1], "labels": r[:-1]} for r in rows]  # HF shifts labels itself
     times, faults, losses = [], [], []
 
@@ -162,6 +202,7 @@ def run_hf(a) -> dict:
             self.t, self.f = time.perf_counter(), _faults()
 
         def on_step_end(self, *args, **kw):
+            _sync(a)
             times.append(time.perf_counter() - self.t)
             faults.append(_faults() - self.f)
 
@@ -183,12 +224,13 @@ def run_hf(a) -> dict:
             logging_steps=1,
             save_strategy="no",
             report_to=[],
-            use_cpu=True,
+            use_cpu=a.device == "cpu",
+            bf16=a.precision == "bf16-mixed",
             dataloader_num_workers=0,
             disable_tqdm=True,
             seed=0,
         )
-        Trainer(model=_lora_model(), args=args, train_dataset=data, callbacks=[Clock()]).train()
+        Trainer(model=_lora_model(a), args=args, train_dataset=data, callbacks=[Clock()]).train()
     return {"step_times_s": times, "step_faults": faults, "loss": losses[-1] if losses else None}
 
 
@@ -207,7 +249,30 @@ def child(a) -> None:
         peak_rss_bytes=_peak_rss_bytes(),
         tokens_per_s=a.batch * a.seq_len / statistics.median(times),
     )
+    if a.device.startswith("cuda"):
+        out.update(gpu_utilisation(a, out["tokens_per_s"]))
     print("RESULT " + json.dumps(out))
+
+
+def gpu_utilisation(a, tokens_per_s: float) -> dict:
+    """The device's name, its peak allocated bytes, and model FLOPs utilisation: the model's training FLOPs a token
+    (memfit's cost model without recomputation: forward, and backward as LoRA runs it) x tokens/s, over the bf16
+    peak of the memfit hardware preset the device's name carries."""
+    import torch
+
+    from memfit.config.strategy import Strategy
+    from memfit.planner.cost import Shape, step_flops
+    from memfit.planner.hardware import device_preset
+
+    props = torch.cuda.get_device_properties(a.device)
+    gpu = device_preset(props.name, props.total_memory, True)
+    flops = step_flops(Shape.of(_model_config(a)), 1, a.seq_len, True, Strategy())
+    return {
+        "device": props.name,
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(a.device),
+        "mfu": tokens_per_s * flops / (gpu.peak_tflops * 1e12),
+        "peak_tflops": gpu.peak_tflops,
+    }
 
 
 def spawn(a, runner: str) -> dict:
@@ -226,6 +291,14 @@ def spawn(a, runner: str) -> dict:
         str(a.seq_len),
         "--documents",
         str(a.documents),
+        "--model",
+        a.model,
+        "--device",
+        a.device,
+        "--precision",
+        a.precision,
+        "--data",
+        a.data,
     ]
     return run_child(cmd, runner)
 
@@ -248,14 +321,20 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--documents", type=int, default=4)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="or random:PRESET (e.g. random:llama2-7b)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--precision", default="fp32", help="fp32 | bf16-mixed")
+    p.add_argument("--data", default="shakespeare", help="memfit's data.source (a directory of texts on a GPU machine)")
+    p.add_argument("--runners", default=None, help="comma-separated arms (default: all)")
     p.add_argument("--ac", default="none,ffn,every_k:2,full", help="AC policies for the memfit table ('' for none)")
     a = p.parse_args()
     if a.runner:
         return child(a)
 
-    results: dict[str, list[dict]] = {k: [] for k in RUNNERS}
+    arms = a.runners.split(",") if a.runners else list(RUNNERS)
+    results: dict[str, list[dict]] = {k: [] for k in arms}
     for rep in range(a.reps):
-        for name in RUNNERS:  # interleaved so drift hits all trainers alike
+        for name in arms:  # interleaved so drift hits all trainers alike
             results[name].append(spawn(a, name))
             r = results[name][-1]
             print(
@@ -269,6 +348,8 @@ def main() -> None:
             "peak_rss_bytes": statistics.median(r["peak_rss_bytes"] for r in v),
             "runs_tokens_per_s": [round(r["tokens_per_s"], 1) for r in v],
             "step_faults": statistics.median(r["median_step_faults"] for r in v),
+            **({"mfu": statistics.median(r["mfu"] for r in v), "device": v[0]["device"]} if "mfu" in v[0] else {}),
+            **({"peak_allocated_bytes": max(r["peak_allocated_bytes"] for r in v)} if "mfu" in v[0] else {}),
         }
         for k, v in results.items()
     }
@@ -283,20 +364,21 @@ def main() -> None:
         print(f"ac {policy:10s} {r['median_step_time_s']:.3f} s/step", file=sys.stderr)
 
     gib = 1 << 30
+    where = med[arms[0]].get("device") or f"CPU ({platform.processor() or platform.machine()})"
     print(
-        f"\nSmolLM2-135M LoRA r=8, B={a.batch}, T={a.seq_len}, fp32, CPU "
-        f"({platform.processor() or platform.machine()}), "
+        f"\n{a.model} LoRA r=8, B={a.batch}, T={a.seq_len}, {a.precision}, {where}, "
         f"{a.reps} runs x {a.steps} steps (median of steps {a.warmup + 1}..{a.steps})"
     )
     print(
         f"{'trainer':17s} {'tokens/s (median)':>18s} {'runs':>40s} {'page faults/step':>17s} "
-        f"{'peak RSS GiB':>13s} {'memfit ÷ this':>14s}"
+        f"{'peak RSS GiB':>13s} {'memfit ÷ this':>14s} {'MFU':>6s}"
     )
     for k, v in med.items():
-        ratio = med["memfit"]["tokens_per_s"] / v["tokens_per_s"]
+        ratio = med["memfit"]["tokens_per_s"] / v["tokens_per_s"] if "memfit" in med else float("nan")
+        mfu = f"{100 * v['mfu']:5.1f}%" if "mfu" in v else "     -"
         print(
             f"{k:17s} {v['tokens_per_s']:18.1f} {str(v['runs_tokens_per_s']):>40s} {v['step_faults']:17,.0f} "
-            f"{v['peak_rss_bytes'] / gib:13.3f} {ratio:14.3f}"
+            f"{v['peak_rss_bytes'] / gib:13.3f} {ratio:14.3f} {mfu}"
         )
     print(f"\n{'AC policy':10s} {'step time s':>12s} {'peak RSS GiB':>13s} {'loss after N':>13s}")
     for policy, r in ac_rows.items():
@@ -307,9 +389,11 @@ def main() -> None:
         "machine": platform.platform(),
         "settings": vars(a),
         "trainers": med,
-        "ratio_vs_plain": med["memfit"]["tokens_per_s"] / med["plain"]["tokens_per_s"],
-        "ratio_vs_hf": med["memfit"]["tokens_per_s"] / med["hf"]["tokens_per_s"],
-        "ratio_vs_memfit_returning": med["memfit"]["tokens_per_s"] / med["memfit-returning"]["tokens_per_s"],
+        **{
+            f"ratio_vs_{k.replace('-', '_')}": med["memfit"]["tokens_per_s"] / v["tokens_per_s"]
+            for k, v in med.items()
+            if k != "memfit" and "memfit" in med
+        },
         "ac": ac_rows,
     }
     print(json.dumps(summary))
