@@ -1,4 +1,5 @@
-"""Caching-allocator policy for CUDA and ROCm: settings string, memory cap, pre-warm, cache release.
+"""Caching-allocator policy for CUDA and ROCm (settings string, memory cap, pre-warm, cache release), and the host's
+malloc while a run trains.
 
 PyTorch reads its allocator settings from ``PYTORCH_CUDA_ALLOC_CONF`` (``PYTORCH_HIP_ALLOC_CONF`` on
 ROCm builds, ``PYTORCH_ALLOC_CONF`` on recent releases) when the allocator starts, i.e. at the first
@@ -179,8 +180,7 @@ def host_keep_decision(
 @contextlib.contextmanager
 def host_memory_kept(keep: bool) -> Iterator[None]:
     """While open (when ``keep``: ``host_keep_decision``), glibc serves every block from its heap and keeps what is
-    freed:
-    from the second step on a step reuses the pages the first one faulted in. On the way out glibc's default
+    freed: after the first steps a step reuses the pages earlier ones faulted in. On the way out glibc's default
     thresholds return and ``malloc_trim`` hands the free heap back to the kernel.
 
     The cost is resident memory: the process keeps its peak heap for the run, and a block freed in the middle of
