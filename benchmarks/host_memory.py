@@ -2,7 +2,9 @@
 
 A CPU run of the tiny preset at seq 512, micro-batch 4, one thread (the ``on_oom`` ladder test's shape), with the
 setting true and false, interleaved, each run its own process; each reports its median step time over steps 3..N,
-the minor page faults of each of those steps and its peak resident set (``VmHWM``). Prints a table and one JSON line:
+the minor page faults of each of those steps and its peak resident set (``VmHWM``, which the trainer resets before
+every step: the peak of the last step and the run's end; a kept heap stays resident, so it shows the kept heap).
+Prints a table and one JSON line:
 
     python benchmarks/host_memory.py [--reps 3] [--steps 8]
 """
@@ -12,48 +14,34 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import statistics
 import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from train_throughput import run_child  # benchmarks/ is on the path when run as a script
+from train_throughput import fit_counting_faults, run_child  # benchmarks/ is on the path when run as a script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def child(keep: str, steps: int) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    from rich.console import Console
     from support.tiny import tiny_overrides
 
     from memfit.config.loader import load_config
     from memfit.config.shipped import shipped_configs
-    from memfit.train.loop import Trainer
-
-    faults = []
-
-    class Counted(Trainer):
-        def _step(self, *args):
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            out = super()._step(*args)
-            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-            return out
+    from memfit.telemetry.readings import peak_rss_bytes
 
     common = ["data.seq_len=512", "data.max_documents=20", "train.eval_every=0", "train.eval_batches=1"]
     common += ["output.export=false", "train.threads=1", "train.checkpoint_every=0", "train.micro_batch_size=4"]
     with tempfile.TemporaryDirectory() as d:
         overrides = tiny_overrides(d, *common, f"train.max_steps={steps}", f"allocator.host_keep_freed={keep}")
-        result = Counted(
-            load_config(shipped_configs()["tiny-cpu"], overrides), display_console=Console(quiet=True)
-        ).fit()
-    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+        result, faults = fit_counting_faults(load_config(shipped_configs()["tiny-cpu"], overrides))
     out = {
         "median_step_time_s": statistics.median(r["step_time_s"] for r in result.steps[2:]),
         "step_faults": faults[2:],
-        "peak_resident_bytes": int(status["VmHWM"].split()[0]) * 1024,
+        "peak_resident_bytes": peak_rss_bytes(),  # VmHWM, which the trainer resets before each step: the last one's
     }
     print("RESULT " + json.dumps(out))
 

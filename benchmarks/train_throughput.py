@@ -127,24 +127,30 @@ def _sync(a) -> None:
         torch.cuda.synchronize()
 
 
-def run_memfit(a, ac: str = "none", keep: str = "null") -> dict:
-    import tempfile
-
+def fit_counting_faults(cfg):
+    """memfit's ``Trainer.fit()`` on ``cfg``, quiet; its result and the page faults of each step's forward, backward
+    and update."""
     from rich.console import Console
 
     from memfit.train.loop import Trainer
 
     faults = []
 
-    class Counted(Trainer):  # the page faults of each step's forward, backward and update
+    class Counted(Trainer):
         def _step(self, *args):
             before = _faults()
             out = super()._step(*args)
             faults.append(_faults() - before)
             return out
 
+    return Counted(cfg, display_console=Console(quiet=True)).fit(), faults
+
+
+def run_memfit(a, ac: str = "none", keep: str = "null") -> dict:
+    import tempfile
+
     with tempfile.TemporaryDirectory() as d:
-        result = Counted(_memfit_config(a, f"{d}/run", ac, keep), display_console=Console(quiet=True)).fit()
+        result, faults = fit_counting_faults(_memfit_config(a, f"{d}/run", ac, keep))
     times = [r["step_time_s"] for r in result.steps]
     return {"step_times_s": times, "step_faults": faults, "loss": result.steps[-1]["loss"]}
 

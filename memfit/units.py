@@ -55,3 +55,11 @@ def meminfo() -> dict[str, int]:
     except OSError:
         return {}
     return out
+
+
+def statm_bytes() -> tuple[int, int]:
+    """This process's mapped address space and resident set in bytes (Linux ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as fh:
+        size, resident = fh.read().split()[:2]
+    page = os.sysconf("SC_PAGE_SIZE")
+    return int(size) * page, int(resident) * page

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
+import resource
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +34,7 @@ from memfit.allocator.conf import parse, split_pairs, unsafe_combination
 from memfit.config.schema import AllocatorConfig
 from memfit.device import is_rocm
 from memfit.errors import UserError
-from memfit.units import GIB, meminfo
+from memfit.units import GIB, meminfo, statm_bytes
 
 
 def alloc_conf_items(cfg: AllocatorConfig) -> dict[str, str]:
@@ -104,6 +106,7 @@ _KEEP = {_M_TRIM_THRESHOLD: 2**31 - 1, _M_MMAP_MAX: 0}  # no trimming below 2 Gi
 _GLIBC_DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_MAX: 65536}
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
     """The C library when it is glibc (whose ``mallopt`` and ``malloc_trim`` we call), else None."""
     if sys.platform != "linux":
@@ -125,12 +128,10 @@ fits in the room the process has: a kept heap reuses holes rather than returning
 def host_memory_room() -> int | None:
     """Bytes this process may still take: the least of the host's ``MemAvailable``, the address-space limit
     (``RLIMIT_AS``) less what is mapped, and the cgroup's ``memory.max`` less its usage (None where none is known)."""
-    import resource
-
     room = [meminfo().get("MemAvailable")]
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
-        room.append(soft - _status_bytes("VmSize"))
+        room.append(soft - statm_bytes()[0])
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if limit != "max":
@@ -139,16 +140,6 @@ def host_memory_room() -> int | None:
         pass
     known = [r for r in room if r is not None]
     return min(known) if known else None
-
-
-def _status_bytes(field: str) -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def host_keep_decision(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 import resource
 from dataclasses import dataclass
 
@@ -18,13 +17,12 @@ import torch
 
 from memfit.strategies.host_optimizer import host_tensors
 from memfit.strategies.tensors import held_bytes, plain_tensors, state_tensors
+from memfit.units import statm_bytes
 
 
 def process_rss_bytes() -> int:
     """Resident set size of this process now (Linux ``/proc/self/statm``)."""
-    with open("/proc/self/statm") as fh:
-        pages = int(fh.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE")
+    return statm_bytes()[1]
 
 
 def peak_rss_bytes() -> int:

@@ -49,12 +49,7 @@ from memfit.strategies.allocator import (
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora, quantize_base
 from memfit.strategies.offload import activation_offload
-from memfit.strategies.optimizer import (
-    build_optimizer,
-    build_scheduler,
-    engine_host_config,
-    resolve_implementation,
-)
+from memfit.strategies.optimizer import build_optimizer, build_scheduler, engine_host_config, resolve_implementation
 from memfit.strategies.precision import resolve_precision
 from memfit.telemetry.allocator_watch import AllocatorWatch
 from memfit.telemetry.display import TrainDisplay, summary_tables
@@ -62,12 +57,7 @@ from memfit.telemetry.kernels import KernelProfiler
 from memfit.telemetry.metrics_file import MetricsLog, NullLog
 from memfit.telemetry.oom import oom_request_bytes
 from memfit.telemetry.prometheus import TrainerMetrics
-from memfit.telemetry.readings import (
-    memory_record,
-    process_rss_bytes,
-    reset_peaks,
-    state_bytes,
-)
+from memfit.telemetry.readings import memory_record, process_rss_bytes, reset_peaks, state_bytes
 from memfit.telemetry.summary import RunSummary, summarize
 from memfit.train.checkpoint import TrainerState, checkpoint_dir, load_checkpoint, save_checkpoint
 from memfit.train.data import eval_batches, load_dataset, split, train_loader
