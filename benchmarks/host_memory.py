@@ -1,12 +1,12 @@
 """Freed host memory kept or returned (``allocator.host_keep_freed``): step time, page faults and peak resident memory.
 
-A CPU run of the tiny preset at seq 512, micro-batch 4, one thread (the ``on_oom`` ladder test's shape), with the
-setting true and false, interleaved, each run its own process; each reports its median step time over steps 3..N,
-the minor page faults of each of those steps and its peak resident set (``VmHWM``, which the trainer resets before
-every step: the peak of the last step and the run's end; a kept heap stays resident, so it shows the kept heap).
-Prints a table and one JSON line:
+A CPU run of the tiny preset at seq 512, micro-batch 4 (``--micro-batch``), one thread (the ``on_oom`` ladder
+test's shape), with the setting true and false, interleaved, each run its own process; each reports its median step
+time over steps 3..N, the minor page faults of each of those steps and its peak resident set (``VmHWM``, which the
+trainer resets before every step: the peak of the last step and the run's end; a kept heap stays resident, so it
+shows the kept heap). Prints a table and one JSON line:
 
-    python benchmarks/host_memory.py [--reps 3] [--steps 8]
+    python benchmarks/host_memory.py [--reps 3] [--steps 8] [--micro-batch 4]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from train_throughput import fit_counting_faults, run_child  # benchmarks/ is on
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def child(keep: str, steps: int) -> None:
+def child(keep: str, steps: int, micro_batch: int) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from support.tiny import tiny_overrides
 
@@ -34,7 +34,12 @@ def child(keep: str, steps: int) -> None:
     from memfit.telemetry.readings import peak_rss_bytes
 
     common = ["data.seq_len=512", "data.max_documents=20", "train.eval_every=0", "train.eval_batches=1"]
-    common += ["output.export=false", "train.threads=1", "train.checkpoint_every=0", "train.micro_batch_size=4"]
+    common += [
+        "output.export=false",
+        "train.threads=1",
+        "train.checkpoint_every=0",
+        f"train.micro_batch_size={micro_batch}",
+    ]
     with tempfile.TemporaryDirectory() as d:
         overrides = tiny_overrides(d, *common, f"train.max_steps={steps}", f"allocator.host_keep_freed={keep}")
         result, faults = fit_counting_faults(load_config(shipped_configs()["tiny-cpu"], overrides))
@@ -51,13 +56,23 @@ def main() -> None:
     p.add_argument("--child", choices=["true", "false"])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, default=4)
     a = p.parse_args()
     if a.child:
-        return child(a.child, a.steps)
+        return child(a.child, a.steps, a.micro_batch)
     runs: dict[str, list[dict]] = {"true": [], "false": []}
     for rep in range(a.reps):
         for keep in runs:
-            cmd = [sys.executable, __file__, "--child", keep, "--steps", str(a.steps)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                keep,
+                "--steps",
+                str(a.steps),
+                "--micro-batch",
+                str(a.micro_batch),
+            ]
             runs[keep].append(run_child(cmd, f"host_keep_freed={keep}"))
             r = runs[keep][-1]
             print(
@@ -74,7 +89,7 @@ def main() -> None:
         }
         for k, v in runs.items()
     }
-    print(f"\ntiny preset, seq 512, micro-batch 4, 1 thread, CPU; {a.reps} runs x {a.steps} steps")
+    print(f"\ntiny preset, seq 512, micro-batch {a.micro_batch}, 1 thread, CPU; {a.reps} runs x {a.steps} steps")
     for k, v in med.items():
         rss = ", ".join(f"{b / 2**30:.2f}" for b in v["peak_resident_bytes"])
         print(

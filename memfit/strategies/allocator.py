@@ -102,7 +102,9 @@ def apply_allocator_env(cfg: AllocatorConfig) -> str | None:
 
 # glibc's mallopt parameters (malloc.h) and their documented defaults, which a run's end puts back
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-_KEEP = {_M_TRIM_THRESHOLD: 2**31 - 1, _M_MMAP_MAX: 0}  # no trimming below 2 GiB of free heap top; no mmap'd blocks
+# kept: no mmap'd blocks, and the heap's top never trimmed (-1 is SIZE_MAX to glibc; a 2 GiB threshold gave a step's
+# freed logits back each step at micro-batch 16: benchmarks/RESULTS.md)
+_KEEP = {_M_TRIM_THRESHOLD: -1, _M_MMAP_MAX: 0}
 _GLIBC_DEFAULTS = {_M_TRIM_THRESHOLD: 128 * 1024, _M_MMAP_MAX: 65536}
 
 

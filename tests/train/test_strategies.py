@@ -238,11 +238,11 @@ _FAULTS_SCRIPT = """
 import json, resource, sys, torch
 from memfit.strategies.allocator import host_memory_kept
 
-def faults(times):  # minor page faults while a 64 MiB block is allocated, filled and freed, each time
+def faults(times, values=16 << 20):  # minor page faults while a block (64 MiB) is allocated, filled, freed, each time
     out = []
     for _ in range(times):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        block = torch.ones(16 << 20)
+        block = torch.ones(values)
         del block
         out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     return out
@@ -255,6 +255,7 @@ with host_memory_kept(False):
     r["opted_out"] = faults(3)
 with host_memory_kept(True):
     r["kept"] = faults(8)
+    r["kept_large"] = faults(5, 9 << 26)  # 2.25 GiB: freed at the heap's top, over any trim threshold short of none
     r["resident_kept"] = resident()
 r["resident_after"] = resident()
 print(json.dumps(r))
@@ -273,6 +274,9 @@ def test_host_memory_kept_while_training_stops_each_step_faulting_its_blocks_in_
     # kept: the heap grows to hold the block, once or twice more while the holes settle (an aligned block may not fit
     # a freed hole that a small allocation has since taken the end of), then every block reuses those pages
     assert r["kept"][0] >= pages // 2 and sum(r["kept"]) <= 3 * pages and max(r["kept"][4:]) < pages // 20, r
+    assert max(r["kept_large"][3:]) < pages // 20, (
+        r
+    )  # after its heap growths; a 2 GiB threshold re-faulted it each time
     assert r["resident_kept"] - r["resident_after"] >= (64 << 20), r  # handed back to the kernel at the end
 
 
