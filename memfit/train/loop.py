@@ -43,6 +43,7 @@ from memfit.strategies.allocator import (
     apply_device_limits,
     host_keep_decision,
     host_memory_kept,
+    kept_heap_limit,
     maybe_release_cache,
     refuse_unsafe,
 )
@@ -181,9 +182,9 @@ class Trainer:
                 self.notes.append(f"planner failed ({type(e).__name__}: {e}); running without the fit check")
         self.baseline_rss_bytes = process_rss_bytes()
         self.notes += apply_device_limits(cfg.allocator, self.device)
-        self.keep_host = host_keep_decision(
-            cfg.allocator, self.device, getattr(self.predicted, "peak_bytes", None), self.notes
-        )
+        peak = getattr(self.predicted, "peak_bytes", None)
+        self.keep_host = host_keep_decision(cfg.allocator, self.device, peak, self.notes)
+        self.kept_limit = kept_heap_limit(self.baseline_rss_bytes, peak)
         self.kernels = KernelProfiler(t.kernel_profile_every, self.device)
         self.watch = AllocatorWatch(
             self.device,
@@ -476,7 +477,7 @@ class Trainer:
         first, started = state.step, time.perf_counter()  # this process's share of the run (train.restart_on)
         self.par.model.train()
         try:
-            with display, StopSignals() as signals, host_memory_kept(self.keep_host):
+            with display, StopSignals() as signals, host_memory_kept(self.keep_host, self.kept_limit) as bound:
                 if state.step == 0:
                     do_eval(0)
                 for step in range(state.step + 1, t.max_steps + 1):
@@ -528,6 +529,7 @@ class Trainer:
                         log.write(rec)
                         display.update(rec)
                     maybe_release_cache(cfg.allocator, self.device, step)
+                    bound()  # a kept heap handed back when over its budget (host_memory_kept)
                     if t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
                         do_eval(step)
                     saved = bool(t.keep_checkpoints) and (

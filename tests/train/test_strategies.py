@@ -258,6 +258,13 @@ with host_memory_kept(True):
     r["kept_large"] = faults(5, 9 << 26)  # 2.25 GiB: freed at the heap's top, over any trim threshold short of none
     r["resident_kept"] = resident()
 r["resident_after"] = resident()
+with host_memory_kept(True, resident() + (32 << 20)) as bound:  # a budget of 32 MiB over what is resident now
+    r["bound_under"] = bound()
+    block = torch.ones(16 << 20)
+    del block
+    r["resident_over"] = resident()
+    r["bound_over"] = bound()
+    r["resident_bound"] = resident()
 print(json.dumps(r))
 """
 
@@ -278,6 +285,9 @@ def test_host_memory_kept_while_training_stops_each_step_faulting_its_blocks_in_
         r
     )  # after its heap growths; a 2 GiB threshold re-faulted it each time
     assert r["resident_kept"] - r["resident_after"] >= (64 << 20), r  # handed back to the kernel at the end
+    # over its budget a kept heap is handed back by ``bound()`` (after a step), under it left as it is
+    assert r["bound_under"] is False and r["bound_over"] is True, r
+    assert r["resident_over"] - r["resident_bound"] >= (60 << 20), r
 
 
 @pytest.mark.parametrize("has_flag", [True, False])
