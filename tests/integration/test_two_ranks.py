@@ -178,12 +178,12 @@ def _wait_for(predicate, proc, seconds: float) -> None:
 
 @pytest.mark.parametrize("engine", ["fsdp2-zero2", "deepspeed-zero3-chunked"])
 def test_sharded_checkpoint_kill_and_resume_continue_the_same_losses(runs, tmp_path, engine):
+    """Killed after its step-2 checkpoint, resumed: the losses of the module's uninterrupted run of the engine."""
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(DS_FP32)
-    extra = (*ENGINES[engine], f"distributed.deepspeed_config={ds_json}", "data.seq_len=128")
-    args = tiny_overrides(tmp_path / "run", *COMMON, *extra, "train.checkpoint_every=2")
-    ref_args = tiny_overrides(tmp_path / "ref", *COMMON, *extra)
-    ref = _memfit(ref_args, nproc=2, popen=True)
+    args = tiny_overrides(
+        tmp_path / "run", *COMMON, *ENGINES[engine], f"distributed.deepspeed_config={ds_json}", "train.checkpoint_every=2"
+    )
     victim = _memfit(args, nproc=2, popen=True)
     ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
     _wait_for(ckpt.is_dir, victim, 180)
@@ -195,9 +195,7 @@ def test_sharded_checkpoint_kill_and_resume_continue_the_same_losses(runs, tmp_p
     code, out, err = _memfit(args + ["train.resume=true"], nproc=2)
     assert code == 0, err[-3000:]
     assert "resuming from step_" in out
-    ref_out, ref_err = ref.communicate(timeout=300)
-    assert ref.returncode == 0, ref_err[-2000:]
-    got, want = _steps(tmp_path / "run"), _steps(tmp_path / "ref")
+    got, want = _steps(tmp_path / "run"), _steps(runs[engine])
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert _close([r["loss"] for r in got], [r["loss"] for r in want], 1e-6)
     assert all((p / "trainer_state.json").is_file() for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
