@@ -3,6 +3,7 @@ replay that runs out passes a row over; nothing that fits is one line and nothin
 a memory cap that rules out the default config trains what --auto chose (integration tier)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -72,9 +73,10 @@ def test_nothing_that_fits_is_one_line_with_the_closest_and_its_shortfall(tmp_pa
     assert "--auto: nothing fits on cpu" in text and "misses by" in text and "\n" not in text
 
 
-def _train(*args, timeout=900):
+def _train(*args, traces=None, timeout=900):
+    env = dict(os.environ, MEMFIT_TRACE_CACHE=str(traces)) if traces else None  # a cache of this test's own
     return subprocess.run(
-        [sys.executable, "-m", "memfit.cli", "train", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "memfit.cli", "train", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
@@ -85,7 +87,8 @@ def test_auto_trains_what_fits_a_cap_the_default_config_does_not(tmp_path, embed
     run = tmp_path / "run"
     common = [f"output.dir={run}", "train.max_steps=1", "train.eval_every=0", "train.eval_batches=1"]
     narrow = ["strategy.loss_chunks=0", "optimizer.name=adamw", "lora.quantize_base=none"]  # a shorter search
-    done = _train("--auto", "--mem", "1.5GiB", *common, *narrow, "train.threads=2")
+    traces = tmp_path / "traces"  # the second search reads the first's traces
+    done = _train("--auto", "--mem", "1.5GiB", *common, *narrow, "train.threads=2", traces=traces)
     assert done.returncode == 0, done.stderr[-2000:]
     plan = json.loads((run / "auto-plan.json").read_text())
     chosen = plan["fitting"][plan["chosen_row"] - 1]
@@ -106,6 +109,7 @@ def test_auto_trains_what_fits_a_cap_the_default_config_does_not(tmp_path, embed
     assert plan["predicted_step_time_s"] > 0 and plan["measured_median_step_time_s"] > 0
 
     nothing = tmp_path / "nothing"
-    refused = _train("--auto", "--mem", "300MiB", f"output.dir={nothing}", "train.max_steps=1", *FEW)
+    refused = _train("--auto", "--mem", "300MiB", f"output.dir={nothing}", "train.max_steps=1", *FEW, traces=traces)
     assert refused.returncode == 2 and "--auto: nothing fits on cpu" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and not nothing.exists()
+    assert any(traces.rglob("*")), "the searches shared no trace cache"
