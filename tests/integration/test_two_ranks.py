@@ -181,9 +181,8 @@ def test_sharded_checkpoint_kill_and_resume_continue_the_same_losses(runs, tmp_p
     """Killed after its step-2 checkpoint, resumed: the losses of the module's uninterrupted run of the engine."""
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(DS_FP32)
-    args = tiny_overrides(
-        tmp_path / "run", *COMMON, *ENGINES[engine], f"distributed.deepspeed_config={ds_json}", "train.checkpoint_every=2"
-    )
+    extra = (*ENGINES[engine], f"distributed.deepspeed_config={ds_json}", "train.checkpoint_every=2")
+    args = tiny_overrides(tmp_path / "run", *COMMON, *extra)
     victim = _memfit(args, nproc=2, popen=True)
     ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
     _wait_for(ckpt.is_dir, victim, 180)
