@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -58,6 +59,7 @@ from memfit.models.load import decoder_layers
 from memfit.planner.categories import HOST_CATEGORIES, PHASES, Breakdown, Category, StepMemory
 from memfit.strategies.host_optimizer import host_tensors, observing_host
 from memfit.strategies.offload import Offloaded, observing
+from memfit.strategies.optimizer import running_slice_updates
 from memfit.strategies.tensors import plain_tensors, state_tensors
 
 
@@ -255,6 +257,32 @@ class Moments:
 SHARED = object()
 
 
+REPLAY_SLICE_UPDATES = True
+"""Replay the storages of a low-bit update slice of shapes already traced (``_run_update``) instead of tracing it."""
+
+_NOT_REPLAYABLE = object()
+_replays: dict[tuple, object] = {}
+"""What an update of one slice's shapes allocated and released, op by op, as recorded in this process: per op its
+events with serials counted from the update's first, the events after its last op, and how many storages it made
+(``_NOT_REPLAYABLE`` where the update touched storages that existed before it or kept one)."""
+
+
+def _replay_key(args: tuple, *context) -> tuple | None:
+    """What an update's allocations depend on: each tensor's type, shape, dtype and strides (its inner tensors' too,
+    and a subclass's metadata), the other arguments' values. None on real tensors (a real step is run, not replayed):
+    the planner's are fake (a quantized state's code map excepted, made once for real)."""
+    parts, fake = list(context), False
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            parts.append((type(a), a))
+            continue
+        inner = plain_tensors(a)
+        fake = fake or any(isinstance(t, FakeTensor) for t in inner)
+        meta = repr(a.__tensor_flatten__()[1]) if is_traceable_wrapper_subclass(a) else None
+        parts.append((type(a), tuple(a.shape), a.dtype, meta, tuple((t.shape, t.stride(), t.dtype) for t in inner)))
+    return tuple(parts) if fake else None
+
+
 class StepTracker(TorchDispatchMode):
     """Record live storage bytes of everything ``model``/``optimizer`` do inside the context.
 
@@ -275,7 +303,7 @@ class StepTracker(TorchDispatchMode):
         # allocator rounds them, to a power of two
         self._pow2_pinned = round_to > 1 and not host_is_device
         self._host_serials: set[int] = set()  # storages made there: host memory unless host_is_device
-        self._observer = self._host_observer = None
+        self._observer = self._host_observer = self._updates = None
         self._serial_of: dict[int, int] = {}  # id(storage) -> serial, for live storages
         self._events: list[tuple[int, int]] = []  # (serial, +nbytes | -nbytes)
         self._ops: list[tuple[int, str]] = []  # (number of events after the op, phase)
@@ -288,6 +316,7 @@ class StepTracker(TorchDispatchMode):
         self._layer: int | None = None  # decoder layer running now (forward, recompute or backward)
         self._layer_of: dict[int, int | object] = {}  # serial of a saved tensor -> layer that saved it, or SHARED
         self._hooks: list = []
+        self._depth = 0  # how many times entered: once, and again inside each tensor subclass's op
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     # -- bookkeeping ------------------------------------------------------------------------------
@@ -400,6 +429,51 @@ class StepTracker(TorchDispatchMode):
             return f"backward:{self._region()}"
         return "clip" if self._after_backward else f"forward:{self._region()}"
 
+    def _run_update(self, update, args: tuple) -> None:
+        """One slice of a low-bit optimizer update (``running_slice_updates``): on fake tensors of shapes this process
+        has traced it for, its storages' allocations and releases are replayed op by op, as the ops would record
+        them: a 7B model's update runs the same few slice shapes dozens of times, thousands of fake ops each."""
+        key = None if self._on_host or not REPLAY_SLICE_UPDATES else _replay_key(args, update, self.round_to)
+        recorded = _replays.get(key, None) if key is not None else _NOT_REPLAYABLE
+        if recorded is _NOT_REPLAYABLE:
+            update(*args)
+        elif recorded is not None:
+            self._replay(*recorded)
+        else:
+            first_event, first_op, first_serial = len(self._events), len(self._ops), self._next
+            update(*args)
+            _replays[key] = self._recorded(first_event, first_op, first_serial)
+
+    def _recorded(self, first_event: int, first_op: int, first_serial: int) -> object:
+        """The events since ``first_event`` per op since ``first_op``, serials relative to ``first_serial``; or
+        ``_NOT_REPLAYABLE`` where one concerns an older storage, a storage outlives them, or the phase changed."""
+        events = self._events[first_event:]
+        net: dict[int, int] = {}
+        for serial, delta in events:
+            net[serial] = net.get(serial, 0) + delta
+        ops = self._ops[first_op:]
+        if min(net, default=first_serial) < first_serial or any(net.values()) or len({p for _, p in ops}) > 1:
+            return _NOT_REPLAYABLE
+        per_op, done = [], first_event
+        for end, _ in ops:
+            per_op.append([(serial - first_serial, delta) for serial, delta in self._events[done:end]])
+            done = end
+        after = [(serial - first_serial, delta) for serial, delta in self._events[done:]]
+        return per_op, after, self._next - first_serial
+
+    def _replay(self, per_op: list, after: list, storages: int) -> None:
+        base, self._next = self._next, self._next + storages
+        phase = self._phase()
+        for events in per_op:
+            self._append_events(base, events)
+            self._ops.append((len(self._events), phase))
+        self._append_events(base, after)
+
+    def _append_events(self, base: int, events: list[tuple[int, int]]) -> None:
+        for local, delta in events:
+            self._events.append((base + local, delta))
+            self.total_bytes += delta
+
     # -- the dispatch mode --------------------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -421,6 +495,10 @@ class StepTracker(TorchDispatchMode):
         return out
 
     def __enter__(self):
+        self._depth += 1
+        if self._depth > 1:  # entered again to run a tensor subclass's op: its hooks and observers are on
+            return super().__enter__()
+
         def pre(*_):
             self._in_optimizer = True
             self._mark((p.grad for p in self.model.parameters() if p.grad is not None), Category.GRADS)
@@ -471,10 +549,16 @@ class StepTracker(TorchDispatchMode):
 
         self._host_observer = observing_host(on_host)
         self._host_observer.__enter__()
+        self._updates = running_slice_updates(self._run_update)
+        self._updates.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
+        self._depth -= 1
+        if self._depth:
+            return out
+        self._updates.__exit__(*exc)
         self._host_observer.__exit__(*exc)
         self._observer.__exit__(*exc)
         self._saved_hooks.__exit__(*exc)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from support.tiny import wide_tiny_config
 
+import memfit.planner.tracker as tracker_module
 import memfit.strategies.optimizer as optimizer_module
 from memfit.config.schema import OptimizerConfig
 from memfit.config.strategy import CheckpointPolicy, Strategy
@@ -18,7 +19,7 @@ from memfit.planner.categories import Category
 from memfit.planner.hardware import gpu_preset
 from memfit.planner.measure import measured_steady_step
 from memfit.planner.search import Cluster, Pins, Workload, predict_run, search
-from memfit.planner.trace import StepSpec
+from memfit.planner.trace import StepSpec, _traced
 from memfit.strategies.optimizer import LOW_BIT_BLOCK, build_optimizer
 from memfit.strategies.tensors import state_tensors
 from memfit.train.loop import Trainer
@@ -63,6 +64,31 @@ def test_the_planner_predicts_low_bit_states_as_the_profiler_measures_them(name,
         monkeypatch.setattr(optimizer_module, "SLICE_VALUES", 1 << 30)
         whole = measured_steady_step(spec)
         assert measured[Category.TEMPORARIES] < 0.5 * whole[Category.TEMPORARIES]
+
+
+@pytest.mark.parametrize("name, precision", [("adamw8bit", "bf16-mixed"), ("adamw4bit", "fp32")])
+def test_a_replayed_slice_update_records_what_tracing_it_records(name, precision, monkeypatch):
+    """The planner traces a low-bit update slice once per shape in a process and replays what it allocated for every
+    later slice of those shapes: the update's timeline and its allocation events are the same as tracing every slice
+    (here 16 slices of the embedding and one per decoder projection, at 32K values a slice, two layers)."""
+    monkeypatch.setattr(optimizer_module, "SLICE_VALUES", 1 << 15)
+    spec = dataclasses.replace(_spec(name, precision), part="update", round_to=512)
+    replayed = []
+    replay = tracker_module.StepTracker._replay
+    monkeypatch.setattr(tracker_module.StepTracker, "_replay", lambda self, *a: (replayed.append(1), replay(self, *a)))
+
+    def traced(replaying: bool):
+        monkeypatch.setattr(tracker_module, "REPLAY_SLICE_UPDATES", replaying)
+        monkeypatch.setattr(tracker_module, "_replays", {})
+        tracker = _traced(spec, 2)
+        timeline = tracker.timeline()
+        return timeline.phases, [tuple(r) for r in timeline.rows], tracker.allocation_events()
+
+    every_slice = traced(False)
+    assert not replayed
+    assert traced(True) == every_slice and len(replayed) >= 15
+    assert optimizer_module._update_runners == []  # the tracker's runner is gone with the trace
+    assert tracker_module._replay_key((torch.zeros(4), 0.1)) is None  # a real step is run, never replayed
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
