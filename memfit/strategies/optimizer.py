@@ -141,8 +141,9 @@ def _code_maps_computed() -> None:
 SLICE_VALUES = 1 << 24
 """Values of a parameter the eager low-bit update works on at once (64 MiB in fp32; a 4096 x 4096 projection is
 one slice): a larger parameter is stepped in slices of whole rows, so the update's fp32 and int64 temporaries
-(about 13x a slice's fp32 bytes) stay under 1 GiB. Smaller slices cost the planner more ops to trace: at 4M values
-a Llama-2-7B search took 57 s instead of 25 s on a 2-core VM."""
+(about 13x a slice's fp32 bytes) stay under 1 GiB. The planner traces one slice of each shape and replays the rest
+(``StepTracker._run_update``); before it did, 4M-value slices took a Llama-2-7B search 57 s instead of 25 s on a
+2-core VM."""
 
 
 _update_runners: list[Callable] = []
