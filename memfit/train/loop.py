@@ -521,6 +521,8 @@ class Trainer:
                     }
                     memory, received = self._memory(signals)
                     rec.update(memory | extra)
+                    if bound():  # a kept heap over its budget, handed back after the step (host_memory_kept)
+                        rec["host_heap_trimmed"] = True
                     self.watch.after_step(step, rec)
                     result.steps.append(rec)
                     if self.metrics is not None:
@@ -529,7 +531,6 @@ class Trainer:
                         log.write(rec)
                         display.update(rec)
                     maybe_release_cache(cfg.allocator, self.device, step)
-                    bound()  # a kept heap handed back when over its budget (host_memory_kept)
                     if t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
                         do_eval(step)
                     saved = bool(t.keep_checkpoints) and (

@@ -289,6 +289,21 @@ def test_host_memory_kept_while_training_stops_each_step_faulting_its_blocks_in_
     assert r["resident_over"] - r["resident_bound"] >= (60 << 20), r
 
 
+@pytest.mark.skipif(not GLIBC, reason="needs glibc's malloc (Linux)")
+def test_a_kept_heap_over_its_budget_is_handed_back_after_each_step(tiny_cfg, tmp_path, monkeypatch):
+    """With no headroom the budget is the RSS before training, which every step's resident set passes (the model
+    and its states are resident): each step's record says the heap was handed back, and the losses are unchanged."""
+    import memfit.strategies.allocator as allocator_module
+    from memfit.train.loop import Trainer
+
+    overrides = ("train.max_steps=3", "train.eval_every=0", "output.export=false", "allocator.host_keep_freed=true")
+    kept = Trainer(tiny_cfg(*overrides, f"output.dir={tmp_path / 'kept'}")).fit()
+    monkeypatch.setattr(allocator_module, "KEEP_HEADROOM", 0)
+    trimmed = Trainer(tiny_cfg(*overrides, f"output.dir={tmp_path / 'trimmed'}")).fit()
+    assert [r.get("host_heap_trimmed") for r in trimmed.steps] == [True, True, True]
+    assert [r["loss"] for r in trimmed.steps] == [r["loss"] for r in kept.steps]
+
+
 @pytest.mark.parametrize("has_flag", [True, False])
 def test_fragmentation_readings_leave_the_recorded_trace_out_where_torch_can(monkeypatch, has_flag):
     """torch.cuda.memory_snapshot(include_traces=False) skips copying the recorded trace (seconds with a
