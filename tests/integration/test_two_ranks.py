@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 from support.scrape import scrape
 from support.tiny import tiny_overrides
 
+from memfit.config.loader import load_config
+from memfit.config.shipped import shipped_configs
 from memfit.telemetry.metrics_file import read_metrics
 
 pytestmark = pytest.mark.integration
@@ -61,6 +63,13 @@ def _memfit(args, nproc=None, popen=False, timeout=300, extra_flags=()):
     return proc.returncode, out, err
 
 
+def _in_process(args) -> None:
+    """A one-process run in this process (``memfit train tiny-cpu ARGS`` without a new interpreter's imports)."""
+    from memfit.train.loop import Trainer
+
+    Trainer(load_config(shipped_configs()["tiny-cpu"], args)).fit()
+
+
 def _steps(run_dir: Path) -> list[dict]:
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "step"]
 
@@ -80,8 +89,7 @@ def runs(tmp_path_factory, embedded_dir):
     ds_json = root / "ds.json"
     ds_json.write_text(DS_FP32)
     out = {}
-    code, _, err = _memfit(tiny_overrides(root / "single", *COMMON, "output.export=true"))
-    assert code == 0, err[-3000:]
+    _in_process(tiny_overrides(root / "single", *COMMON, "output.export=true"))
     out["single"] = root / "single"
     for name, extra in ENGINES.items():
         export = (
@@ -267,8 +275,7 @@ def test_two_nodes_on_localhost_match_one_node_with_two_processes(runs, tmp_path
 
 def test_fsdp2_lora_export_is_the_consolidated_adapter(tmp_path, embedded_dir):
     lora = ("lora.enabled=true", "strategy.activation_checkpointing=full", "output.export=true", "train.max_steps=3")
-    code, _, err = _memfit(tiny_overrides(tmp_path / "one", *COMMON, *lora))
-    assert code == 0, err[-3000:]
+    _in_process(tiny_overrides(tmp_path / "one", *COMMON, *lora))
     code, _, err = _memfit(tiny_overrides(tmp_path / "two", *COMMON, *lora, "distributed.zero_stage=3"), nproc=2)
     assert code == 0, err[-3000:]
     one = load_file(tmp_path / "one" / "export" / "adapter_model.safetensors")
