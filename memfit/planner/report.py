@@ -110,7 +110,9 @@ def _reserved_note(r: PlanResult) -> str:
     if cl.gpu.is_cpu:
         return (
             f"*reserved = peak (tensors, exact bytes) + {cl.runtime_bytes / GIB:.2f} GiB runtime resident (this "
-            f"process with torch and transformers loaded); usable = {(1 - r.headroom):.0%} of the memory"
+            f"process with torch and transformers loaded); usable = {(1 - r.headroom):.0%} of the memory. With room "
+            "for 3x its peak a run keeps freed memory between steps, and its resident set grows past this "
+            "(allocator.host_keep_freed, docs/train.md)"
         )
     return (
         f"*reserved = peak x {1 + ALLOCATOR_MARGIN:g} + {CONTEXT_BYTES >> 20} MiB context; usable = "

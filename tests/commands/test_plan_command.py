@@ -252,6 +252,7 @@ def test_plan_device_cpu_is_the_trainers_cpu_prediction_with_the_runtime_apart(c
     assert best["predicted_reserved_bytes"] == best["peak_bytes"] + plan["runtime_bytes"]
     code, out, _ = _plan(capsys, *args[:-4], "--seq-len", "64", "--global-batch", "2", "--top", "1")
     assert code == 0 and "runtime resident" in out and "1 x cpu (4 GiB)" in out
+    assert "keeps freed memory between steps" in " ".join(out.split())  # the kept heap is not in reserved
 
 
 @pytest.mark.parametrize(
