@@ -18,9 +18,8 @@ from memfit.commands.plan_cache import Answered
 from memfit.config.loader import load_config, read_utf8
 from memfit.config.schema import EMBEDDED_MODEL, LoraConfig
 from memfit.config.strategy import Strategy, levers
-from memfit.distributed.deepspeed_engine import offloaded
 from memfit.errors import UserError
-from memfit.models.load import config_for_planning, planning_config_file
+from memfit.models.planning import config_for_planning, planning_config_file
 from memfit.models.presets import PRESETS
 from memfit.planner.auto import this_cpu
 from memfit.planner.hardware import custom_gpu, gpu_preset
@@ -116,6 +115,8 @@ def _from_deepspeed(path: str, req: PlanRequest) -> None:
     accum = ds.get("gradient_accumulation_steps")
     if accum is not None and accum != "auto":
         req.grad_accum = int(accum)
+    from memfit.distributed.deepspeed_engine import offloaded  # torch and DeepSpeed's checks: only with --deepspeed
+
     optimizer_off, req.offload_params = offloaded(ds, f"--deepspeed {path}")
     if optimizer_off:
         req.pins["optimizer_offload"] = (True, where + "zero_optimization.offload_optimizer")

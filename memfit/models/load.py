@@ -26,7 +26,7 @@ from transformers import (
 
 from memfit.cache import cache_dir
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
-from memfit.errors import UserError, did_you_mean, first_line
+from memfit.errors import UserError, first_line
 from memfit.models.presets import PRESETS, preset_config
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -231,39 +231,3 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
             "memfit supports Llama-architecture checkpoints"
         )
     return layers
-
-
-def planning_config_file(model: str) -> Path | None:
-    """The ``config.json`` that ``config_for_planning(model)`` reads, or None for a preset (no file)."""
-    name = model.split(":", 1)[1] if model.startswith("random:") else model
-    if name in PRESETS:
-        return None
-    if model == EMBEDDED_MODEL:
-        return embedded_checkpoint_dir() / "config.json"
-    path = Path(name).expanduser()
-    return path if path.is_file() else path / "config.json"
-
-
-def config_for_planning(model: str, attn_implementation: str = "sdpa"):
-    """A model config from a preset name (``llama2-7b`` or ``random:llama2-7b``), the embedded model's
-    name, a checkpoint directory or a ``config.json`` path — no weights are read.
-
-    Raises:
-        UserError: unknown name (with the closest preset) or a path without a config.
-    """
-
-    name = model.split(":", 1)[1] if model.startswith("random:") else model
-    if name in PRESETS:
-        return preset_config(name, attn_implementation)
-    path = Path(name).expanduser()
-    if path.is_file() and path.name.endswith(".json"):
-        config = read_config(path.parent if path.name == "config.json" else path, "--model")
-        config._attn_implementation = attn_implementation
-        return config
-    if model == EMBEDDED_MODEL or path.is_dir():
-        return model_config(resolve_source(model), ModelConfig(attn_implementation=attn_implementation))
-
-    raise UserError(
-        f"--model: '{model}' is not a preset, a checkpoint directory or a config.json{did_you_mean(name, PRESETS)}; "
-        f"presets: {', '.join(PRESETS)}"
-    )

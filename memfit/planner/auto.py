@@ -24,7 +24,7 @@ from memfit.config.loader import parse_override
 from memfit.config.schema import RunConfig
 from memfit.config.strategy import levers
 from memfit.errors import UserError
-from memfit.models.load import config_for_planning
+from memfit.models.planning import config_for_planning
 from memfit.planner.hardware import cpu_device, device_preset
 from memfit.planner.search import Candidate, Cluster, Pins, PlanResult, Workload, search, table_rows
 from memfit.telemetry.readings import process_rss_bytes

@@ -23,12 +23,7 @@ from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.planner import trace_cache
 from memfit.planner.categories import StepMemory
 from memfit.planner.sharding import ShardingSpec, per_rank_moments
-from memfit.planner.trace import (
-    StepSpec,
-    extrapolate_regions,
-    extrapolation_depths,
-    steady_timeline,
-)
+from memfit.planner.spec import StepSpec, extrapolate_regions, extrapolation_depths
 from memfit.planner.tracker import Moments, Timeline
 
 LOSS_DELTA_DEPTH = 2  # decoder layers of the traces that measure what a chunked loss changes
@@ -64,6 +59,8 @@ class Predictor:
             disk = trace_cache.trace_key(spec, layers)
             timeline = trace_cache.load(disk)
             if timeline is None:
+                from memfit.planner.trace import steady_timeline  # the tracing machinery, only when a trace is missing
+
                 timeline = steady_timeline(spec, layers)
                 trace_cache.store(disk, timeline)
             else:
@@ -188,7 +185,10 @@ class Predictor:
         workers = min(workers or plan_workers(), len(missing))
         if workers < 2:
             return
-        # fork: the children inherit the imported torch/transformers (a fresh interpreter costs seconds)
+        # fork: the children inherit the imported torch/transformers and the tracing machinery (a fresh interpreter, or
+        # each child importing it, costs seconds)
+        import memfit.planner.trace  # noqa: F401
+
         with multiprocessing.get_context("fork").Pool(workers, initializer=torch_single_thread) as pool:
             for key, timeline in pool.imap_unordered(_trace_job, missing.items(), chunksize=1):
                 self._cache[key] = timeline
@@ -333,5 +333,7 @@ def torch_single_thread() -> None:
 
 
 def _trace_job(item: tuple[tuple, tuple[StepSpec, int]]) -> tuple[tuple, Timeline]:
+    from memfit.planner.trace import steady_timeline
+
     key, (spec, layers) = item
     return key, steady_timeline(spec, layers)

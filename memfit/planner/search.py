@@ -18,9 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
-
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING, Any
 
 from memfit.config.schema import LoraConfig
 from memfit.config.strategy import (
@@ -49,8 +47,11 @@ from memfit.planner.cost import (
 from memfit.planner.hardware import Gpu
 from memfit.planner.predict import Predictor
 from memfit.planner.sharding import ShardingSpec, comm_bytes_per_step, validate
-from memfit.planner.trace import StepSpec, trace_allocations
+from memfit.planner.spec import StepSpec
 from memfit.units import GIB
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 FALLBACKS_AT_ONCE = 4  # fallback candidates traced together (in parallel) before checking whether one fits
 ALLOCATOR_MARGIN = 0.08  # cached-but-free blocks at the peak (typical reserved/allocated of a training step)
@@ -509,6 +510,8 @@ def step_allocations(
     -5.6%; benchmarks/RESULTS.md)."""
 
     two = strategy.replace(grad_accum_steps=min(strategy.grad_accum_steps, 2), zero_stage=0)
+    from memfit.planner.trace import trace_allocations
+
     spec = StepSpec(model_config, seq_len, two, lora, 512)
     return trace_allocations(spec, steps=2)
 

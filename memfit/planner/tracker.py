@@ -55,7 +55,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from memfit.models.load import decoder_layers
 from memfit.planner.categories import HOST_CATEGORIES, PHASES, Breakdown, Category, StepMemory
 from memfit.strategies.host_optimizer import host_tensors, observing_host
 from memfit.strategies.offload import Offloaded, observing
@@ -530,6 +529,8 @@ class StepTracker(TorchDispatchMode):
                 self._mark((v for v in state.values() if isinstance(v, torch.Tensor)), Category.OPTIMIZER)
 
             self._hooks.append(self.optimizer.register_param_step_hooks(param_pre, param_post))
+
+        from memfit.models.load import decoder_layers  # transformers' modeling code: only to trace
 
         wrappers = decoder_layers(self.model)
         self._num_layers = len(wrappers)

@@ -57,6 +57,26 @@ def test_a_cached_answer_imports_neither_torch_nor_the_planner(plans, capsys):
     assert said == {"rc": 0, "heavy": []}
 
 
+def test_a_search_from_cached_traces_imports_no_model_building_code(tmp_path):
+    """Every trace cached, a new question (the plan cache off) is searched without transformers' modeling code,
+    PEFT, torchao or memfit's tracer: only the preset's config class (transformers', which imports torch)."""
+    probe = (
+        "import json, sys\n"
+        "from memfit.cli import main\n"
+        f"rc = main({json.dumps([*TINY, '--json'])})\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('peft', 'torchao', 'deepspeed')"
+        " or m in ('transformers.modeling_utils', 'memfit.planner.trace', 'memfit.models.load'))\n"
+        "print(json.dumps({'rc': rc, 'heavy': heavy}), file=sys.stderr)\n"
+    )
+    env = dict(os.environ, MEMFIT_PLAN_CACHE="off", MEMFIT_TRACE_CACHE=str(tmp_path / "traces"))
+    runs = [subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)]
+    runs.append(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300))
+    cold, warm = (json.loads(p.stderr.strip().splitlines()[-1]) for p in runs)
+    assert cold["rc"] == 0 and "memfit.planner.trace" in cold["heavy"]  # the first search traced
+    assert warm == {"rc": 0, "heavy": []}
+    assert json.loads(runs[1].stdout)["fitting"] == json.loads(runs[0].stdout)["fitting"]
+
+
 def test_written_files_are_written_again_and_a_changed_input_file_is_searched(plans, capsys, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model:\n  source: random:tiny\ndata:\n  seq_len: 64\ntrain:\n  micro_batch_size: 2\n")

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from memfit.errors import UserError
-from memfit.models.load import config_for_planning, resolve_source
+from memfit.models.load import resolve_source
+from memfit.models.planning import config_for_planning
 from memfit.models.presets import preset_config
 from memfit.train.loop import Trainer
 
