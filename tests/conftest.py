@@ -8,10 +8,8 @@ import pathlib
 
 import pytest
 import torch
-from support.tiny import tiny_overrides
+from support.tiny import tiny_config
 
-from memfit.config.loader import load_config
-from memfit.config.shipped import shipped_configs
 from memfit.models.load import embedded_checkpoint_dir
 
 # the planner's trace and plan caches are off unless a test turns them on: a test that patches a module constant a
@@ -39,7 +37,7 @@ def embedded_dir():
 @pytest.fixture
 def tiny_cfg(tmp_path, embedded_dir):
     def make(*extra: str):
-        return load_config(shipped_configs()["tiny-cpu"], tiny_overrides(tmp_path / "run", *extra))
+        return tiny_config(tmp_path / "run", *extra)
 
     return make
 

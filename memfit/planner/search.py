@@ -509,9 +509,9 @@ def step_allocations(
     steps came within -0.35% to -0.84% for four and -4.7% for the fifth (one traced step: -0.4% to
     -5.6%; benchmarks/RESULTS.md)."""
 
-    two = strategy.replace(grad_accum_steps=min(strategy.grad_accum_steps, 2), zero_stage=0)
-    from memfit.planner.trace import trace_allocations
+    from memfit.planner.trace import trace_allocations  # the tracing machinery, only when asked
 
+    two = strategy.replace(grad_accum_steps=min(strategy.grad_accum_steps, 2), zero_stage=0)
     spec = StepSpec(model_config, seq_len, two, lora, 512)
     return trace_allocations(spec, steps=2)
 

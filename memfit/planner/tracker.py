@@ -433,7 +433,7 @@ class StepTracker(TorchDispatchMode):
         has traced it for, its storages' allocations and releases are replayed op by op, as the ops would record
         them: a 7B model's update runs the same few slice shapes dozens of times, thousands of fake ops each."""
         key = None if self._on_host or not REPLAY_SLICE_UPDATES else _replay_key(args, update, self.round_to)
-        recorded = _replays.get(key, None) if key is not None else _NOT_REPLAYABLE
+        recorded = _NOT_REPLAYABLE if key is None else _replays.get(key)
         if recorded is _NOT_REPLAYABLE:
             update(*args)
         elif recorded is not None:

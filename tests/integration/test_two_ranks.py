@@ -16,10 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support.scrape import scrape
-from support.tiny import tiny_overrides
+from support.tiny import tiny_config, tiny_overrides
 
-from memfit.config.loader import load_config
-from memfit.config.shipped import shipped_configs
 from memfit.telemetry.metrics_file import read_metrics
 
 pytestmark = pytest.mark.integration
@@ -63,11 +61,11 @@ def _memfit(args, nproc=None, popen=False, timeout=300, extra_flags=()):
     return proc.returncode, out, err
 
 
-def _in_process(args) -> None:
-    """A one-process run in this process (``memfit train tiny-cpu ARGS`` without a new interpreter's imports)."""
+def _in_process(out_dir, *extra: str) -> None:
+    """A one-process run in this process (``memfit train tiny-cpu`` without a new interpreter's imports)."""
     from memfit.train.loop import Trainer
 
-    Trainer(load_config(shipped_configs()["tiny-cpu"], args)).fit()
+    Trainer(tiny_config(out_dir, *extra)).fit()
 
 
 def _steps(run_dir: Path) -> list[dict]:
@@ -89,7 +87,7 @@ def runs(tmp_path_factory, embedded_dir):
     ds_json = root / "ds.json"
     ds_json.write_text(DS_FP32)
     out = {}
-    _in_process(tiny_overrides(root / "single", *COMMON, "output.export=true"))
+    _in_process(root / "single", *COMMON, "output.export=true")
     out["single"] = root / "single"
     for name, extra in ENGINES.items():
         export = (
@@ -275,7 +273,7 @@ def test_two_nodes_on_localhost_match_one_node_with_two_processes(runs, tmp_path
 
 def test_fsdp2_lora_export_is_the_consolidated_adapter(tmp_path, embedded_dir):
     lora = ("lora.enabled=true", "strategy.activation_checkpointing=full", "output.export=true", "train.max_steps=3")
-    _in_process(tiny_overrides(tmp_path / "one", *COMMON, *lora))
+    _in_process(tmp_path / "one", *COMMON, *lora)
     code, _, err = _memfit(tiny_overrides(tmp_path / "two", *COMMON, *lora, "distributed.zero_stage=3"), nproc=2)
     assert code == 0, err[-3000:]
     one = load_file(tmp_path / "one" / "export" / "adapter_model.safetensors")

@@ -26,6 +26,14 @@ def tiny_overrides(out_dir, *extra: str) -> list[str]:
     ]
 
 
+def tiny_config(out_dir, *extra: str):
+    """The shipped ``tiny-cpu`` config with ``tiny_overrides(out_dir, *extra)``: what ``memfit train tiny-cpu`` runs."""
+    from memfit.config.loader import load_config
+    from memfit.config.shipped import shipped_configs
+
+    return load_config(shipped_configs()["tiny-cpu"], tiny_overrides(out_dir, *extra))
+
+
 def wide_tiny_config(layers: int = 6):
     """The tiny preset made wide (hidden 256, MLP 512) with a small vocabulary (2,048): its saved activations
     pass activation offloading's size floor at B=2, T=256, and its full fine-tune peaks in the optimizer

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import yaml
-from support.tiny import tiny_overrides
+from support.tiny import tiny_config, tiny_overrides
 
 from memfit.config.loader import load_config
 from memfit.config.schema import grad_accum_steps
@@ -105,13 +105,11 @@ def test_an_oom_restarts_from_the_checkpoint_down_the_ladder_with_the_same_losse
     ran = yaml.safe_load((run / "config.yaml").read_text())["train"]
     assert (ran["micro_batch_size"], ran["grad_accum_steps"]) == (4, 4)
 
-    from memfit.config.shipped import shipped_configs
     from memfit.train.loop import Trainer
 
     ref = tmp_path / "ref"  # uninterrupted, in this process
     split = ("train.micro_batch_size=4", "train.grad_accum_steps=4", "train.max_steps=4")
-    overrides = tiny_overrides(ref, *common, *split)
-    Trainer(load_config(shipped_configs()["tiny-cpu"], overrides)).fit()
+    Trainer(tiny_config(ref, *common, *split)).fit()
     assert _losses(run) == pytest.approx(_losses(ref), rel=1e-5) and len(_losses(run)) == 4
 
 
