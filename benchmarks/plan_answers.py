@@ -18,7 +18,7 @@ import tempfile
 os.environ["MEMFIT_TRACE_CACHE"] = tempfile.mkdtemp(prefix="memfit-plan-answers-")
 
 from memfit.config.schema import LoraConfig  # noqa: E402
-from memfit.models.presets import preset_config  # noqa: E402
+from memfit.models.planning import config_for_planning  # noqa: E402
 from memfit.planner.hardware import gpu_preset  # noqa: E402
 from memfit.planner.search import Cluster, Workload, search  # noqa: E402
 
@@ -34,7 +34,7 @@ CASES = [
 def main() -> None:
     out = {}
     for model, seq, batch, gpu, n, lora in CASES:
-        w = Workload(preset_config(model), model, seq, batch, lora=LoraConfig() if lora else None)
+        w = Workload(config_for_planning(model), model, seq, batch, lora=LoraConfig() if lora else None)
         r = search(w, Cluster(gpu_preset(gpu), n))
         out[f"{model}-{seq}-{batch}-{gpu}x{n}-{'lora' if lora else 'full'}"] = {
             str(c.strategy.as_dict()): [

@@ -22,7 +22,7 @@ import time
 from datetime import datetime, timezone
 
 from memfit.config.strategy import CheckpointPolicy, Strategy
-from memfit.models.presets import preset_config
+from memfit.models.planning import config_for_planning
 from memfit.planner.hardware import gpu_preset
 from memfit.planner.search import Cluster, Workload, search
 from memfit.planner.trace import StepSpec, trace_step
@@ -48,7 +48,7 @@ def cli_seconds() -> dict[str, float]:
 
 
 def main() -> None:
-    warm = preset_config("tiny")
+    warm = config_for_planning("tiny")
     trace_step(StepSpec(warm, 64, Strategy(micro_batch_size=2)))  # import/compile warm-up, not timed
     cases = [
         ("llama2-7b full FT, 1 x mi210, seq 4096, batch 16", "llama2-7b", 4096, 16, Cluster(gpu_preset("mi210"))),
@@ -67,7 +67,7 @@ def main() -> None:
         timed = []
         for _ in ("cold", "warm"):
             t0 = time.perf_counter()
-            r = search(Workload(preset_config(model), model, seq, batch), cluster)
+            r = search(Workload(config_for_planning(model), model, seq, batch), cluster)
             timed.append((time.perf_counter() - t0, r))
         (dt, r), (warm_s, warm) = timed
         rows.append(
@@ -82,7 +82,7 @@ def main() -> None:
             }
         )
     spec = StepSpec(
-        preset_config("llama2-7b"),
+        config_for_planning("llama2-7b"),
         4096,
         Strategy(
             activation_checkpointing=CheckpointPolicy("ffn"),

@@ -63,3 +63,8 @@ def statm_bytes() -> tuple[int, int]:
         size, resident = fh.read().split()[:2]
     page = os.sysconf("SC_PAGE_SIZE")
     return int(size) * page, int(resident) * page
+
+
+def process_rss_bytes() -> int:
+    """Resident set size of this process now (Linux ``/proc/self/statm``)."""
+    return statm_bytes()[1]

@@ -34,6 +34,9 @@ numerically safest first."""
 LOW_BIT_STATE = {"adamw8bit": "8-bit", "adamw4bit": "4-bit"}
 QUANTIZED_BASES = ("none", "nf4")
 """How a LoRA run stores its frozen decoder Linear weights: as the precision says, or 4-bit NF4 (QLoRA)."""
+OFFLOAD_PREFETCH = 4
+"""With activations offloaded, how many entries' copies back start when backward unpacks the one saved after them
+(``strategies.offload``; the planner traces deep enough to see them, ``planner.spec``)."""
 ZERO_STAGES = (0, 1, 2, 3)
 ENGINE_OF_STAGE = {0: "ddp", 1: "zero1", 2: "fsdp2", 3: "fsdp2"}
 """The engine a multi-rank run of ``distributed.engine fsdp2`` uses at each ZeRO stage."""

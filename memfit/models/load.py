@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -27,7 +28,11 @@ from transformers import (
 from memfit.cache import cache_dir
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
 from memfit.errors import UserError, first_line
-from memfit.models.presets import PRESETS, preset_config
+from memfit.models.planning import transformers_config
+from memfit.models.presets import PRESETS, preset, preset_config
+
+if TYPE_CHECKING:
+    from memfit.models.planning import PlanningConfig
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -172,14 +177,15 @@ def check_weights(path: Path) -> None:
             raise UserError(f"model.source: '{f}' is damaged ({why}); re-download or re-save the checkpoint")
 
 
-def model_config(src: ModelSource, cfg: ModelConfig):
-    """The transformers config of the model, without building weights.
+def model_config(src: ModelSource, cfg: ModelConfig) -> PlanningConfig:
+    """The model's config without building weights: a named preset's ``Preset`` (plain data, which the planner reads
+    and the trace cache names as ``memfit plan`` does), else transformers' config of the ``config.json``.
 
     Raises:
         UserError: an unreadable ``config.json``.
     """
     if src.kind == "preset" and src.path is None:
-        return preset_config(src.preset, cfg.attn_implementation)
+        return preset(src.preset, cfg.attn_implementation)
     config = read_config(src.path)
     config._attn_implementation = cfg.attn_implementation
     return config
@@ -200,7 +206,7 @@ def build_model(
     if src.kind == "preset":
         torch.manual_seed(seed)
         with torch.device(init_device or "cpu"):
-            model = AutoModelForCausalLM.from_config(model_config(src, cfg), dtype=dtype)
+            model = AutoModelForCausalLM.from_config(transformers_config(model_config(src, cfg)), dtype=dtype)
     else:
         check_weights(src.path)
         try:

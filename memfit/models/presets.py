@@ -3,15 +3,21 @@
 Used by tests (``tiny``), benchmarks and the planner. Shapes follow the published configs of each
 model; vocab sizes are the models' own, so a preset is only trainable with a tokenizer whose vocabulary
 fits (the embedded SmolLM2 tokenizer has 49,152 tokens: ``tiny`` and ``smollm2-135m`` match it).
+
+A ``Preset`` is plain data with the attribute names of a transformers config, so the planner reads its shape
+without importing transformers (or torch, which transformers' config classes import): a search whose traces
+are all cached never does. ``Preset.llama_config`` builds the transformers config where a model is built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from transformers import LlamaConfig
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from memfit.errors import UserError, did_you_mean
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,28 @@ class Preset:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool = False
+    attn_implementation: str = "sdpa"
+
+    def llama_config(self) -> LlamaConfig:
+        """This architecture's ``LlamaConfig`` (a new one each call)."""
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            max_position_embeddings=self.max_position_embeddings,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        config._attn_implementation = self.attn_implementation
+        return config
 
 
 PRESETS: dict[str, Preset] = {
@@ -38,8 +66,8 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def preset_config(name: str, attn_implementation: str = "sdpa") -> LlamaConfig:
-    """The ``LlamaConfig`` of a named preset.
+def preset(name: str, attn_implementation: str = "sdpa") -> Preset:
+    """The named preset, with ``attn_implementation``.
 
     Raises:
         UserError: for an unknown name, with the closest match.
@@ -48,20 +76,13 @@ def preset_config(name: str, attn_implementation: str = "sdpa") -> LlamaConfig:
         raise UserError(
             f"model.source: unknown preset '{name}'{did_you_mean(name, PRESETS)}; presets: {', '.join(PRESETS)}"
         )
-    p = PRESETS[name]
-    config = LlamaConfig(
-        vocab_size=p.vocab_size,
-        hidden_size=p.hidden_size,
-        intermediate_size=p.intermediate_size,
-        num_hidden_layers=p.num_hidden_layers,
-        num_attention_heads=p.num_attention_heads,
-        num_key_value_heads=p.num_key_value_heads,
-        max_position_embeddings=p.max_position_embeddings,
-        rms_norm_eps=p.rms_norm_eps,
-        tie_word_embeddings=p.tie_word_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": p.rope_theta},
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    config._attn_implementation = attn_implementation
-    return config
+    return replace(PRESETS[name], attn_implementation=attn_implementation)
+
+
+def preset_config(name: str, attn_implementation: str = "sdpa") -> LlamaConfig:
+    """The ``LlamaConfig`` of a named preset.
+
+    Raises:
+        UserError: for an unknown name, with the closest match.
+    """
+    return preset(name, attn_implementation).llama_config()

@@ -27,8 +27,7 @@ from memfit.errors import UserError
 from memfit.models.planning import config_for_planning
 from memfit.planner.hardware import cpu_device, device_preset
 from memfit.planner.search import Candidate, Cluster, Pins, PlanResult, Workload, search, table_rows
-from memfit.telemetry.readings import process_rss_bytes
-from memfit.units import GIB, meminfo, parse_memory, this_machine_memory
+from memfit.units import GIB, meminfo, parse_memory, process_rss_bytes, this_machine_memory
 
 REPLAYED_ROWS = 3  # rows tried through the allocator model on one GPU before giving up
 

@@ -12,6 +12,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import AutoModelForCausalLM
 
+from memfit.models.planning import transformers_config
 from memfit.planner.categories import Breakdown, Category
 from memfit.step.runner import StepRunner, sample_batch
 from memfit.strategies.checkpointing import apply_activation_checkpointing
@@ -146,7 +147,7 @@ def measured_steady_step(spec, model=None) -> Breakdown:
     precision = precision_policy(strategy.precision)
     if model is None:
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(spec.model_config, dtype=precision.param_dtype)
+        model = AutoModelForCausalLM.from_config(transformers_config(spec.model_config), dtype=precision.param_dtype)
     model.config.use_cache = False
     if spec.lora:
         model = apply_lora(model, spec.lora, precision)

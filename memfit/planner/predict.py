@@ -24,7 +24,7 @@ from memfit.planner import trace_cache
 from memfit.planner.categories import StepMemory
 from memfit.planner.sharding import ShardingSpec, per_rank_moments
 from memfit.planner.spec import StepSpec, extrapolate_regions, extrapolation_depths
-from memfit.planner.tracker import Moments, Timeline
+from memfit.planner.timeline import Moments, Timeline
 
 LOSS_DELTA_DEPTH = 2  # decoder layers of the traces that measure what a chunked loss changes
 

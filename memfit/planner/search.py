@@ -51,7 +51,7 @@ from memfit.planner.spec import StepSpec
 from memfit.units import GIB
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from memfit.models.planning import PlanningConfig
 
 FALLBACKS_AT_ONCE = 4  # fallback candidates traced together (in parallel) before checking whether one fits
 ALLOCATOR_MARGIN = 0.08  # cached-but-free blocks at the peak (typical reserved/allocated of a training step)
@@ -61,7 +61,7 @@ CONTEXT_BYTES = 512 << 20  # CUDA/HIP context, cuBLAS/hipBLASLt workspaces: devi
 
 @dataclass(frozen=True)
 class Workload:
-    model_config: PretrainedConfig
+    model_config: PlanningConfig
     model_name: str
     seq_len: int
     global_batch: int
@@ -477,7 +477,7 @@ def modelled_step_time_s(strategy: Strategy, w: Workload, c: Cluster, mem: StepM
 
 
 def predict_run(
-    model_config: PretrainedConfig,
+    model_config: PlanningConfig,
     seq_len: int,
     strategy: Strategy,
     lora: LoraConfig | None,
@@ -500,7 +500,7 @@ def reserved_estimate(peak_bytes: int, cluster: Cluster | None = None) -> int:
 
 
 def step_allocations(
-    model_config: PretrainedConfig, seq_len: int, strategy: Strategy, lora: LoraConfig | None
+    model_config: PlanningConfig, seq_len: int, strategy: Strategy, lora: LoraConfig | None
 ) -> list[tuple[int, int]]:
     """The first two full-depth steps of one configuration on one device as allocations and releases
     of 512-byte-rounded blocks, for the allocator model (ZeRO not applied; two micro-batches stand for

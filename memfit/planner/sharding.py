@@ -54,7 +54,7 @@ import numpy as np
 from memfit.errors import UserError
 from memfit.planner.categories import PHASES, Breakdown, Category, StepMemory
 from memfit.planner.cost import Shape
-from memfit.planner.tracker import Moments
+from memfit.planner.timeline import Moments
 
 ENGINES = ("fsdp2", "deepspeed")
 

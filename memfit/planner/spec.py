@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from memfit.config.schema import LoraConfig
+from memfit.config.strategy import OFFLOAD_PREFETCH as PREFETCH
 from memfit.config.strategy import Strategy
-from memfit.strategies.offload import PREFETCH
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from memfit.models.planning import PlanningConfig
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class StepSpec:
     ``sharding.per_rank_moments``.
     """
 
-    model_config: PretrainedConfig
+    model_config: PlanningConfig
     seq_len: int
     strategy: Strategy = Strategy()
     lora: LoraConfig | None = None

@@ -28,15 +28,16 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from transformers import AutoModelForCausalLM
 
+from memfit.models.planning import transformers_config
 from memfit.planner.categories import StepMemory
 from memfit.planner.spec import StepSpec, extrapolate_regions, extrapolation_depths
-from memfit.planner.tracker import StepTracker, Timeline, collapse_regions
+from memfit.planner.timeline import Timeline, collapse_regions
+from memfit.planner.tracker import StepTracker
 from memfit.step.runner import StepRunner, sample_batch
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora, quantize_base
@@ -46,7 +47,7 @@ CPU = torch.device("cpu")
 
 
 def _build_fake_model(spec: StepSpec, num_layers: int, fake_mode: FakeTensorMode):
-    config = copy.deepcopy(spec.model_config)
+    config = transformers_config(spec.model_config)
     config.num_hidden_layers = num_layers
     if hasattr(config, "layer_types") and config.layer_types is not None:
         config.layer_types = config.layer_types[:num_layers]

@@ -22,8 +22,9 @@ import numpy as np
 
 from memfit.cache import cache_root as _root
 from memfit.cache import code_and_versions, digest, drop_damaged, read_entry, write_entry
+from memfit.models.planning import config_key
 from memfit.planner.categories import Category
-from memfit.planner.tracker import Timeline
+from memfit.planner.timeline import Timeline
 
 FORMAT = 1  # bump when the entry layout changes
 
@@ -38,7 +39,7 @@ def trace_key(spec, layers: int) -> str:
     return digest(
         {
             "format": FORMAT,
-            "model": spec.model_config.to_json_string(use_diff=False),
+            "model": config_key(spec.model_config),
             "seq_len": spec.seq_len,
             "strategy": spec.strategy.as_dict(),
             "lora": asdict(spec.lora) if spec.lora is not None else None,

@@ -32,10 +32,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from memfit.config.strategy import OFFLOAD_PREFETCH as PREFETCH
+
 MIN_OFFLOAD_BYTES = 256 << 10
 """Smaller saved tensors stay on the device: their copies cost more in latency than they free."""
-PREFETCH = 4
-"""Entries whose copies back start when backward unpacks the one saved after them."""
 
 _observers: list[tuple[Callable, Callable]] = []
 

@@ -15,8 +15,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Gauge, make_wsgi_app
 from prometheus_client.core import GaugeMetricFamily
 
-from memfit.telemetry.readings import process_rss_bytes
-from memfit.units import meminfo
+from memfit.units import meminfo, process_rss_bytes
 
 # step-record key -> (metric name, help)
 TRAINER_METRICS = {

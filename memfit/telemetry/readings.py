@@ -17,12 +17,7 @@ import torch
 
 from memfit.strategies.host_optimizer import host_tensors
 from memfit.strategies.tensors import held_bytes, plain_tensors, state_tensors
-from memfit.units import statm_bytes
-
-
-def process_rss_bytes() -> int:
-    """Resident set size of this process now (Linux ``/proc/self/statm``)."""
-    return statm_bytes()[1]
+from memfit.units import process_rss_bytes
 
 
 def peak_rss_bytes() -> int:

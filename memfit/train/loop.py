@@ -58,7 +58,7 @@ from memfit.telemetry.kernels import KernelProfiler
 from memfit.telemetry.metrics_file import MetricsLog, NullLog
 from memfit.telemetry.oom import oom_request_bytes
 from memfit.telemetry.prometheus import TrainerMetrics
-from memfit.telemetry.readings import memory_record, process_rss_bytes, reset_peaks, state_bytes
+from memfit.telemetry.readings import memory_record, reset_peaks, state_bytes
 from memfit.telemetry.summary import RunSummary, summarize
 from memfit.train.checkpoint import TrainerState, checkpoint_dir, load_checkpoint, save_checkpoint
 from memfit.train.data import eval_batches, load_dataset, split, train_loader
@@ -77,7 +77,7 @@ from memfit.train.sharded_checkpoint import (
 )
 from memfit.train.stops import StopSignals, check_finite, interrupted, out_of_memory_exit, restart_due
 from memfit.train.supervisor import restarts_so_far
-from memfit.units import GIB
+from memfit.units import GIB, process_rss_bytes
 
 
 @dataclass

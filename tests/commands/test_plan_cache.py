@@ -57,15 +57,15 @@ def test_a_cached_answer_imports_neither_torch_nor_the_planner(plans, capsys):
     assert said == {"rc": 0, "heavy": []}
 
 
-def test_a_search_from_cached_traces_imports_no_model_building_code(tmp_path):
-    """Every trace cached, a new question (the plan cache off) is searched without transformers' modeling code,
-    PEFT, torchao or memfit's tracer: only the preset's config class (transformers', which imports torch)."""
+def test_a_search_from_cached_traces_imports_neither_torch_nor_transformers(tmp_path):
+    """Every trace cached, a new question about a preset (the plan cache off) is searched without torch,
+    transformers, PEFT, torchao or memfit's tracer: the preset is plain data, the traces numpy arrays."""
     probe = (
         "import json, sys\n"
         "from memfit.cli import main\n"
         f"rc = main({json.dumps([*TINY, '--json'])})\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('peft', 'torchao', 'deepspeed')"
-        " or m in ('transformers.modeling_utils', 'memfit.planner.trace', 'memfit.models.load'))\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'peft', 'torchao',"
+        " 'deepspeed') or m in ('memfit.planner.trace', 'memfit.planner.tracker', 'memfit.models.load'))\n"
         "print(json.dumps({'rc': rc, 'heavy': heavy}), file=sys.stderr)\n"
     )
     env = dict(os.environ, MEMFIT_PLAN_CACHE="off", MEMFIT_TRACE_CACHE=str(tmp_path / "traces"))

@@ -12,8 +12,8 @@ from memfit.planner import trace_cache
 from memfit.planner.hardware import gpu_preset
 from memfit.planner.predict import Predictor
 from memfit.planner.search import Cluster, Pins, Workload, search
+from memfit.planner.timeline import Timeline
 from memfit.planner.trace import StepSpec, steady_timeline
-from memfit.planner.tracker import Timeline
 
 SPEC = StepSpec(preset_config("tiny"), 64, Strategy(micro_batch_size=2))
 
