@@ -45,6 +45,7 @@ class Predictor:
         self._opt: dict[tuple, Moments] = {}
         self._full: dict[tuple, Moments] = {}  # _passes
         self._steady: dict[tuple, Moments] = {}  # predict: the moments of the step, made steady
+        self._loss_segments: dict[tuple, tuple] = {}  # _with_chunked_loss: by the two traces' moment keys
         self.traces = 0  # timelines this predictor read: traced, or ``cached`` of them from the trace cache
         self.cached = 0
 
@@ -150,8 +151,11 @@ class Predictor:
         chunked_spec, plain_spec = self._loss_delta_specs(spec)
         c = self._at_batch(chunked_spec, LOSS_DELTA_DEPTH, micro_batch)
         p = self._at_batch(plain_spec, LOSS_DELTA_DEPTH, micro_batch)
-        cs, ps = _segments(c), _segments(p)
-        changed = {name for name in cs.keys() | ps.keys() if cs.get(name) != ps.get(name)}
+        key = (tuple(c), tuple(p))  # the same at every micro-batch: one op sequence
+        if key not in self._loss_segments:
+            cs, ps = _segments(c), _segments(p)
+            self._loss_segments[key] = cs, ps, {n for n in cs.keys() | ps.keys() if cs.get(n) != ps.get(n)}
+        cs, ps, changed = self._loss_segments[key]
         out = {k: v for k, v in regions.items() if _segment(k) not in changed}
         for name in changed:
             first = ps[name][0]  # the segment's first moment, unchunked

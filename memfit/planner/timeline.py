@@ -3,6 +3,7 @@ search does arithmetic on). Plain numpy, without torch, so a search whose traces
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,19 +48,17 @@ class Timeline:
         sequence: a combined timeline shares its source's)."""
         if self._keys is None:
             names: dict[str, int] = {}
-            index = []
+            index: list[int] = []
             occurrences: dict[str, int] = {}
-            prev, offset = None, 0
-            for label in self.phases:
-                if label != prev:
-                    occurrences[label] = occurrences.get(label, -1) + 1
-                    prev, offset = label, 0
+            for label, run in itertools.groupby(self.phases):  # runs of one label: an op's key is its place in its run
+                n = sum(1 for _ in run)
+                occurrences[label] = occurrence = occurrences.get(label, -1) + 1
                 if label.endswith(":mid") or ":" not in label:
-                    key = label
-                else:
-                    key = f"{label}#{occurrences[label]}+{offset}"
-                offset += 1
-                index.append(names.setdefault(key, len(names)))
+                    index += [names.setdefault(label, len(names))] * n
+                else:  # a new run's keys are new
+                    first = len(names)
+                    names.update((f"{label}#{occurrence}+{offset}", first + offset) for offset in range(n))
+                    index += range(first, first + n)
             self._keys = (list(names), np.array(index, dtype=np.int64))
         return self._keys
 

@@ -69,7 +69,7 @@ def load(key: str) -> Timeline | None:
             and all(isinstance(p, str) for p in phases)
         ):
             raise ValueError("not a timeline")
-        return Timeline(phases, [tuple(r) for r in rows])
+        return Timeline(phases, values)
     except (ValueError, KeyError, TypeError) as e:
         drop_damaged(root / f"{key}.json.gz", "trace", e)
         return None

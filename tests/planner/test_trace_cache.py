@@ -7,7 +7,7 @@ import multiprocessing
 import pytest
 
 from memfit.config.strategy import CheckpointPolicy, Strategy
-from memfit.models.presets import preset_config
+from memfit.models.presets import preset, preset_config
 from memfit.planner import trace_cache
 from memfit.planner.hardware import gpu_preset
 from memfit.planner.predict import Predictor
@@ -42,7 +42,7 @@ def test_a_cached_timeline_is_the_traced_one(cache):
     key = trace_cache.trace_key(SPEC, 2)
     trace_cache.store(key, fresh)
     back = trace_cache.load(key)
-    assert back.phases == fresh.phases and back.rows == fresh.rows
+    assert back.phases == fresh.phases and back.rows.tolist() == [list(r) for r in fresh.rows]
 
 
 # mtime=0: the same bytes (and test ids) at every collection
@@ -59,7 +59,7 @@ def test_a_damaged_entry_is_said_in_one_line_removed_and_traced_again(cache, cap
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "is damaged" in err and "ignored and rebuilt" in err
     assert predictor.cached == 0 and predictor.traces == 1
-    assert trace_cache.load(key).rows == timeline.rows  # traced again and stored whole
+    assert trace_cache.load(key).rows.tolist() == [list(r) for r in timeline.rows]  # traced again and stored whole
 
 
 def _write_many(root: str, rows: int) -> None:
@@ -87,8 +87,10 @@ def test_the_key_changes_with_everything_that_changes_a_trace():
         trace_cache.trace_key(StepSpec(preset_config("tiny"), 128, SPEC.strategy), 2),
         trace_cache.trace_key(StepSpec(preset_config("tiny"), 64, SPEC.strategy, round_to=512), 2),
         trace_cache.trace_key(StepSpec(preset_config("smollm2-135m"), 64, SPEC.strategy), 2),
+        trace_cache.trace_key(StepSpec(preset("tiny"), 64, SPEC.strategy), 2),  # a preset as plain data
+        trace_cache.trace_key(StepSpec(preset("tiny", "eager"), 64, SPEC.strategy), 2),
     }
-    assert len(keys) == 6
+    assert len(keys) == 8
     assert trace_cache.trace_key(SPEC, 2) == trace_cache.trace_key(
         StepSpec(preset_config("tiny"), 64, SPEC.strategy), 2
     )
