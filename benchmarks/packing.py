@@ -7,7 +7,8 @@ same optimizer (AdamW foreach, lr 2e-3, clip 1.0) and thread count:
 - ``memfit-packed``: ``data.packing=true``, ``--batch`` rows of ``seq_len + 1`` tokens, several records each;
 - ``memfit-padded``: ``data.packing=false``, ``--batch`` rows, one record each;
 - ``hf-flat``: HF Trainer with ``DataCollatorWithFlattening`` (padding-free: a batch's records in one row with
-  position ids), as many records per step as a packed memfit step holds on average.
+  position ids), each step the very records of memfit's packed step (``packed_steps``), in memfit's order, so
+  the two take a loss on the same tokens at every step and their rates differ only by their step times.
 
 Each run is its own subprocess; the arms are interleaved rep by rep so drift hits all alike. A run's number is the
 tokens that took a loss over the steps after warm-up divided by those steps' time (each step's own rate varies
@@ -80,24 +81,49 @@ def run_memfit(a, packing: bool) -> dict:
     }
 
 
+def packed_steps(a) -> list[list[dict]]:
+    """The records each of memfit's packed micro-batches holds, in order: the rows its trainer draws (the same
+    rows, split and seeded sampler as ``Trainer.fit``), each row cut where its position ids restart, the padding
+    after the last record left out. Each record as ``{"input_ids", "labels"}`` as the row holds it (its first
+    label ignored, as HF's flattening collator ignores it too)."""
+    from memfit.models.load import ModelSource, embedded_checkpoint_dir, load_tokenizer
+    from memfit.train.data import IGNORE_INDEX, EpochBatchSampler, load_dataset, split
+
+    with tempfile.TemporaryDirectory() as d:
+        cfg = _config(a, f"{d}/run", packing=True)
+    tok = load_tokenizer(ModelSource("hf", path=embedded_checkpoint_dir()))
+    train, _ = split(load_dataset(cfg.data, tok), cfg.data.eval_fraction)
+    sampler = EpochBatchSampler(len(train), a.batch, cfg.train.seed)
+    steps = []
+    for b in range(a.steps):
+        records = []
+        for r in sampler.batch(b):
+            tokens, labels, positions = (t[r].tolist() for t in (train.tokens, train.labels, train.positions))
+            starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+            for lo, hi in zip(starts, starts[1:]):
+                if all(x == IGNORE_INDEX for x in labels[lo:hi]) and all(x == tok.pad_token_id for x in tokens[lo:hi]):
+                    continue  # the row's padding
+                records.append({"input_ids": tokens[lo:hi], "labels": labels[lo:hi]})
+        steps.append(records)
+    return steps
+
+
 def run_hf(a) -> dict:
+    import torch
     from transformers import DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
-    from memfit.models.load import ModelSource, embedded_checkpoint_dir, load_tokenizer
-    from memfit.train.data import chat_records
-    from memfit.train.plays import plays_chat_file
-
-    tok = load_tokenizer(ModelSource("hf", path=embedded_checkpoint_dir()))
-    records = chat_records(plays_chat_file(), tok, a.records)
-    row = a.seq_len + 1
-    data = [{"input_ids": ids[:row], "labels": labels[:row]} for ids, labels in records]
+    steps = packed_steps(a)
     flatten = DataCollatorWithFlattening()
     supervised: list[int] = []
 
-    def collate(features):
-        batch = flatten(features)
+    def collate(features):  # one item per step: that step's records
+        batch = flatten(features[0])
         supervised.append(int((batch["labels"][:, 1:] != -100).sum()))  # HF shifts labels inside the loss
         return batch
+
+    class InOrder(Trainer):  # memfit's steps in memfit's order, not reshuffled
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
 
     times = []
 
@@ -111,7 +137,7 @@ def run_hf(a) -> dict:
     with tempfile.TemporaryDirectory() as d:
         args = TrainingArguments(
             output_dir=d,
-            per_device_train_batch_size=a.hf_records,
+            per_device_train_batch_size=1,
             max_steps=a.steps,
             learning_rate=2e-3,
             adam_beta2=0.95,
@@ -123,15 +149,16 @@ def run_hf(a) -> dict:
             report_to=[],
             use_cpu=True,
             dataloader_num_workers=0,
+            remove_unused_columns=False,  # an item is a list of records, not model inputs
             disable_tqdm=True,
             seed=0,
         )
-        Trainer(model=_lora_model(), args=args, train_dataset=data, data_collator=collate, callbacks=[Clock()]).train()
-    steps = list(zip(supervised, times))[a.warmup :]
+        InOrder(model=_lora_model(), args=args, train_dataset=steps, data_collator=collate, callbacks=[Clock()]).train()
+    measured = list(zip(supervised, times))[a.warmup :]
     return {
-        "supervised_tokens_per_s": [n / t for n, t in steps],
-        "step_times_s": [t for _, t in steps],
-        "records_per_step": a.hf_records,
+        "supervised_tokens_per_s": [n / t for n, t in measured],
+        "step_times_s": [t for _, t in measured],
+        "records_per_step": [len(r) for r in steps],
     }
 
 
@@ -148,7 +175,7 @@ ARMS = ("memfit-packed", "memfit-padded", "hf-flat")
 
 def spawn(a, runner: str) -> dict:
     flags = ["--steps", a.steps, "--warmup", a.warmup, "--batch", a.batch, "--seq-len", a.seq_len]
-    flags += ["--records", a.records, "--hf-records", a.hf_records]
+    flags += ["--records", a.records]
     return run_child([sys.executable, __file__, "--child", runner, *map(str, flags)], runner)
 
 
@@ -161,16 +188,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2, help="memfit rows per step")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--records", type=int, default=600, help="records of shakespeare-chat used")
-    p.add_argument("--hf-records", type=int, default=0, help="HF records per step (default: a packed step's)")
     a = p.parse_args()
     if a.runner:
         return child(a)
     results: dict[str, list[dict]] = {k: [] for k in ARMS}
     for rep in range(a.reps):
         for arm in ARMS:
-            if arm == "hf-flat" and not a.hf_records:  # as many records per step as a packed memfit step
-                packed = results["memfit-packed"][0]
-                a.hf_records = max(1, round(a.batch * packed["records"] / packed["rows"]))
             r = spawn(a, arm)
             results[arm].append(r)
             rate = r["rate"]
@@ -187,7 +210,7 @@ def main() -> None:
     base = med["memfit-packed"]["supervised_tokens_per_s"]
     print(
         f"\nSmolLM2-135M LoRA r=8, fp32, CPU ({platform.processor() or platform.machine()}), shakespeare-chat "
-        f"({a.records} records), T={a.seq_len}; memfit B={a.batch} rows, HF {a.hf_records} records per step; "
+        f"({a.records} records), T={a.seq_len}; memfit B={a.batch} rows, HF the records of memfit's packed steps; "
         f"{a.reps} runs x {a.steps} steps (median of steps {a.warmup + 1}..{a.steps})"
     )
     head = f"{'arm':14s} {'supervised tok/s':>17s} {'runs min-max':>13s} {'step s':>7s} {'sup tok/step':>13s}"

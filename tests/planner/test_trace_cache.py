@@ -6,8 +6,11 @@ import multiprocessing
 
 import pytest
 
+from memfit.config.schema import ModelConfig
 from memfit.config.strategy import CheckpointPolicy, Strategy
-from memfit.models.presets import preset, preset_config
+from memfit.models.load import model_config, resolve_source
+from memfit.models.planning import config_for_planning
+from memfit.models.presets import Preset, preset, preset_config
 from memfit.planner import trace_cache
 from memfit.planner.hardware import gpu_preset
 from memfit.planner.predict import Predictor
@@ -106,3 +109,16 @@ def test_off_writes_nothing_and_an_unwritable_cache_is_skipped(tmp_path, monkeyp
     monkeypatch.setenv("MEMFIT_TRACE_CACHE", str(blocked / "traces"))
     trace_cache.store("k", Timeline(["forward:outer"], [(1, 0, 0, 0, 0, 0, 0)]))  # no error
     assert trace_cache.load("k") is None
+
+
+def test_a_preset_as_plain_data_traces_as_its_transformers_config_and_the_trainer_names_it_as_plan_does():
+    """``memfit plan`` reads a preset as a ``Preset`` (no transformers import); its trace is its ``LlamaConfig``'s,
+    and the trainer's fit check, planning a ``random:`` preset, asks the trace cache for the same entries."""
+    strategy = Strategy(micro_batch_size=2, activation_checkpointing=CheckpointPolicy("full"), precision="bf16-mixed")
+    plain = steady_timeline(StepSpec(preset("tiny"), 64, strategy), 2)
+    built = steady_timeline(StepSpec(preset_config("tiny"), 64, strategy), 2)
+    assert plain.phases == built.phases and plain.rows == built.rows
+    trainer_side = model_config(resolve_source("random:tiny"), ModelConfig())
+    assert isinstance(trainer_side, Preset)
+    keys = {trace_cache.trace_key(StepSpec(c, 64, strategy), 2) for c in (trainer_side, config_for_planning("tiny"))}
+    assert len(keys) == 1
