@@ -67,12 +67,14 @@ def cpu_cluster(memory_bytes: int, runtime_bytes: int) -> Cluster:
 
 def this_cpu(mem: str | None, flag: str = "--mem") -> Cluster:
     """This machine's CPU as one process plans for it: ``mem`` (e.g. ``8GiB``) or the memory available now, and
-    this process's resident memory with torch and transformers loaded as the runtime's share.
+    this process's resident memory with torch and transformers' modeling code loaded as the runtime's share (a
+    search from cached traces imports neither, so they are imported here).
 
     Raises:
         UserError: ``mem`` is not a size (naming ``flag``).
     """
-    import transformers  # noqa: F401 - the runtime a run holds, resident before the resident size is read
+    import torch  # noqa: F401 - the runtime a run holds, resident before the resident size is read
+    import transformers.modeling_utils  # noqa: F401
 
     memory = parse_memory(mem, flag) if mem else meminfo().get("MemAvailable", this_machine_memory())
     return cpu_cluster(memory, process_rss_bytes())

@@ -1,6 +1,8 @@
 """`memfit plan` as a user runs it: flags, --config / --deepspeed pins, JSON, --explain, --simulate, one-line errors."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -253,6 +255,20 @@ def test_plan_device_cpu_is_the_trainers_cpu_prediction_with_the_runtime_apart(c
     code, out, _ = _plan(capsys, *args[:-4], "--seq-len", "64", "--global-batch", "2", "--top", "1")
     assert code == 0 and "runtime resident" in out and "1 x cpu (4 GiB)" in out
     assert "keeps freed memory between steps" in " ".join(out.split())  # the kept heap is not in reserved
+
+
+def test_the_cpu_runtime_share_is_read_with_torch_and_transformers_loaded():
+    """A --device cpu plan's runtime share is this process's resident size with what a run holds loaded: a plan from
+    cached traces imports neither torch nor transformers' modeling code, so ``this_cpu`` must (a fresh process)."""
+    probe = (
+        "import sys\n"
+        "from memfit.planner.auto import this_cpu\n"
+        "assert 'torch' not in sys.modules\n"
+        "this_cpu('4GiB')\n"
+        "print('torch' in sys.modules and 'transformers.modeling_utils' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
