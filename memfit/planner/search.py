@@ -34,6 +34,7 @@ from memfit.config.strategy import (
     levers,
 )
 from memfit.errors import UserError
+from memfit.planner import trace_cache
 from memfit.planner.categories import DEVICE_CATEGORIES, Category, StepMemory
 from memfit.planner.cost import (
     Shape,
@@ -509,11 +510,16 @@ def step_allocations(
     steps came within -0.35% to -0.84% for four and -4.7% for the fifth (one traced step: -0.4% to
     -5.6%; benchmarks/RESULTS.md)."""
 
-    from memfit.planner.trace import trace_allocations  # the tracing machinery, only when asked
-
     two = strategy.replace(grad_accum_steps=min(strategy.grad_accum_steps, 2), zero_stage=0)
     spec = StepSpec(model_config, seq_len, two, lora, 512)
-    return trace_allocations(spec, steps=2)
+    key = trace_cache.allocations_key(spec, steps=2)
+    events = trace_cache.load_allocations(key)
+    if events is None:
+        from memfit.planner.trace import trace_allocations  # the tracing machinery, only when not cached
+
+        events = trace_allocations(spec, steps=2)
+        trace_cache.store_allocations(key, events)
+    return events
 
 
 def check_host_fits(step: StepMemory, ranks_on_node: int, available_bytes: int | None) -> None:

@@ -14,7 +14,7 @@ from memfit.models.presets import Preset, preset, preset_config
 from memfit.planner import trace_cache
 from memfit.planner.hardware import gpu_preset
 from memfit.planner.predict import Predictor
-from memfit.planner.search import Cluster, Pins, Workload, search
+from memfit.planner.search import Cluster, Pins, Workload, search, step_allocations
 from memfit.planner.timeline import Timeline
 from memfit.planner.trace import StepSpec, steady_timeline
 
@@ -122,3 +122,22 @@ def test_a_preset_as_plain_data_traces_as_its_transformers_config_and_the_traine
     assert isinstance(trainer_side, Preset)
     keys = {trace_cache.trace_key(StepSpec(c, 64, strategy), 2) for c in (trainer_side, config_for_planning("tiny"))}
     assert len(keys) == 1
+
+
+def test_a_configurations_allocator_events_are_traced_once_and_read_back(cache, capsys, monkeypatch):
+    """``step_allocations`` (``memfit plan --explain``'s replay, the trainer's on a GPU) traces two full-depth steps
+    once; asked again it reads them from the trace cache. A damaged entry is said in one line and traced again."""
+    import memfit.planner.trace as trace
+
+    strategy = Strategy(micro_batch_size=2, grad_accum_steps=4)
+    first = step_allocations(preset("tiny"), 64, strategy, None)
+    key = trace_cache.allocations_key(StepSpec(preset("tiny"), 64, strategy.replace(grad_accum_steps=2), None, 512), 2)
+    assert (cache / f"{key}.json.gz").is_file() and trace_cache.trace_key(SPEC, 2) != key
+    real = trace.trace_allocations
+    monkeypatch.setattr(trace, "trace_allocations", lambda *a, **k: pytest.fail("traced again"))
+    assert step_allocations(preset("tiny"), 64, strategy, None) == first and len(first) > 100
+    (cache / f"{key}.json.gz").write_bytes(gzip.compress(b'{"allocations": [[1, 2, 3]]}', mtime=0))
+    monkeypatch.setattr(trace, "trace_allocations", real)
+    assert step_allocations(preset("tiny"), 64, strategy, None) == first
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is damaged" in err and trace_cache.load_allocations(key) == first
