@@ -12,10 +12,11 @@ from support.tiny import tiny_config
 
 from memfit.models.load import embedded_checkpoint_dir
 
-# the planner's trace and plan caches are off unless a test turns them on: a test that patches a module constant a
-# trace depends on must never read a trace (or an answer) made without the patch (subprocesses inherit this)
+# the planner's trace, plan and config caches are off unless a test turns them on: a test that patches a module
+# constant a trace depends on must never read a trace (or an answer) made without the patch (subprocesses inherit this)
 os.environ["MEMFIT_TRACE_CACHE"] = "off"
 os.environ["MEMFIT_PLAN_CACHE"] = "off"
+os.environ["MEMFIT_CONFIG_CACHE"] = "off"
 
 
 @pytest.fixture(autouse=True)

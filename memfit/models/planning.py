@@ -1,26 +1,55 @@
-"""The model config a plan reads (a "planning config"), without importing what builds and loads models: a preset is
-plain data (``presets.Preset``), so ``memfit plan`` answers from cached traces without importing transformers or
-torch; a checkpoint's or a ``config.json``'s config is transformers' own (read with its config classes).
+"""The model config a plan reads (a "planning config"), without importing what builds and loads models, so ``memfit
+plan`` answers from cached traces without importing transformers or torch: a preset is plain data
+(``presets.Preset``), and a checkpoint's or a ``config.json``'s config is a ``ReadConfig``: what transformers read
+from the file once, kept in the memfit cache (``$MEMFIT_CONFIG_CACHE``, default ``<memfit cache>/configs``, ``off``
+turns it off) under the SHA-256 of the file's bytes, the attention implementation and ``cache.code_and_versions``.
 
 The planner reads a planning config's shape attributes (``num_hidden_layers``, ``hidden_size``, ...); the tracer
-builds a model from ``transformers_config(config)``; the trace cache names it by ``config_key(config)``."""
+builds a model from ``transformers_config(config)``; the trace cache names it by ``config_key(config)``, which for a
+``ReadConfig`` is the JSON of the transformers config it was read as, so the trainer (which holds that config) and
+``memfit plan`` name their traces alike."""
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from memfit.cache import cache_dir, cache_root, code_and_versions, digest, drop_damaged, read_entry, write_entry
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
 from memfit.errors import UserError, did_you_mean
-from memfit.models.presets import PRESETS, Preset, preset
+from memfit.models.presets import PRESETS, ModelShape, Preset, preset
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    PlanningConfig = Preset | PretrainedConfig
+SHAPE = (*(f.name for f in fields(ModelShape)), "tie_word_embeddings")
+"""The attributes of a model config that the planner reads (besides building the model to trace it)."""
+
+
+@dataclass(frozen=True)
+class ReadConfig(ModelShape):
+    """A checkpoint's or a ``config.json``'s model config as the planner reads it: its shape, the file it came from
+    and the JSON of the transformers config transformers read it as (``config_key``)."""
+
+    tie_word_embeddings: bool
+    path: str
+    attn_implementation: str
+    json: str
+
+    @classmethod
+    def of(cls, path: Path, attn_implementation: str, config: PretrainedConfig) -> ReadConfig:
+        """``config`` (transformers', as read from ``path``) as plain data."""
+        values = {name: getattr(config, name, None) for name in SHAPE}
+        values["num_key_value_heads"] = values["num_key_value_heads"] or config.num_attention_heads
+        return cls(**values, path=str(path), attn_implementation=attn_implementation, json=_transformers_key(config))
+
+
+if TYPE_CHECKING:
+    PlanningConfig = Preset | ReadConfig | PretrainedConfig
 
 
 def planning_config_file(model: str) -> Path | None:
@@ -29,6 +58,9 @@ def planning_config_file(model: str) -> Path | None:
     if name in PRESETS:
         return None
     if model == EMBEDDED_MODEL:
+        converted = cache_dir() / EMBEDDED_MODEL / "config.json"
+        if converted.is_file():  # converted before (``load.embedded_checkpoint_dir``): the converter not imported
+            return converted
         from memfit.models.load import embedded_checkpoint_dir
 
         return embedded_checkpoint_dir() / "config.json"
@@ -37,16 +69,38 @@ def planning_config_file(model: str) -> Path | None:
 
 
 def config_for_planning(model: str, attn_implementation: str = "sdpa") -> PlanningConfig:
-    """A planning config (a ``Preset``, or a transformers config) from a preset name (``llama2-7b`` or
+    """A planning config (a ``Preset`` or a ``ReadConfig``) from a preset name (``llama2-7b`` or
     ``random:llama2-7b``), the embedded model's name, a checkpoint directory or a ``config.json`` path; no weights
-    are read.
+    are read. A file read before (the same bytes) is taken from the config cache without importing transformers.
 
     Raises:
-        UserError: unknown name (with the closest preset) or a path without a config.
+        UserError: unknown name (with the closest preset) or a path without a usable config.
     """
     name = model.split(":", 1)[1] if model.startswith("random:") else model
     if name in PRESETS:
         return preset(name, attn_implementation)
+    file = planning_config_file(model)
+    key = None
+    if file is not None and file.is_file():
+        key = digest(
+            {
+                "config": hashlib.sha256(file.read_bytes()).hexdigest(),
+                "attn": attn_implementation,
+                "code": code_and_versions(),
+            }
+        )
+        cached = _load(key)
+        if cached is not None:
+            return cached
+    config = _read(model, name, attn_implementation)
+    read = ReadConfig.of(file, attn_implementation, config)
+    if key is not None:
+        write_entry(cache_root("MEMFIT_CONFIG_CACHE", "configs"), key, asdict(read))
+    return read
+
+
+def _read(model: str, name: str, attn_implementation: str) -> PretrainedConfig:
+    """Transformers' config of a checkpoint directory, the embedded model or a ``config.json`` (validated)."""
     from memfit.models.load import model_config, read_config, resolve_source
 
     path = Path(name).expanduser()
@@ -56,20 +110,53 @@ def config_for_planning(model: str, attn_implementation: str = "sdpa") -> Planni
         return config
     if model == EMBEDDED_MODEL or path.is_dir():
         return model_config(resolve_source(model), ModelConfig(attn_implementation=attn_implementation))
-
     raise UserError(
         f"--model: '{model}' is not a preset, a checkpoint directory or a config.json{did_you_mean(name, PRESETS)}; "
         f"presets: {', '.join(PRESETS)}"
     )
 
 
+def _load(key: str) -> ReadConfig | None:
+    """The config cache's entry ``key``, or None (not cached, off, or damaged: said in one line and removed)."""
+    root = cache_root("MEMFIT_CONFIG_CACHE", "configs")
+    data = read_entry(root, key, "config")
+    if data is None:
+        return None
+    try:
+        return ReadConfig(**data)
+    except TypeError as e:
+        drop_damaged(root / f"{key}.json.gz", "config", e)
+        return None
+
+
 def transformers_config(config: PlanningConfig) -> PretrainedConfig:
-    """A transformers config of ``config`` that the caller may change: a preset's built, a transformers one copied."""
-    return config.llama_config() if isinstance(config, Preset) else copy.deepcopy(config)
+    """A transformers config of ``config`` that the caller may change: a preset's built, a read one read again from
+    its file, a transformers one copied."""
+    if isinstance(config, Preset):
+        return config.llama_config()
+    if isinstance(config, ReadConfig):
+        from memfit.models.load import read_config
+
+        path = Path(config.path)
+        read = read_config(path.parent if path.name == "config.json" else path, "--model")
+        read._attn_implementation = config.attn_implementation
+        return read
+    return copy.deepcopy(config)
 
 
 def config_key(config: PlanningConfig) -> str:
-    """What names ``config`` in a cache key: a preset's fields, or a transformers config's whole JSON."""
+    """What names ``config`` in a cache key: a preset's fields, or a transformers config's JSON (a read config's as
+    it was read)."""
     if isinstance(config, Preset):
         return json.dumps({"preset": asdict(config)}, sort_keys=True)
-    return config.to_json_string(use_diff=False)
+    if isinstance(config, ReadConfig):
+        return config.json
+    return _transformers_key(config)
+
+
+def _transformers_key(config: PretrainedConfig) -> str:
+    """A transformers config's whole JSON but where it was read from (``_name_or_path``: a directory or its
+    config.json, another copy of the same file), which changes no trace."""
+    values = config.to_dict()
+    values.pop("_name_or_path", None)
+    return json.dumps(values, sort_keys=True, default=str)

@@ -21,7 +21,10 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class Preset:
+class ModelShape:
+    """What the planner reads of a Llama-family model config besides building the model to trace it (with
+    ``tie_word_embeddings``, which each kind of planning config carries with its own default)."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,6 +32,10 @@ class Preset:
     num_attention_heads: int
     num_key_value_heads: int
     max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class Preset(ModelShape):
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool = False

@@ -57,18 +57,27 @@ def test_a_cached_answer_imports_neither_torch_nor_the_planner(plans, capsys):
     assert said == {"rc": 0, "heavy": []}
 
 
-def test_a_search_from_cached_traces_imports_neither_torch_nor_transformers(tmp_path):
-    """Every trace cached, a new question about a preset (the plan cache off) is searched without torch,
-    transformers, PEFT, torchao or memfit's tracer: the preset is plain data, the traces numpy arrays."""
+@pytest.mark.parametrize("model", ["preset", "config.json"])
+def test_a_search_from_cached_traces_imports_neither_torch_nor_transformers(tmp_path, model):
+    """Every trace cached, a new question (the plan cache off) is searched without torch, transformers, PEFT, torchao
+    or memfit's tracer: a preset is plain data, a config.json read before comes from the config cache, and the
+    traces are numpy arrays."""
+    args = TINY
+    if model == "config.json":
+        from memfit.models.presets import preset_config
+
+        preset_config("tiny").save_pretrained(tmp_path / "model")
+        args = [a if a != "tiny" else str(tmp_path / "model" / "config.json") for a in TINY]
     probe = (
         "import json, sys\n"
         "from memfit.cli import main\n"
-        f"rc = main({json.dumps([*TINY, '--json'])})\n"
+        f"rc = main({json.dumps([*args, '--json'])})\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'peft', 'torchao',"
         " 'deepspeed') or m in ('memfit.planner.trace', 'memfit.planner.tracker', 'memfit.models.load'))\n"
         "print(json.dumps({'rc': rc, 'heavy': heavy}), file=sys.stderr)\n"
     )
     env = dict(os.environ, MEMFIT_PLAN_CACHE="off", MEMFIT_TRACE_CACHE=str(tmp_path / "traces"))
+    env["MEMFIT_CONFIG_CACHE"] = str(tmp_path / "configs")
     runs = [subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)]
     runs.append(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300))
     cold, warm = (json.loads(p.stderr.strip().splitlines()[-1]) for p in runs)

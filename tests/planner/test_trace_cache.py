@@ -9,7 +9,7 @@ import pytest
 from memfit.config.schema import ModelConfig
 from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.models.load import model_config, resolve_source
-from memfit.models.planning import config_for_planning
+from memfit.models.planning import ReadConfig, config_for_planning, config_key
 from memfit.models.presets import Preset, preset, preset_config
 from memfit.planner import trace_cache
 from memfit.planner.hardware import gpu_preset
@@ -141,3 +141,32 @@ def test_a_configurations_allocator_events_are_traced_once_and_read_back(cache, 
     assert step_allocations(preset("tiny"), 64, strategy, None) == first
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "is damaged" in err and trace_cache.load_allocations(key) == first
+
+
+def test_a_read_config_is_kept_named_as_the_trainers_and_read_again_when_its_file_changes(
+    tmp_path, monkeypatch, capsys
+):
+    """A config.json's config is read by transformers once and then taken from the config cache; its trace-cache
+    name is that of the transformers config the trainer holds for ``random:<that file>``; an edited file is read
+    again, and a damaged entry is said in one line and read again."""
+    import memfit.models.planning as planning
+
+    monkeypatch.setenv("MEMFIT_CONFIG_CACHE", str(tmp_path / "configs"))
+    preset_config("tiny").save_pretrained(tmp_path / "model")
+    file = tmp_path / "model" / "config.json"
+    first = config_for_planning(str(file))
+    assert isinstance(first, ReadConfig) and first.num_hidden_layers == 2 and first.tie_word_embeddings
+    trainer_side = model_config(resolve_source(f"random:{file}"), ModelConfig())
+    assert config_key(first) == config_key(trainer_side)
+    real = planning._read
+    monkeypatch.setattr(planning, "_read", lambda *a: pytest.fail("read again"))
+    assert config_for_planning(str(tmp_path / "model")) == first  # the directory names the same file
+    monkeypatch.setattr(planning, "_read", real)
+    before = set((tmp_path / "configs").glob("*.json.gz"))
+    file.write_text(file.read_text().replace('"num_hidden_layers": 2', '"num_hidden_layers": 5'))
+    assert config_for_planning(str(file)).num_hidden_layers == 5
+    (entry,) = set((tmp_path / "configs").glob("*.json.gz")) - before
+    entry.write_bytes(gzip.compress(b'{"path": "x"}', mtime=0))
+    assert config_for_planning(str(file)).num_hidden_layers == 5
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "config cache entry" in err and "is damaged" in err
