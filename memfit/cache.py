@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -59,9 +60,10 @@ def digest(described: Any) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def read_entry(root: Path | None, key: str, what: str) -> Any | None:
-    """The decoded JSON of entry ``key``, or None: not cached, the cache off, or damaged (said in one line on
-    stderr, naming ``what`` the cache holds, and removed)."""
+def read_entry(root: Path | None, key: str, what: str, parse: Callable[[Any], Any] = lambda data: data) -> Any | None:
+    """Entry ``key`` as ``parse`` makes it from the decoded JSON, or None: not cached, the cache off, or damaged (not
+    gzipped JSON, or ``parse`` raised ValueError, KeyError or TypeError: said in one line on stderr, naming ``what``
+    the cache holds, and removed)."""
     if root is None:
         return None
     path = root / f"{key}.json.gz"
@@ -70,8 +72,8 @@ def read_entry(root: Path | None, key: str, what: str) -> Any | None:
     except OSError:
         return None
     try:
-        return json.loads(gzip.decompress(raw))
-    except (OSError, EOFError, ValueError) as e:
+        return parse(json.loads(gzip.decompress(raw)))
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
         drop_damaged(path, what, e)
         return None
 

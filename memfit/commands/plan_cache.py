@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from memfit.cache import cache_root, code_and_versions, digest, drop_damaged, read_entry, write_entry
+from memfit.cache import cache_root, code_and_versions, digest, read_entry, write_entry
 from memfit.errors import UserError, print_user_error
 from memfit.units import this_machine_memory
 
@@ -100,9 +100,10 @@ def file_digest(path: str) -> str | None:
         return None
 
 
-def _valid(entry: Any) -> bool:
+def _answer(entry: Any) -> dict[str, Any]:
+    """A kept answer as read (``cache.read_entry``'s parse); ValueError where it is not one."""
     strings = ("stdout", "stderr", "written_at")
-    return (
+    if not (
         isinstance(entry, dict)
         and all(isinstance(entry.get(k), str) for k in strings)
         and isinstance(entry.get("rc"), int)
@@ -110,17 +111,15 @@ def _valid(entry: Any) -> bool:
         and isinstance(entry.get("inputs"), dict)
         and isinstance(entry.get("files"), dict)
         and all(isinstance(v, str) for v in entry["files"].values())
-    )
+    ):
+        raise ValueError("not a plan answer")
+    return entry
 
 
 def lookup(key: str) -> dict[str, Any] | None:
     """The kept answer of ``key``, or None: not kept, an input file changed since, or a damaged entry."""
-    root = plans_root()
-    entry = read_entry(root, key, "plan")
+    entry = read_entry(plans_root(), key, "plan", _answer)
     if entry is None:
-        return None
-    if not _valid(entry):
-        drop_damaged(root / f"{key}.json.gz", "plan", ValueError("not a plan answer"))
         return None
     if any(file_digest(path) != was for path, was in entry["inputs"].items()):
         return None

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from memfit.cache import cache_dir, cache_root, code_and_versions, digest, drop_damaged, read_entry, write_entry
+from memfit.cache import cache_dir, cache_root, code_and_versions, digest, read_entry, write_entry
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
 from memfit.errors import UserError, did_you_mean
 from memfit.models.presets import PRESETS, ModelShape, Preset, preset
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 
 def planning_config_file(model: str) -> Path | None:
     """The ``config.json`` that ``config_for_planning(model)`` reads, or None for a preset (no file)."""
-    name = model.split(":", 1)[1] if model.startswith("random:") else model
+    name = model.removeprefix("random:")
     if name in PRESETS:
         return None
     if model == EMBEDDED_MODEL:
@@ -76,7 +76,7 @@ def config_for_planning(model: str, attn_implementation: str = "sdpa") -> Planni
     Raises:
         UserError: unknown name (with the closest preset) or a path without a usable config.
     """
-    name = model.split(":", 1)[1] if model.startswith("random:") else model
+    name = model.removeprefix("random:")
     if name in PRESETS:
         return preset(name, attn_implementation)
     file = planning_config_file(model)
@@ -101,13 +101,11 @@ def config_for_planning(model: str, attn_implementation: str = "sdpa") -> Planni
 
 def _read(model: str, name: str, attn_implementation: str) -> PretrainedConfig:
     """Transformers' config of a checkpoint directory, the embedded model or a ``config.json`` (validated)."""
-    from memfit.models.load import model_config, read_config, resolve_source
+    from memfit.models.load import model_config, resolve_source
 
     path = Path(name).expanduser()
     if path.is_file() and path.name.endswith(".json"):
-        config = read_config(path.parent if path.name == "config.json" else path, "--model")
-        config._attn_implementation = attn_implementation
-        return config
+        return _read_file(path, attn_implementation)
     if model == EMBEDDED_MODEL or path.is_dir():
         return model_config(resolve_source(model), ModelConfig(attn_implementation=attn_implementation))
     raise UserError(
@@ -118,15 +116,16 @@ def _read(model: str, name: str, attn_implementation: str) -> PretrainedConfig:
 
 def _load(key: str) -> ReadConfig | None:
     """The config cache's entry ``key``, or None (not cached, off, or damaged: said in one line and removed)."""
-    root = cache_root("MEMFIT_CONFIG_CACHE", "configs")
-    data = read_entry(root, key, "config")
-    if data is None:
-        return None
-    try:
-        return ReadConfig(**data)
-    except TypeError as e:
-        drop_damaged(root / f"{key}.json.gz", "config", e)
-        return None
+    return read_entry(cache_root("MEMFIT_CONFIG_CACHE", "configs"), key, "config", lambda data: ReadConfig(**data))
+
+
+def _read_file(path: Path, attn_implementation: str) -> PretrainedConfig:
+    """Transformers' config of a ``config.json`` (or another JSON file of one), validated (``load.read_config``)."""
+    from memfit.models.load import read_config
+
+    config = read_config(path.parent if path.name == "config.json" else path, "--model")
+    config._attn_implementation = attn_implementation
+    return config
 
 
 def transformers_config(config: PlanningConfig) -> PretrainedConfig:
@@ -135,12 +134,7 @@ def transformers_config(config: PlanningConfig) -> PretrainedConfig:
     if isinstance(config, Preset):
         return config.llama_config()
     if isinstance(config, ReadConfig):
-        from memfit.models.load import read_config
-
-        path = Path(config.path)
-        read = read_config(path.parent if path.name == "config.json" else path, "--model")
-        read._attn_implementation = config.attn_implementation
-        return read
+        return _read_file(Path(config.path), config.attn_implementation)
     return copy.deepcopy(config)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from memfit.cache import cache_root as _root
-from memfit.cache import code_and_versions, digest, drop_damaged, read_entry, write_entry
+from memfit.cache import code_and_versions, digest, read_entry, write_entry
 from memfit.models.planning import config_key
 from memfit.planner.categories import Category
 from memfit.planner.timeline import Timeline
@@ -65,25 +65,21 @@ def allocations_key(spec, steps: int) -> str:
 
 def load(key: str) -> Timeline | None:
     """The cached timeline of ``key``, or None (not cached, cache off, or a damaged entry, removed)."""
-    root = cache_root()
-    data = read_entry(root, key, "trace")
-    if data is None:
-        return None
-    try:
-        phases, rows = data["phases"], data["rows"]
-        values = np.asarray(rows) if isinstance(rows, list) else None  # ragged rows raise ValueError
-        if not (
-            isinstance(phases, list)
-            and values is not None
-            and values.dtype == np.int64
-            and values.shape == (len(phases), len(Category))
-            and all(isinstance(p, str) for p in phases)
-        ):
-            raise ValueError("not a timeline")
-        return Timeline(phases, values)
-    except (ValueError, KeyError, TypeError) as e:
-        drop_damaged(root / f"{key}.json.gz", "trace", e)
-        return None
+    return read_entry(cache_root(), key, "trace", _timeline)
+
+
+def _timeline(data: dict) -> Timeline:
+    phases, rows = data["phases"], data["rows"]
+    values = np.asarray(rows) if isinstance(rows, list) else None  # ragged rows raise ValueError
+    if not (
+        isinstance(phases, list)
+        and values is not None
+        and values.dtype == np.int64
+        and values.shape == (len(phases), len(Category))
+        and all(isinstance(p, str) for p in phases)
+    ):
+        raise ValueError("not a timeline")
+    return Timeline(phases, values)
 
 
 def store(key: str, timeline: Timeline) -> None:
@@ -94,20 +90,16 @@ def store(key: str, timeline: Timeline) -> None:
 def load_allocations(key: str) -> list[tuple[int, int]] | None:
     """The cached allocations and releases of ``key`` as (storage serial, +bytes or -bytes) pairs, in order, or None
     (not cached, cache off, or a damaged entry, removed)."""
-    root = cache_root()
-    data = read_entry(root, key, "trace")
-    if data is None:
-        return None
-    try:
-        events = data["allocations"]
-        if not isinstance(events, list) or not all(
-            isinstance(e, list) and len(e) == 2 and all(type(x) is int for x in e) for e in events
-        ):
-            raise ValueError("not a list of (storage, bytes) pairs")
-        return [(serial, delta) for serial, delta in events]
-    except (ValueError, KeyError, TypeError) as e:
-        drop_damaged(root / f"{key}.json.gz", "trace", e)
-        return None
+    return read_entry(cache_root(), key, "trace", _allocations)
+
+
+def _allocations(data: dict) -> list[tuple[int, int]]:
+    events = data["allocations"]
+    if not isinstance(events, list) or not all(
+        isinstance(e, list) and len(e) == 2 and all(type(x) is int for x in e) for e in events
+    ):
+        raise ValueError("not a list of (storage, bytes) pairs")
+    return [(serial, delta) for serial, delta in events]
 
 
 def store_allocations(key: str, events: list[tuple[int, int]]) -> None:
