@@ -3,20 +3,39 @@ SmolLM2 one (converted once per machine into the memfit cache)."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import pathlib
+import shutil
+import tempfile
 
 import pytest
 import torch
 from support.tiny import tiny_config
 
 from memfit.models.load import embedded_checkpoint_dir
+from memfit.planner import trace_cache
 
-# the planner's trace, plan and config caches are off unless a test turns them on: a test that patches a module
-# constant a trace depends on must never read a trace (or an answer) made without the patch (subprocesses inherit this)
-os.environ["MEMFIT_TRACE_CACHE"] = "off"
+# the plan and config caches are off unless a test turns them on: a test that patches a module constant an answer
+# depends on must never read one made without the patch (subprocesses inherit this)
 os.environ["MEMFIT_PLAN_CACHE"] = "off"
 os.environ["MEMFIT_CONFIG_CACHE"] = "off"
+
+# the trace cache: off in this process for the same reason, unless a test points MEMFIT_TRACE_CACHE elsewhere; the
+# memfit processes the tests start (which nothing patches) share one for the session, so that the same fit check is
+# traced once and not in every ``memfit train`` (a trace is named by memfit's source bytes and the library versions)
+SHARED_TRACES = tempfile.mkdtemp(prefix="memfit-test-traces-")
+atexit.register(shutil.rmtree, SHARED_TRACES, ignore_errors=True)
+os.environ["MEMFIT_TRACE_CACHE"] = SHARED_TRACES
+_trace_cache_root = trace_cache.cache_root
+
+
+def _this_process_trace_cache_root() -> pathlib.Path | None:
+    root = _trace_cache_root()
+    return None if root == pathlib.Path(SHARED_TRACES) else root
+
+
+trace_cache.cache_root = _this_process_trace_cache_root
 
 
 @pytest.fixture(autouse=True)

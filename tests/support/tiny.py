@@ -21,6 +21,7 @@ def tiny_overrides(out_dir, *extra: str) -> list[str]:
         "train.micro_batch_size=4",
         "train.eval_every=3",
         "train.eval_batches=2",
+        "output.export=false",  # saving the model costs half a second; a test of the export turns it on
         f"output.dir={out_dir}",
         *extra,
     ]

@@ -20,7 +20,9 @@ def test_non_finite_hyperparameters_are_refused_at_config_load(override):
 
 
 def test_a_run_that_goes_non_finite_stops_before_checkpointing_or_exporting_it(tiny_cfg, tmp_path):
-    trainer = Trainer(tiny_cfg("optimizer.lr=1e30", "optimizer.warmup_steps=0", "train.checkpoint_every=1"))
+    trainer = Trainer(
+        tiny_cfg("optimizer.lr=1e30", "optimizer.warmup_steps=0", "train.checkpoint_every=1", "output.export=true")
+    )
     with pytest.raises(UserError, match=r"step \d+: the loss is .* nothing of it is checkpointed or exported"):
         trainer.fit()
     trainer.close()

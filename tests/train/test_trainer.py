@@ -27,7 +27,7 @@ def test_seeded_tiny_run_first_losses(tiny_cfg):
 
 
 def test_metrics_record_what_the_issue_lists(tiny_cfg):
-    trainer = Trainer(tiny_cfg())
+    trainer = Trainer(tiny_cfg("output.export=true"))
     result = trainer.fit()
     recs = read_metrics(result.run_dir / "metrics.jsonl")
     step = next(r for r in recs if r["kind"] == "step")
@@ -111,7 +111,7 @@ def test_grad_accumulation_equals_bigger_batch(tiny_cfg, tmp_path):
 def test_export_full_model_reproduces_logits(tiny_cfg, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    trainer = Trainer(tiny_cfg("strategy.activation_checkpointing=full"))
+    trainer = Trainer(tiny_cfg("strategy.activation_checkpointing=full", "output.export=true"))
     trainer.fit()
     tokens = trainer.eval[0][0][:, :-1]
     trainer.model.eval()
@@ -164,6 +164,7 @@ def test_export_lora_adapter_loads_in_peft(tiny_cfg, tmp_path, embedded_dir):
             "lora.enabled=true",
             "strategy.activation_checkpointing=ffn",
             "optimizer.lr=1e-2",
+            "output.export=true",
         )
     )
     trainer.fit()
@@ -284,7 +285,9 @@ def test_a_planner_defect_is_noted_and_the_run_goes_on(tiny_cfg, monkeypatch):
 
 
 def test_keep_checkpoints_zero_writes_no_checkpoint(tiny_cfg):
-    result = Trainer(tiny_cfg("train.max_steps=2", "train.keep_checkpoints=0", "train.checkpoint_every=1")).fit()
+    result = Trainer(
+        tiny_cfg("train.max_steps=2", "train.keep_checkpoints=0", "train.checkpoint_every=1", "output.export=true")
+    ).fit()
     assert not any((result.run_dir / "checkpoints").glob("*"))
     assert (result.run_dir / "export" / "config.json").is_file()
 
