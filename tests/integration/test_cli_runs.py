@@ -121,9 +121,7 @@ def test_out_of_memory_exits_3_with_one_line_and_keeps_the_run_dir(tmp_path, emb
             "memfit.cli",
             "train",
             "tiny-cpu",
-            *tiny_overrides(
-                out, "train.micro_batch_size=64", "data.seq_len=512", "data.max_documents=20", "output.export=false"
-            ),
+            *tiny_overrides(out, "train.micro_batch_size=64", "data.seq_len=512", "data.max_documents=20"),
         ],
         capture_output=True,
         text=True,

@@ -27,7 +27,6 @@ COMMON = (
     "train.max_steps=10",
     "train.eval_every=0",
     "train.eval_batches=1",
-    "output.export=false",
     "train.micro_batch_size=2",
     "train.global_batch_size=4",
     "train.keep_checkpoints=10",
@@ -306,7 +305,6 @@ def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, stag
         "train.eval_batches=1",
         "train.eval_every=0",
         "train.keep_checkpoints=0",  # no final checkpoint: this test reads the profiled step only
-        "output.export=false",
         f"distributed.zero_stage={stage}",
     )
     code, _, err = _memfit(args, nproc=2)

@@ -296,7 +296,7 @@ def test_a_kept_heap_over_its_budget_is_handed_back_after_each_step(tiny_cfg, tm
     import memfit.strategies.allocator as allocator_module
     from memfit.train.loop import Trainer
 
-    overrides = ("train.max_steps=3", "train.eval_every=0", "output.export=false", "allocator.host_keep_freed=true")
+    overrides = ("train.max_steps=3", "train.eval_every=0", "allocator.host_keep_freed=true")
     kept = Trainer(tiny_cfg(*overrides, f"output.dir={tmp_path / 'kept'}")).fit()
     monkeypatch.setattr(allocator_module, "KEEP_HEADROOM", 0)
     trimmed = Trainer(tiny_cfg(*overrides, f"output.dir={tmp_path / 'trimmed'}")).fit()

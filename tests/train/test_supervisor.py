@@ -13,6 +13,7 @@ from support.tiny import tiny_config, tiny_overrides
 from memfit.config.loader import load_config
 from memfit.config.schema import grad_accum_steps
 from memfit.telemetry.metrics_file import read_metrics
+from memfit.train.loop import Trainer
 from memfit.train.supervisor import next_after_oom
 
 
@@ -85,9 +86,7 @@ def test_an_oom_restarts_from_the_checkpoint_down_the_ladder_with_the_same_losse
     micro-batch 4 ran out of memory at 1.45 GiB and not at 1.65, micro-batch 8 at 2.2 and not at 2.3 GiB."""
     run = tmp_path / "run"
     common = ["data.seq_len=256", "train.eval_every=0", "train.eval_batches=1"]
-    common += ["output.export=false", "train.threads=1", "train.checkpoint_every=2"]
-    from memfit.train.loop import Trainer
-
+    common += ["train.threads=1", "train.checkpoint_every=2"]
     Trainer(tiny_config(run, *common, "train.micro_batch_size=16", "train.max_steps=2")).fit()  # in this process
     resumed = _train(
         *tiny_overrides(run, *common, "train.micro_batch_size=16", "train.max_steps=4"),
@@ -151,10 +150,8 @@ def test_restart_conditions_say_why_and_bad_ones_are_one_line():
 def test_restarts_resume_in_fresh_processes_with_the_losses_of_one_run(tmp_path):
     """every:3steps over 8 steps with max_restarts 2: restarts after steps 3 and 6, then the bound is reached and
     the last process trains on without restarting; the losses equal an uninterrupted run's to the bit."""
-    common = ["train.max_steps=8", "train.eval_every=0", "train.checkpoint_every=0", "output.export=false"]
+    common = ["train.max_steps=8", "train.eval_every=0", "train.checkpoint_every=0"]
     ref, run = tmp_path / "ref", tmp_path / "run"
-    from memfit.train.loop import Trainer
-
     Trainer(tiny_config(ref, *common)).fit()  # uninterrupted, in this process
     done = _train(*tiny_overrides(run, *common, "train.restart_on=every:3steps", "train.max_restarts=2"))
     assert done.returncode == 0, done.stderr[-2000:]
