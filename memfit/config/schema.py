@@ -180,7 +180,7 @@ class TrainConfig:
         "global / (world size x micro_batch_size) (None = world size x micro x grad_accum_steps)",
     )
     eval_every: int = _f(25, "optimizer steps between eval-loss passes (0 = only at start and end)")
-    eval_batches: int = _f(8, "held-out micro-batches per eval pass")
+    eval_batches: int = _f(8, "held-out micro-batches per eval pass (0 = no evaluation)")
     log_every: int = _f(1, "optimizer steps between metric records")
     checkpoint_every: int = _f(0, "optimizer steps between checkpoints (0 = only at the end)")
     keep_checkpoints: int = _f(2, "how many recent checkpoints to keep (0 = write none: no resume; for benchmarks)")
@@ -319,7 +319,6 @@ def check(cfg: RunConfig) -> RunConfig:
         ("train.profile_step", t.profile_step or 1),
         ("train.micro_batch_size", t.micro_batch_size),
         ("train.grad_accum_steps", t.grad_accum_steps),
-        ("train.eval_batches", t.eval_batches),
         ("train.log_every", t.log_every),
         ("lora.rank", lo.rank),
     ):
@@ -333,6 +332,7 @@ def check(cfg: RunConfig) -> RunConfig:
         ("train.kernel_profile_every", t.kernel_profile_every),
         ("train.max_restarts", t.max_restarts),
         ("train.eval_every", t.eval_every),
+        ("train.eval_batches", t.eval_batches),
         ("train.checkpoint_every", t.checkpoint_every),
         ("train.keep_checkpoints", t.keep_checkpoints),
         ("optimizer.warmup_steps", o.warmup_steps),

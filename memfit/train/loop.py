@@ -455,6 +455,8 @@ class Trainer:
             display.log(f"metrics: {where}http://{t.metrics_host}:{self.metrics_port}/metrics", everywhere=True)
 
         def do_eval(step: int) -> None:
+            if not self.eval:  # train.eval_batches=0
+                return
             rec = {"kind": "eval", "step": step, "eval_loss": self.evaluate()}
             log.write(rec)
             result.evals.append(rec)

@@ -57,6 +57,7 @@ def test_unknown_section_gets_did_you_mean(tmp_path):
     "override, message",
     [
         ("train.micro_batch_size=0", r"train.micro_batch_size must be > 0 \(got 0\)"),
+        ("train.eval_batches=-1", r"train.eval_batches must be >= 0 \(got -1\)"),
         ("train.micro_batch_size=four", r"train.micro_batch_size must be an integer \(got 'four'\)"),
         ("strategy.precision=bf17-mixed", r"strategy.precision must be one of .* \(did you mean 'bf16-mixed'\?\)"),
         ("strategy.activation_checkpointing=every_k:0", r"every_k:N with N >= 1"),

@@ -284,12 +284,22 @@ def test_a_planner_defect_is_noted_and_the_run_goes_on(tiny_cfg, monkeypatch):
     assert len(trainer.fit().steps) == 1
 
 
-def test_keep_checkpoints_zero_writes_no_checkpoint(tiny_cfg):
+def test_keep_checkpoints_and_eval_batches_zero_write_no_checkpoint_and_run_no_eval(tiny_cfg):
     result = Trainer(
-        tiny_cfg("train.max_steps=2", "train.keep_checkpoints=0", "train.checkpoint_every=1", "output.export=true")
+        tiny_cfg(
+            "train.max_steps=2",
+            "train.keep_checkpoints=0",
+            "train.checkpoint_every=1",
+            "train.eval_batches=0",
+            "output.export=true",
+        )
     ).fit()
     assert not any((result.run_dir / "checkpoints").glob("*"))
     assert (result.run_dir / "export" / "config.json").is_file()
+    recs = read_metrics(result.run_dir / "metrics.jsonl")
+    assert result.evals == [] and not [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in recs if r["kind"] == "step"] == [1, 2]
+    assert recs[-1]["kind"] == "summary" and recs[-1]["last_eval_loss"] is None
 
 
 def test_summary_reports_fragmentation_readings_from_gpu_step_records():
