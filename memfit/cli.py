@@ -64,7 +64,7 @@ def add_plan_parser(sub) -> None:
         if lever.flag:
             searched = " | ".join(map(str, lever.searched)) or "divisors of the per-GPU batch"
             pin.add_argument(lever.flag, help=f"pin {lever.config_key} (searched: {searched})")
-    pin.add_argument("--engine", default="fsdp2", help="sharding semantics: fsdp2 (default) | deepspeed")
+    pin.add_argument("--engine", default="fsdp2", choices=("fsdp2", "deepspeed"), help="sharding rules")
     out = plan.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="rows of the table")
     out.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
@@ -202,7 +202,13 @@ torchao's CUDA kernels that cannot load on this machine, its enum registrations.
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if getattr(ns, "command", None) == "train":  # overrides after an option: ``train cfg --auto train.max_steps=9``
+        ns.args += [a for a in extra if not a.startswith("-")]
+        extra = [a for a in extra if a.startswith("-")]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     try:

@@ -10,6 +10,7 @@ import difflib
 import os
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 EXIT_USER_ERROR = 2
 
@@ -96,3 +97,21 @@ def first_line(e: Exception, limit: int = 300) -> str:
     one-line error quotes of a library's multi-line complaint."""
     text = str(e).strip()
     return text.splitlines()[0][:limit] if text else type(e).__name__
+
+
+def write_output(path: Path, text: str, fix: str = "choose another path") -> None:
+    """Write a file the user asked for (a page, a config) whole or not at all: through a hidden temporary file
+    beside it, renamed into place.
+
+    Raises:
+        UserError: its directory does not exist or cannot be written (nothing is left behind).
+    """
+    if not path.parent.is_dir():
+        raise UserError(f"cannot write '{path}': its directory '{path.parent}' does not exist; {fix}")
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"cannot write '{path}' ({e.strerror}); {fix}") from None

@@ -10,7 +10,7 @@ from memfit.errors import UserError
 MIB = 1 << 20
 GIB = 1 << 30
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|GB|G|MiB|MB|M|TiB|TB|T)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(GiB|GB|G|MiB|MB|M|TiB|TB|T|KiB|KB|K)?\s*$", re.IGNORECASE)
 _UNITS = {
     "gib": GIB,
     "g": GIB,
@@ -21,6 +21,9 @@ _UNITS = {
     "tib": 1 << 40,
     "t": 1 << 40,
     "tb": 10**12,
+    "kib": 1 << 10,
+    "k": 1 << 10,
+    "kb": 10**3,
 }
 
 
@@ -33,7 +36,10 @@ def parse_memory(text: str, flag: str = "--gpu-mem") -> int:
     m = _SIZE.match(text)
     if not m:
         raise UserError(f"{flag} must look like 64GiB, 80GB or 512MiB (got '{text}')")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "GiB").lower()])
+    value = int(float(m.group(1)) * _UNITS[(m.group(2) or "GiB").lower()])
+    if value < 1:
+        raise UserError(f"{flag} must be more than 0 bytes (got '{text}')")
+    return value
 
 
 def this_machine_memory() -> int:

@@ -48,6 +48,8 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
         UserError: missing file, not a pickle, a pickle that needs classes, or not a snapshot.
     """
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"snapshot '{path}' is a directory; give the pickle torch.cuda.memory._dump_snapshot wrote")
     if not p.is_file():
         raise UserError(f"snapshot '{path}' does not exist; write one with torch.cuda.memory._dump_snapshot(path)")
     raw = p.read_bytes()

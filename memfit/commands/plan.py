@@ -102,21 +102,23 @@ def _from_deepspeed(path: str, req: PlanRequest) -> None:
     where = f"--deepspeed {path}: "
     if not isinstance(ds, dict):
         raise UserError(f"{where}the top level must be a JSON object (got {type(ds).__name__})")
-    stage = ds.get("zero_optimization", {}).get("stage")
+    # torch and DeepSpeed's checks: only with --deepspeed
+    from memfit.distributed.deepspeed_engine import check_layout, offloaded, setting
+
+    check_layout(ds, f"--deepspeed {path}")
+    stage = setting(ds, "zero_optimization.stage")
     if stage is not None:
         req.pins["zero_stage"] = (stage, where + "zero_optimization.stage")
-    if ds.get("bf16", {}).get("enabled"):
+    if setting(ds, "bf16.enabled"):
         req.pins["precision"] = ("bf16-mixed", where + "bf16.enabled")
-    elif ds.get("fp16", {}).get("enabled"):
+    elif setting(ds, "fp16.enabled"):
         req.pins["precision"] = ("fp16-mixed", where + "fp16.enabled")
     micro = ds.get("train_micro_batch_size_per_gpu")
     if micro is not None and micro != "auto":
         req.pins["micro_batch_size"] = (micro, where + "train_micro_batch_size_per_gpu")
     accum = ds.get("gradient_accumulation_steps")
     if accum is not None and accum != "auto":
-        req.grad_accum = int(accum)
-    from memfit.distributed.deepspeed_engine import offloaded  # torch and DeepSpeed's checks: only with --deepspeed
-
+        req.grad_accum = accum
     optimizer_off, req.offload_params = offloaded(ds, f"--deepspeed {path}")
     if optimizer_off:
         req.pins["optimizer_offload"] = (True, where + "zero_optimization.offload_optimizer")
@@ -261,6 +263,10 @@ def run(ns, answered: Answered | None = None) -> int:
         raise UserError(f"--gpus-per-node and --nodes must be >= 1 (got {ns.gpus_per_node}, {ns.nodes})")
     if not 0 <= ns.headroom < 1:
         raise UserError(f"--headroom must be in [0, 1) (got {ns.headroom})")
+    outputs = {"--html": ns.html, "--write-config": ns.write_config, "--write-deepspeed": ns.write_deepspeed}
+    for flag, path in outputs.items():
+        if path and not Path(path).parent.is_dir():  # said before the search, not after it
+            raise UserError(f"{flag} {path}: the directory '{Path(path).parent}' does not exist; create it first")
     if ns.device == "cpu":
         cluster = _cpu_cluster(ns)
     else:
@@ -286,7 +292,9 @@ def run(ns, answered: Answered | None = None) -> int:
         model_file = planning_config_file(req.model)
         answered.inputs = [str(Path(p).resolve()) for p in (ns.config, ns.deepspeed, model_file) if p]
     limits = _limits(result, ns)
-    console = Console() if sys.stdout.isatty() else Console(width=190)  # tables stay whole in logs and pipes
+    # tables stay whole in logs and pipes; with --json, stdout holds the JSON alone and the rest goes to stderr
+    stream = sys.stderr if ns.json else sys.stdout
+    console = Console(file=stream) if stream.isatty() else Console(file=stream, width=190)
     if ns.json:
         print(json.dumps(plan_dict(result, limits)))
     else:
@@ -308,7 +316,7 @@ def run(ns, answered: Answered | None = None) -> int:
     if ns.explain is not None:
         rows = table_rows(result.fitting)
         if not 1 <= ns.explain <= len(rows):
-            raise UserError(f"--explain {ns.explain}: the table has {len(rows)} rows of fitting candidates")
+            raise UserError(f"--explain must be a row of the table, 1 to {len(rows)} (got {ns.explain})")
         chosen = rows[ns.explain - 1].first
         if gpu.is_cpu:  # no caching allocator to replay
             render_explain(chosen, console)

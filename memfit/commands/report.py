@@ -71,6 +71,8 @@ def _snapshot(path: Path, ns):
 
 def run(ns) -> int:
     path = Path(ns.path)
+    if path.name == "metrics.jsonl" and path.is_file():
+        path = path.parent  # a run's own metrics file: the run's page
     kind = kind_of(path)
     if kind != "snapshot" and (ns.simulate or ns.capacity or ns.device is not None):
         raise UserError(f"--simulate, --capacity and --device read a snapshot; '{path}' is a {kind}")

@@ -56,7 +56,8 @@ def resolve_ds_path(value: str) -> Path:
     raise UserError(f"distributed.deepspeed_config: '{value}' does not exist; give a DeepSpeed JSON file")
 
 
-def _get(d: dict, dotted: str) -> Any:
+def setting(d: dict, dotted: str) -> Any:
+    """The value at a dotted key of a DeepSpeed config (``zero_optimization.stage``); None where a part is missing."""
     for part in dotted.split("."):
         if not isinstance(d, dict) or part not in d:
             return None
@@ -72,7 +73,7 @@ def _put(d: dict, dotted: str, value: Any) -> None:
 
 
 def _agree(ds: dict, dotted: str, ours: Any, our_name: str, path: Path) -> None:
-    theirs = _get(ds, dotted)
+    theirs = setting(ds, dotted)
     if theirs is None or theirs == "auto":
         _put(ds, dotted, ours)
     elif theirs != ours and not (
@@ -94,18 +95,52 @@ def offloaded(ds: dict, where: str) -> tuple[bool, bool]:
     """
     out = []
     for key in ("offload_optimizer", "offload_param"):
-        device = _get(ds, f"zero_optimization.{key}.device")
+        device = setting(ds, f"zero_optimization.{key}.device")
         if device == "nvme":
             raise UserError(f"{where}: zero_optimization.{key}.device nvme: memfit plans host memory only; use cpu")
         out.append(device == "cpu")
     return out[0], out[1]
 
 
-def read_ds(path: Path) -> dict[str, Any]:
-    """The user's DeepSpeed JSON as a dict.
+OBJECT_KEYS = (
+    "zero_optimization",
+    "zero_optimization.offload_optimizer",
+    "zero_optimization.offload_param",
+    "bf16",
+    "fp16",
+    "optimizer",
+    "optimizer.params",
+)
+INTEGER_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+def check_layout(ds: dict, where: str) -> None:
+    """Refuse a DeepSpeed config whose sections memfit reads are not JSON objects, or whose batch sizes are neither
+    whole numbers nor "auto", before anything reads them.
 
     Raises:
-        UserError: unreadable JSON or not an object.
+        UserError: naming the key, what it holds and what it must be.
+    """
+    for key in OBJECT_KEYS:
+        value = setting(ds, key)
+        if value is not None and not isinstance(value, dict):
+            raise UserError(f"{where}: {key} must be a JSON object (got {json.dumps(value)})")
+    for key in INTEGER_KEYS:
+        value = setting(ds, key)
+        if value not in (None, "auto") and not _whole(value):
+            raise UserError(f'{where}: {key} must be a whole number >= 1 or "auto" (got {json.dumps(value)})')
+
+
+def _whole(value: Any) -> bool:
+    """A whole number >= 1 (JSON's true is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def read_ds(path: Path) -> dict[str, Any]:
+    """The user's DeepSpeed JSON as a dict, its layout checked (``check_layout``).
+
+    Raises:
+        UserError: unreadable JSON, not an object, or a section of the wrong type.
     """
     try:
         ds = json.loads(read_utf8(path, "distributed.deepspeed_config", "save it as UTF-8 JSON"))
@@ -113,6 +148,7 @@ def read_ds(path: Path) -> dict[str, Any]:
         raise UserError(f"distributed.deepspeed_config: cannot read '{path}' as JSON ({e})") from None
     if not isinstance(ds, dict):
         raise UserError(f"distributed.deepspeed_config: '{path}' must hold a JSON object")
+    check_layout(ds, str(path))
     return ds
 
 
@@ -145,11 +181,11 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
     _agree(ds, "fp16.enabled", precision.name == "fp16-mixed", f"strategy.precision ({precision.name})", path)
     if "scheduler" in ds:
         raise UserError(
-            f"{path}: has a 'scheduler' section ({_get(ds, 'scheduler.type')}) but memfit drives the LR with "
+            f"{path}: has a 'scheduler' section ({setting(ds, 'scheduler.type')}) but memfit drives the LR with "
             f"optimizer.warmup_steps={o.warmup_steps} and a cosine decay; remove the section"
         )
     if "optimizer" in ds:
-        kind = str(_get(ds, "optimizer.type") or "").lower()
+        kind = str(setting(ds, "optimizer.type") or "").lower()
         if kind not in ("adam", "adamw"):
             raise UserError(
                 f"{path}: optimizer.type is {kind!r} but memfit trains with AdamW; use AdamW or remove the section"

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,7 +29,7 @@ from memfit.cache import cache_dir
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
 from memfit.errors import UserError, first_line
 from memfit.models.planning import transformers_config
-from memfit.models.presets import PRESETS, preset, preset_config
+from memfit.models.presets import PRESETS, ModelShape, preset, preset_config
 
 if TYPE_CHECKING:
     from memfit.models.planning import PlanningConfig
@@ -139,14 +139,39 @@ def read_config(path: Path, what: str = "model.source"):
     Raises:
         UserError: the config is not JSON, not UTF-8 or not a model transformers knows.
     """
+    shown = path if path.is_file() else path / "config.json"
     try:
-        return AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        shown = path if path.is_file() else path / "config.json"
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError, *_CONFIG_CHECKS) as e:
+        why = e.__cause__ if isinstance(e, _CONFIG_CHECKS) and e.__cause__ else e  # the check's own words
         raise UserError(
-            f"{what}: '{shown}' is not a usable model config ({first_line(e)}); "
+            f"{what}: '{shown}' is not a usable model config ({first_line(why)}); "
             "fix it or re-save the checkpoint with save_pretrained"
         ) from None
+    sizes = {f.name: getattr(config, f.name, None) for f in fields(ModelShape)}
+    wrong = [f"{k} {v!r}" for k, v in sizes.items() if v is not None and (type(v) is not int or v < 1)]
+    if wrong:
+        raise UserError(f"{what}: '{shown}' has {', '.join(wrong)}; every size must be a whole number >= 1")
+    heads, kv = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if heads is not None and kv is not None and heads % kv:
+        raise UserError(
+            f"{what}: '{shown}' has {heads} attention heads, not a multiple of its {kv} key/value heads; "
+            "num_attention_heads must be a multiple of num_key_value_heads"
+        )
+    return config
+
+
+def _strict_config_errors() -> tuple[type[Exception], ...]:
+    """What newer transformers raise for a config that fails its own checks (huggingface_hub's strict dataclasses,
+    e.g. a hidden size not divisible by the heads), where the installed version has them."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
+_CONFIG_CHECKS = _strict_config_errors()
 
 
 def check_weights(path: Path) -> None:

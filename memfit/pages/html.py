@@ -14,14 +14,13 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import UserError
+from memfit.errors import write_output
 
 ASSETS = resources.files("memfit.pages") / "assets"
 STYLES = ("uPlot.min.css", "memfit.css")
@@ -218,14 +217,5 @@ def write_page(page: Page, path: Path) -> Path:
         UserError: the directory does not exist or cannot be written.
     """
     path = Path(path)
-    if not path.parent.is_dir():
-        raise UserError(f"cannot write '{path}': its directory '{path.parent}' does not exist")
-    text = page.render()
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise UserError(f"cannot write '{path}' ({e.strerror}); choose another path for the page") from None
+    write_output(path, page.render(), "choose another path for the page")
     return path

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from rich.table import Table
 
 from memfit.config.schema import LoraConfig
 from memfit.config.strategy import OPTIMIZER_IMPLEMENTATIONS, Strategy, levers
+from memfit.errors import write_output
 from memfit.planner.categories import PHASES, Category
 from memfit.planner.cost import assumptions
 from memfit.planner.limits import MAX_MICRO_BATCH, SEQ_STEP, Limit
@@ -282,12 +282,6 @@ def render_explain(c: Candidate, console: Console, replayed: tuple[int, int] | N
         )
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_train_config(
     c: Candidate, r: PlanResult, source: str, path: Path, engine: str = "fsdp2", deepspeed_json: str | None = None
 ) -> None:
@@ -329,7 +323,7 @@ def write_train_config(
         header += (
             f"# planned for {r.cluster.world_size} GPUs with ZeRO-{s.zero_stage}: memfit train {path.name} {launch}\n"
         )
-    _atomic_write(path, header + yaml.safe_dump(cfg, sort_keys=False))
+    write_output(path, header + yaml.safe_dump(cfg, sort_keys=False), "choose another path for --write-config")
 
 
 def write_deepspeed(c: Candidate, path: Path) -> None:
@@ -344,4 +338,4 @@ def write_deepspeed(c: Candidate, path: Path) -> None:
     }
     if s.optimizer_offload:
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    _atomic_write(path, json.dumps(ds, indent=2) + "\n")
+    write_output(path, json.dumps(ds, indent=2) + "\n", "choose another path for --write-deepspeed")

@@ -332,3 +332,9 @@ def test_an_oom_with_enough_free_memory_in_pieces_is_blamed_on_fragmentation(tmp
     )
     assert main(["frag", str(p), "--out", str(tmp_path / "o")]) == 0
     assert "enough free memory, but in pieces" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_directory_given_as_the_snapshot_is_one_line(tmp_path, capsys):
+    assert main(["frag", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a directory; give the pickle" in err and "\n" not in err

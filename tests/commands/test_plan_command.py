@@ -47,6 +47,12 @@ def _plan(capsys, *args):
             ["--model", "tiny", "--gpu", "mi210", "--simulate"],
             "--simulate replays one candidate's step: give --explain N too",
         ),
+        (["--model", "tiny", "--gpu-mem", "0"], "--gpu-mem must be more than 0 bytes (got '0')"),
+        (
+            ["--model", "tiny", "--gpu", "mi210", "--write-config", "/no/such/dir/run.yaml"],
+            "--write-config /no/such/dir/run.yaml: the directory '/no/such/dir' does not exist",
+        ),
+        (["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--explain", "0"], "--explain must be a row of"),
     ],
 )
 def test_plan_errors_are_one_line(capsys, args, message):
@@ -111,7 +117,7 @@ def test_plan_json_explain_and_written_configs(capsys, tmp_path):
     assert code == 0
     plan = json.loads(out)
     assert plan["fitting"] and plan["fitting"][0]["fits"] and "assumptions" in plan
-    code, out, _ = _plan(
+    code, out, err = _plan(
         capsys,
         "--model",
         "tiny",
@@ -129,8 +135,11 @@ def test_plan_json_explain_and_written_configs(capsys, tmp_path):
         str(run_yaml),
         "--write-deepspeed",
         str(ds_json),
+        "--json",
     )
-    assert code == 0 and "per phase peak" in out and "backward" in out
+    # with --json, stdout is the JSON alone: the explanation and "wrote ..." go to stderr
+    assert code == 0 and json.loads(out)["fitting"] and "per phase peak" in err and "backward" in err
+    assert f"wrote {run_yaml}" in err
     cfg = load_config(run_yaml)  # the written config is a valid memfit train config
     assert cfg.model.source == "random:tiny" and cfg.data.seq_len == 128
     ds = json.loads(ds_json.read_text())
@@ -282,4 +291,41 @@ def test_the_cpu_runtime_share_is_read_with_torch_and_transformers_loaded():
 )
 def test_plan_device_cpu_errors_are_one_line(capsys, extra, message):
     code, _, err = _plan(capsys, "--model", "tiny", "--seq-len", "64", *extra)
+    assert code == 2 and message in err and "\n" not in err
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100}
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"hidden_size": -64, "num_attention_heads": 4}, "has hidden_size -64; every size must be a whole number >= 1"),
+        ({"num_attention_heads": 4, "num_key_value_heads": 3}, "4 attention heads, not a multiple of its 3 key/value"),
+        ({"num_attention_heads": 3}, "config.json"),  # newer transformers refuse it themselves, older ones at the heads
+        ({"num_attention_heads": 4, "num_hidden_layers": 0}, "num_hidden_layers 0"),
+    ],
+    ids=["negative", "kv-heads", "heads", "no-layers"],
+)
+def test_a_config_json_with_impossible_sizes_is_one_line(capsys, tmp_path, config, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA | config))
+    code, _, err = _plan(capsys, "--model", str(path), "--gpu", "h100", "--seq-len", "64")
+    assert code == 2 and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    "ds, message",
+    [
+        ({"zero_optimization": "x"}, 'zero_optimization must be a JSON object (got "x")'),
+        ({"bf16": True}, "bf16 must be a JSON object (got true)"),
+        ({"zero_optimization": {"offload_optimizer": 1}}, "zero_optimization.offload_optimizer must be a JSON object"),
+        ({"gradient_accumulation_steps": "x"}, 'gradient_accumulation_steps must be a whole number >= 1 or "auto"'),
+        ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu must be a whole number"),
+    ],
+)
+def test_a_deepspeed_json_of_the_wrong_shape_is_one_line(capsys, tmp_path, ds, message):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    code, _, err = _plan(capsys, "--model", "tiny", "--gpu", "h100", "--deepspeed", str(path))
     assert code == 2 and message in err and "\n" not in err

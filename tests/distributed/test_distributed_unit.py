@@ -108,6 +108,8 @@ def test_the_articles_deepspeed_json_reconciles_with_its_config():
             "optimizer.params.lr is 0.0001 but optimizer.lr is 2e-05",
         ),
         ({"optimizer": {"type": "SGD"}}, "optimizer.type is 'sgd'"),
+        ({"zero_optimization": 2}, "zero_optimization must be a JSON object (got 2)"),
+        ({"optimizer": {"type": "AdamW", "params": []}}, "optimizer.params must be a JSON object (got [])"),
     ],
 )
 def test_deepspeed_json_conflicts_name_both_values(tmp_path, change, message):

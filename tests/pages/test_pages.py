@@ -128,7 +128,7 @@ def test_the_run_page_shows_steps_memory_and_the_summary_of_a_real_run(tiny_cfg,
     run_dir = Path(cfg.output.dir)
     with (run_dir / "metrics.jsonl").open("a") as fh:
         fh.write('{"kind": "step", "step": 5, "loss": 1.0')  # a killed run's torn last line
-    assert report(str(run_dir)) == 0
+    assert report(str(run_dir / "metrics.jsonl")) == 0  # the run's own metrics file names the run
     page = (run_dir / "report.html").read_text()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()[:-1]]
     summary = next(r for r in records if r["kind"] == "summary")

@@ -322,8 +322,11 @@ def test_pins_restrict_the_search():
 def test_parse_memory():
     assert parse_memory("64GiB") == 64 * GIB and parse_memory("80GB") == 80 * 10**9 and parse_memory("24") == 24 * GIB
     assert parse_memory("512MiB") == 512 << 20 and parse_memory("1.5 tib") == 3 << 39 and parse_memory("100MB") == 10**8
+    assert parse_memory("1KiB") == 1024 and parse_memory("2kb") == 2000
     with pytest.raises(UserError, match=r"^--capacity must look like 64GiB, 80GB or 512MiB \(got '64 gigs'\)$"):
         parse_memory("64 gigs", "--capacity")
+    with pytest.raises(UserError, match=r"^--gpu-mem must be more than 0 bytes \(got '0GiB'\)$"):
+        parse_memory("0GiB")
 
 
 # -- the command ---------------------------------------------------------------------------------------

@@ -55,6 +55,13 @@ def test_plan_refuses_a_zero_sequence_length(capsys):
     assert "--seq-len and --global-batch must be > 0 (got 0" in capsys.readouterr().err
 
 
+def test_train_overrides_may_follow_an_option_and_zero_ranks_are_refused(capsys):
+    assert main(["train", "tiny-cpu", "--print-config", "train.max_steps=7"]) == 0
+    assert "max_steps: 7" in capsys.readouterr().out
+    assert main(["train", "tiny-cpu", "--nproc-per-node", "0"]) == 2
+    assert "--nproc-per-node and --nnodes must be >= 1 (got 0, 1)" in capsys.readouterr().err
+
+
 def test_exporter_refuses_a_port_out_of_range(capsys):
     assert main(["exporter", "--port", "70000"]) == 2
     assert "--port must be in 0..65535 (got 70000)" in capsys.readouterr().err
