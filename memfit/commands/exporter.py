@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from memfit.errors import UserError
-from memfit.telemetry.prometheus import serve_exporter
+from memfit.telemetry.prometheus import listen_error, serve_exporter
 
 
 def run(ns) -> int:
@@ -14,7 +14,7 @@ def run(ns) -> int:
     try:
         server, backend = serve_exporter(ns.port, ns.host)
     except OSError as e:
-        raise UserError(f"--port {ns.port}: cannot listen on {ns.host} ({e.strerror}); pick a free port") from None
+        raise UserError(listen_error(e, ns.host, ns.port, "--host", "--port")) from None
     print(f"memfit exporter: device memory from {backend} at http://{ns.host}:{server.server_port}/metrics", flush=True)
     try:
         while True:

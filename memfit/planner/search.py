@@ -225,6 +225,8 @@ def _check_pins(pins: Pins, w: Workload, c: Cluster) -> None:
     precision, zero, micro_batch = (pins.levers.get(k) for k in ("precision", "zero_stage", "micro_batch_size"))
     if precision and precision.startswith("bf16") and not c.gpu.bf16:
         raise UserError(f"--precision {precision}: {c.gpu.name} has no bf16; use fp16-mixed")
+    if precision and precision not in precisions_for(c.gpu) and c.gpu.is_cpu:
+        raise UserError(f"--precision {precision}: a CPU run has no fp16 loss scaling; use bf16-mixed or fp32")
     if zero is not None:
         validate(zero, c.world_size, pins.engine)
     if pins.levers.get("optimizer_in_backward") and c.world_size > 1:

@@ -4,6 +4,7 @@ only), else the host's memory, so it runs anywhere). Both bind 127.0.0.1 unless 
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import socket
 import threading
@@ -80,6 +81,14 @@ class _ScrapeServer(ThreadingMixIn, WSGIServer):
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format, *args) -> None:  # a scrape per second would flood the training display
         pass
+
+
+def listen_error(e: OSError, host: str, port: int, host_key: str, port_key: str) -> str:
+    """The one line for a server that cannot listen: the host's fault (no such name or not an address here) or the
+    port's (taken, privileged)."""
+    if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+        return f"{host_key} {host}: not an address of this machine ({e.strerror}); use 127.0.0.1, or 0.0.0.0 for all"
+    return f"{port_key} {port}: cannot listen on {host} ({e.strerror}); pick a free port, or 0 for any"
 
 
 def serve_registry(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> WSGIServer:

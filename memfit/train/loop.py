@@ -57,7 +57,7 @@ from memfit.telemetry.display import TrainDisplay, summary_tables
 from memfit.telemetry.kernels import KernelProfiler
 from memfit.telemetry.metrics_file import MetricsLog, NullLog
 from memfit.telemetry.oom import oom_request_bytes
-from memfit.telemetry.prometheus import TrainerMetrics
+from memfit.telemetry.prometheus import TrainerMetrics, listen_error
 from memfit.telemetry.readings import memory_record, reset_peaks, state_bytes
 from memfit.telemetry.summary import RunSummary, summarize
 from memfit.train.checkpoint import TrainerState, checkpoint_dir, load_checkpoint, save_checkpoint
@@ -396,9 +396,7 @@ class Trainer:
             self.metrics_port = self.metrics.serve(port, t.metrics_host)
         except OSError as e:
             self.metrics = None
-            raise UserError(
-                f"train.metrics_port {port}: cannot listen on {t.metrics_host} ({e.strerror}); pick a free port or 0"
-            ) from None
+            raise UserError(listen_error(e, t.metrics_host, port, "train.metrics_host", "train.metrics_port")) from None
 
     # -- the loop ---------------------------------------------------------------------------------
 

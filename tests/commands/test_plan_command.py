@@ -287,6 +287,7 @@ def test_the_cpu_runtime_share_is_read_with_torch_and_transformers_loaded():
         (["--device", "cpu", "--gpus-per-node", "2"], "--device cpu plans one process"),
         (["--gpu", "h100", "--mem", "4GiB"], "--mem is the memory of a --device cpu plan"),
         (["--device", "cpu", "--explain", "1", "--simulate"], "a --device cpu plan has none"),
+        (["--device", "cpu", "--precision", "fp16-mixed"], "a CPU run has no fp16 loss scaling"),
     ],
 )
 def test_plan_device_cpu_errors_are_one_line(capsys, extra, message):

@@ -62,9 +62,11 @@ def test_train_overrides_may_follow_an_option_and_zero_ranks_are_refused(capsys)
     assert "--nproc-per-node and --nnodes must be >= 1 (got 0, 1)" in capsys.readouterr().err
 
 
-def test_exporter_refuses_a_port_out_of_range(capsys):
+def test_exporter_refuses_a_port_out_of_range_and_a_host_that_is_not_here(capsys):
     assert main(["exporter", "--port", "70000"]) == 2
     assert "--port must be in 0..65535 (got 70000)" in capsys.readouterr().err
+    assert main(["exporter", "--host", "192.0.2.1", "--port", "0"]) == 2  # TEST-NET-1: never a local address
+    assert "--host 192.0.2.1: not an address of this machine" in capsys.readouterr().err
 
 
 def test_resume_with_nothing_to_resume_says_so(tiny_cfg):
