@@ -285,6 +285,8 @@ def check(cfg: RunConfig) -> RunConfig:
         UserError: naming the first field that is out of range.
     """
     d, t, o, lo, a = cfg.data, cfg.train, cfg.optimizer, cfg.lora, cfg.allocator
+    for name, value in (("model.source", cfg.model.source), ("data.source", d.source), ("output.dir", cfg.output.dir)):
+        _need(bool(str(value).strip()), f"{name} is empty; give a value (memfit train --help-config lists them)")
     _choice("model.attn_implementation", cfg.model.attn_implementation, ATTN_IMPLS)
     _choice("data.format", d.format, DATA_FORMATS)
     _need(
@@ -309,6 +311,7 @@ def check(cfg: RunConfig) -> RunConfig:
         cfg.distributed.engine != "deepspeed" or cfg.distributed.deepspeed_config is not None,
         "distributed.engine deepspeed needs distributed.deepspeed_config (a DeepSpeed JSON path)",
     )
+    _need(0 <= t.seed < 2**32, f"train.seed must be in 0..{2**32 - 1} (got {t.seed})")
     _need(
         t.global_batch_size is None or t.global_batch_size > 0,
         f"train.global_batch_size must be > 0 or null (got {t.global_batch_size})",

@@ -92,9 +92,8 @@ def text_files(source: str) -> list[Path]:
         return files
     if path.is_file():
         return [path]
-    raise UserError(
-        f"data.source: '{source}' does not exist; give 'shakespeare', a .txt file, a directory or a .jsonl file"
-    )
+    what = "is not a regular file" if path.exists() else "does not exist"
+    raise UserError(f"data.source: '{source}' {what}; give 'shakespeare', a .txt file, a directory or a .jsonl file")
 
 
 def pack_text(files: list[Path], tokenizer, seq_len: int) -> TokenDataset:

@@ -138,6 +138,9 @@ def supervise(
         load: the config these overrides make (``load_config`` of the same config file).
     """
     cfg = load(overrides)
+    if cfg.train.restart_on and cfg.train.max_restarts == 0:  # no restart allowed: the condition is never acted on
+        overrides = [*overrides, "train.restart_on=null"]
+        cfg = load(overrides)
     metrics = Path(cfg.output.dir) / "metrics.jsonl"
     switches: list[dict] = []
     restarts = 0

@@ -57,6 +57,8 @@ def test_unknown_section_gets_did_you_mean(tmp_path):
     "override, message",
     [
         ("train.micro_batch_size=0", r"train.micro_batch_size must be > 0 \(got 0\)"),
+        ("train.seed=99999999999999999999999", r"train.seed must be in 0..4294967295 \(got 9+\)"),
+        ("output.dir=", r"output.dir is empty; give a value"),
         ("train.eval_batches=-1", r"train.eval_batches must be >= 0 \(got -1\)"),
         ("train.micro_batch_size=four", r"train.micro_batch_size must be an integer \(got 'four'\)"),
         ("strategy.precision=bf17-mixed", r"strategy.precision must be one of .* \(did you mean 'bf16-mixed'\?\)"),

@@ -61,6 +61,18 @@ def test_on_oom_is_validated_in_one_line():
         _cfg("train.on_oom=retry")
 
 
+def test_max_restarts_zero_starts_the_run_without_its_restart_condition(monkeypatch, tmp_path):
+    """No restart allowed: the one child never acts on ``train.restart_on`` (it restarted once before)."""
+    from memfit.train import supervisor
+
+    started = []
+    monkeypatch.setattr(supervisor, "_run_child", lambda args, env: started.append(args) or 0)
+    overrides = ["train.restart_on=every:1steps", "train.max_restarts=0", f"output.dir={tmp_path}"]
+    assert supervisor.supervise(["tiny-cpu"], overrides, lambda more: _cfg(*more), 1, print) == 0
+    assert len(started) == 1 and started[0][-1] == "train.restart_on=null"
+    assert _cfg(*started[0][started[0].index("train.restart_on=every:1steps") :]).train.restart_on is None
+
+
 def _train(*overrides, cap_bytes=None):
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (cap_bytes, cap_bytes))
