@@ -26,6 +26,7 @@ from memfit.telemetry.bench import (
     write_outputs,
     write_progress,
 )
+from memfit.train.disk import check_creatable
 from memfit.units import parse_memory
 
 
@@ -58,8 +59,9 @@ def run(ns) -> int:
             )
     mem_limit = parse_memory(ns.mem_limit, "--mem-limit") if ns.mem_limit else None
     out = Path(ns.out or f"runs/bench-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
-    if out.exists() and any(out.iterdir()):
+    if out.is_dir() and any(out.iterdir()):
         raise UserError(f"--out '{out}' is not empty; choose a new directory")
+    check_creatable(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
     for i, cell in enumerate(cells, 1):

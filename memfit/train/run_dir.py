@@ -49,20 +49,24 @@ MAY_CHANGE_ON_RESUME = {
         "max_restarts",
     )
 } | {("data", "num_workers"), ("data", "pin_memory"), ("data", "prefetch_factor")}
-MAY_CHANGE_ON_RESUME |= {("distributed", "timeout_s"), ("output", "export"), ("strategy", "activation_checkpointing")}
+MAY_CHANGE_ON_RESUME |= {("distributed", "timeout_s"), ("output", "export"), ("optimizer", "implementation")}
+MAY_CHANGE_ON_RESUME |= {("strategy", key) for key in ("activation_checkpointing", "loss_chunks", "activation_offload")}
 MAY_CHANGE_ON_RESUME |= {
     ("allocator", key)
     for key in (
         "expandable_segments",
         "max_split_size_mb",
         "garbage_collection_threshold",
+        "memory_fraction",
         "empty_cache_every",
+        "prewarm_gib",
+        "allow_unsafe",
         "host_keep_freed",
     )
 }
 """Settings that do not change what the run computes (ports, cadences, workers, how long it trains, what is
-recomputed in backward, how the caching allocator and the host's malloc keep memory): a resume may change them, and
-each change is printed. ``train.max_steps`` trains a run on past its end, with the LR schedule stretched from the next
+recomputed in backward or held on the host, the loss computed in chunks, the optimizer step's kernels, how the caching
+allocator and the host's malloc keep memory): a resume may change them, and each change is printed. ``train.max_steps`` trains a run on past its end, with the LR schedule stretched from the next
 step."""
 
 

@@ -50,6 +50,14 @@ def test_bench_refuses_a_bad_matrix_before_writing_anything(tmp_path, capsys, ar
     assert not out.exists()
 
 
+def test_bench_refuses_an_out_directory_that_cannot_be_made(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert main(["bench", "tiny-cpu", "--out", str(tmp_path / "file" / "bench")]) == 2
+    assert main(["bench", "tiny-cpu", "--out", "/proc/memfit-bench"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "--out" in err[0] and "is a file" in err[0] and "cannot be created" in err[1]
+
+
 def test_plan_refuses_a_zero_sequence_length(capsys):
     assert main(["plan", "--model", "tiny", "--gpu", "mi210", "--seq-len", "0"]) == 2
     assert "--seq-len and --global-batch must be > 0 (got 0" in capsys.readouterr().err

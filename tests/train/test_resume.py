@@ -153,6 +153,23 @@ def test_the_same_global_batch_split_differently_resumes_the_same_steps(tiny_cfg
         Trainer(tiny_cfg(*RUN, "train.micro_batch_size=2", "train.resume=true", f"output.dir={run_dir}"))
 
 
+def test_memory_levers_may_change_on_resume_and_the_steps_stay_the_same(tiny_cfg, whole):
+    """What an out-of-memory run changes to fit (checkpointing, a chunked loss, offloaded activations, the optimizer
+    step's kernels) computes the same steps: the resumed losses are the uninterrupted run's (fp32, to rounding)."""
+    run_dir, losses = whole
+    _cut_back_to(run_dir, 4)
+    levers = (
+        "strategy.activation_checkpointing=full",
+        "strategy.loss_chunks=2",
+        "strategy.activation_offload=true",
+        "optimizer.implementation=for-loop",
+    )
+    trainer, rest = _fit(tiny_cfg(*RUN, *levers, "train.resume=true", f"output.dir={run_dir}"))
+    assert trainer.resume_from.name == "step_0000004"
+    assert "changed on resume: optimizer.implementation: 'auto' there, 'for-loop' here" in trainer.notes
+    assert _losses(rest) == pytest.approx({s: losses[s] for s in (5, 6)}, rel=1e-5)
+
+
 def test_a_start_refused_for_a_busy_port_writes_nothing_and_a_retry_may_change_it(tiny_cfg, tmp_path):
     import socket
 
