@@ -66,8 +66,8 @@ MAY_CHANGE_ON_RESUME |= {
 }
 """Settings that do not change what the run computes (ports, cadences, workers, how long it trains, what is
 recomputed in backward or held on the host, the loss computed in chunks, the optimizer step's kernels, how the caching
-allocator and the host's malloc keep memory): a resume may change them, and each change is printed. ``train.max_steps`` trains a run on past its end, with the LR schedule stretched from the next
-step."""
+allocator and the host's malloc keep memory): a resume may change them, and each change is printed.
+``train.max_steps`` trains a run on past its end, with the LR schedule stretched from the next step."""
 
 
 BATCH_SPLIT = {("train", "micro_batch_size"), ("train", "grad_accum_steps"), ("train", "global_batch_size")}
