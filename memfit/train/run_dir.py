@@ -144,10 +144,15 @@ def prepare_run_dir(cfg: RunConfig, world_size: int = 1) -> tuple[RunDir, Path |
         new = config_to_dict(cfg)
         latest = run.latest_checkpoint()
         continuing = cfg.train.resume or latest is None  # without a checkpoint, a start again loses nothing
-        allowed = MAY_CHANGE_ON_RESUME if continuing else frozenset()
-        if continuing and global_batch(old.get("train", {}), world_size) == global_batch(new["train"], world_size):
-            allowed = allowed | BATCH_SPLIT
-        diffs = _differences(old, new, allowed)
+        resumable = MAY_CHANGE_ON_RESUME
+        if global_batch(old.get("train", {}), world_size) == global_batch(new["train"], world_size):
+            resumable = resumable | BATCH_SPLIT
+        diffs = _differences(old, new, resumable if continuing else frozenset())
+        if diffs and not continuing and not _differences(old, new, resumable):  # a resume would take these changes
+            raise UserError(
+                f"{where} already holds this run up to {latest.name}; pass train.resume=true to continue it with "
+                f"{diffs[0]}{'; ...' if len(diffs) > 1 else ''}, or choose another output.dir"
+            )
         if diffs:
             raise UserError(
                 f"{where} holds a different run ({diffs[0]}{'; ...' if len(diffs) > 1 else ''}); choose another "

@@ -136,6 +136,10 @@ def test_settings_that_do_not_change_the_math_may_change_on_resume_and_a_run_can
     assert [r["step"] for r in more.steps][-1] == 8  # trained on past the recorded end
     with pytest.raises(UserError, match=r"holds a different run \(train\.seed: 1234 there, 7 here\)"):
         Trainer(tiny_cfg(*RUN, "train.resume=true", "train.seed=7", f"output.dir={run_dir}"))
+    # without train.resume, a change a resume would take says so
+    hint = r"already holds this run up to step_0000008; pass train.resume=true to continue it with train.max_steps: 8"
+    with pytest.raises(UserError, match=hint):
+        Trainer(tiny_cfg(*RUN, "train.max_steps=10", f"output.dir={run_dir}"))
 
 
 def test_the_same_global_batch_split_differently_resumes_the_same_steps(tiny_cfg, whole):
