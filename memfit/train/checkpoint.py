@@ -235,11 +235,18 @@ def rotate(root: Path, keep: int) -> None:
         shutil.rmtree(doomed)
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """The optimizer step a checkpoint directory's name says (``step_0000012`` -> 12); None for another name."""
+    digits = path.name.removeprefix("step_")
+    return int(digits) if path.name.startswith("step_") and digits.isdigit() else None
+
+
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints, oldest first (by step: a directory renamed by hand to another name is not one)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step_*") if (p / "trainer_state.json").is_file())
+    found = [p for p in root.glob("step_*") if checkpoint_step(p) is not None and (p / "trainer_state.json").is_file()]
+    return sorted(found, key=checkpoint_step)
 
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, device: torch.device) -> TrainerState:

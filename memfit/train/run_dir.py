@@ -18,7 +18,7 @@ import yaml
 from memfit.config.loader import config_to_dict, dump_config
 from memfit.config.schema import RunConfig
 from memfit.errors import UserError
-from memfit.train.checkpoint import latest_intact, list_checkpoints, remove_partial
+from memfit.train.checkpoint import checkpoint_step, latest_intact, list_checkpoints, remove_partial
 from memfit.train.disk import check_creatable
 
 _IGNORED_ON_COMPARE = {("train", "resume"), ("output", "dir")}
@@ -175,6 +175,11 @@ def prepare_run_dir(cfg: RunConfig, world_size: int = 1) -> tuple[RunDir, Path |
                 "another output.dir"
             )
         notes += [f"{line}: resuming from {intact.name}" for line in damaged]
+        if checkpoint_step(intact) > cfg.train.max_steps:
+            raise UserError(
+                f"{where} is at step {checkpoint_step(intact)} ({intact.name}), past train.max_steps "
+                f"{cfg.train.max_steps}: raise train.max_steps to train on"
+            )
         return run, intact, notes
     if run.root.is_dir() and any(run.root.iterdir()):
         raise UserError(f"{where} is not empty and is not a memfit run (no config.yaml); choose another output.dir")

@@ -157,6 +157,14 @@ def test_the_same_global_batch_split_differently_resumes_the_same_steps(tiny_cfg
         Trainer(tiny_cfg(*RUN, "train.micro_batch_size=2", "train.resume=true", f"output.dir={run_dir}"))
 
 
+def test_a_resume_past_max_steps_is_one_line_and_a_renamed_checkpoint_is_not_one(tiny_cfg, whole):
+    run_dir, _ = whole
+    with pytest.raises(UserError, match=r"is at step 6 \(step_0000006\), past train.max_steps 4: raise"):
+        Trainer(tiny_cfg(*RUN, "train.resume=true", "train.max_steps=4", f"output.dir={run_dir}"))
+    (run_dir / "checkpoints" / "step_0000006").rename(run_dir / "checkpoints" / "step_final")  # by hand
+    assert latest_intact(run_dir / "checkpoints") == (run_dir / "checkpoints" / "step_0000004", [])
+
+
 def test_memory_levers_may_change_on_resume_and_the_steps_stay_the_same(tiny_cfg, whole):
     """What an out-of-memory run changes to fit (checkpointing, a chunked loss, offloaded activations, the optimizer
     step's kernels) computes the same steps: the resumed losses are the uninterrupted run's (fp32, to rounding)."""
