@@ -7,7 +7,10 @@ model's; the result loads with ``AutoModelForCausalLM.from_pretrained`` or
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
 
 from memfit.models.load import ModelSource
 from memfit.strategies.checkpointing import remove_activation_checkpointing
@@ -16,6 +19,8 @@ from memfit.train.checkpoint import atomic_dir
 
 def export_model(model, tokenizer, source: ModelSource, target: Path) -> None:
     remove_activation_checkpointing(model)
+    if not torch.cuda.is_available():  # save_pretrained imports DeepSpeed (accelerate's unwrap), which warns it found
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU and falls back to the CPU: say the CPU at once
     base = str(source.path) if source.kind == "hf" else f"random:{source.preset or source.path}"
 
     def write(tmp: Path) -> None:
