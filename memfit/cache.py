@@ -27,7 +27,7 @@ LIBRARIES = ("torch", "transformers", "peft", "torchao")
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MEMFIT_CACHE", Path.home() / ".cache" / "memfit"))
+    return Path(os.environ.get("MEMFIT_CACHE") or Path.home() / ".cache" / "memfit")  # set but empty: the default
 
 
 def cache_root(variable: str, default: str) -> Path | None:

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 
 from memfit.config.strategy import CheckpointPolicy, Strategy
+from memfit.errors import UserError
 from memfit.planner import trace_cache
 from memfit.planner.categories import StepMemory
 from memfit.planner.sharding import ShardingSpec, per_rank_moments
@@ -324,8 +325,10 @@ def plan_workers() -> int:
     (at most 8); 1 where ``fork`` is unavailable or unsafe (only Linux is trusted with it here)."""
     if sys.platform != "linux" or "fork" not in multiprocessing.get_all_start_methods():
         return 1
-    env = os.environ.get("MEMFIT_PLAN_WORKERS")
+    env = os.environ.get("MEMFIT_PLAN_WORKERS", "").strip()
     if env:
+        if not env.isdigit():
+            raise UserError(f"MEMFIT_PLAN_WORKERS must be a whole number of processes (got {env!r})")
         return max(1, int(env))
     return min(8, len(os.sched_getaffinity(0)))
 

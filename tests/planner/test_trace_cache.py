@@ -3,6 +3,7 @@ traced again, concurrent writers leave a whole entry, and the key changes with e
 
 import gzip
 import multiprocessing
+from pathlib import Path
 
 import pytest
 
@@ -109,6 +110,18 @@ def test_off_writes_nothing_and_an_unwritable_cache_is_skipped(tmp_path, monkeyp
     monkeypatch.setenv("MEMFIT_TRACE_CACHE", str(blocked / "traces"))
     trace_cache.store("k", Timeline(["forward:outer"], [(1, 0, 0, 0, 0, 0, 0)]))  # no error
     assert trace_cache.load("k") is None
+
+
+def test_an_empty_cache_setting_is_the_default_and_bad_worker_counts_are_one_line(monkeypatch):
+    from memfit.cache import cache_dir
+    from memfit.errors import UserError
+    from memfit.planner.predict import plan_workers
+
+    monkeypatch.setenv("MEMFIT_CACHE", "")  # not the working directory
+    assert cache_dir() == Path.home() / ".cache" / "memfit"
+    monkeypatch.setenv("MEMFIT_PLAN_WORKERS", "two")
+    with pytest.raises(UserError, match=r"MEMFIT_PLAN_WORKERS must be a whole number of processes \(got 'two'\)"):
+        plan_workers()
 
 
 def test_a_preset_as_plain_data_traces_as_its_transformers_config_and_the_trainer_names_it_as_plan_does():
