@@ -11,6 +11,7 @@ import importlib
 import logging
 import sys
 
+from memfit.allocator.conf import check_version_flags
 from memfit.config.shipped import DEFAULT_CONFIG
 from memfit.config.strategy import levers
 from memfit.errors import UserError, print_user_error
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
+        check_version_flags(getattr(ns, "hip_version", None), getattr(ns, "torch_version", None))
         if ns.command == "plan":  # a question asked before is answered from the plan cache, torch not imported
             from memfit.commands.plan_cache import answer
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from memfit.errors import did_you_mean
+from memfit.errors import UserError, did_you_mean
 
 KNOWN_KEYS = (
     "backend",
@@ -49,6 +49,18 @@ def torch_release(version: str | None) -> tuple[int, int] | None:
     """``torch.__version__`` such as ``2.11.0+rocm7.1`` or ``2.12.0.dev20260401`` -> (2, 11); None when unknown."""
     m = re.match(r"(\d+)\.(\d+)", version or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def check_version_flags(hip: str | None, torch_version: str | None) -> None:
+    """Refuse a ``--hip-version`` or ``--torch-version`` that names no release (judged as unknown, it was ignored).
+
+    Raises:
+        UserError: naming the flag and the value.
+    """
+    if hip is not None and rocm_version(hip) is None:
+        raise UserError(f"--hip-version must look like 6.2 or 6.2.41133 (got {hip!r})")
+    if torch_version is not None and torch_release(torch_version) is None:
+        raise UserError(f"--torch-version must look like 2.11 or 2.12.0+rocm7.1 (got {torch_version!r})")
 
 
 def expandable_takes_effect(hip: str | None, torch_version: str | None) -> tuple[bool | None, str]:

@@ -16,6 +16,7 @@ from memfit.allocator.simulation import simulate as replay_scenarios
 from memfit.allocator.snapshot import FragReport, analyze, devices_in, load_snapshot, quantities
 from memfit.allocator.whatif import MIN_GAIN, Replay, not_here
 from memfit.errors import UserError
+from memfit.train.disk import check_creatable
 from memfit.units import GIB, MIB, parse_memory
 
 
@@ -62,6 +63,9 @@ def run(ns) -> int:
     points = rebuilt.totals()
     peak = rebuilt.peak()
     out_dir = Path(ns.out) if ns.out else Path(str(ns.snapshot) + ".frag")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out {out_dir} is a file; give a directory for the plots")
+    check_creatable(out_dir, "--out")
     out_dir.mkdir(parents=True, exist_ok=True)
     from memfit.telemetry.plots import memory_timeline, segment_map
 

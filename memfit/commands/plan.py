@@ -17,6 +17,7 @@ from memfit.commands.frag import render_whatif
 from memfit.commands.plan_cache import Answered
 from memfit.config.loader import load_config, read_utf8
 from memfit.config.schema import EMBEDDED_MODEL, LoraConfig
+from memfit.config.shipped import resolve_config_path
 from memfit.config.strategy import Strategy, levers
 from memfit.errors import UserError
 from memfit.models.planning import config_for_planning, planning_config_file
@@ -65,7 +66,7 @@ class PlanRequest:
 
 
 def _from_train_config(path: str, req: PlanRequest) -> None:
-    cfg = load_config(path)
+    cfg = load_config(resolve_config_path(path))  # a YAML file or a shipped config's name, as memfit train takes
     req.model = cfg.model.source
     req.seq_len = cfg.data.seq_len
     req.lora = cfg.lora if cfg.lora.enabled else None
@@ -264,8 +265,10 @@ def run(ns, answered: Answered | None = None) -> int:
     if not 0 <= ns.headroom < 1:
         raise UserError(f"--headroom must be in [0, 1) (got {ns.headroom})")
     outputs = {"--html": ns.html, "--write-config": ns.write_config, "--write-deepspeed": ns.write_deepspeed}
-    for flag, path in outputs.items():
-        if path and not Path(path).parent.is_dir():  # said before the search, not after it
+    for flag, path in outputs.items():  # said before the search, not after it
+        if path and Path(path).is_dir():
+            raise UserError(f"{flag} {path} is a directory; give the path of the file to write")
+        if path and not Path(path).parent.is_dir():
             raise UserError(f"{flag} {path}: the directory '{Path(path).parent}' does not exist; create it first")
     if ns.device == "cpu":
         cluster = _cpu_cluster(ns)
@@ -290,7 +293,8 @@ def run(ns, answered: Answered | None = None) -> int:
     result = search(workload, cluster, pins, ns.headroom)
     if answered is not None and not gpu.is_cpu:  # a CPU plan reads the memory available now: never kept
         model_file = planning_config_file(req.model)
-        answered.inputs = [str(Path(p).resolve()) for p in (ns.config, ns.deepspeed, model_file) if p]
+        config = resolve_config_path(ns.config) if ns.config else None
+        answered.inputs = [str(Path(p).resolve()) for p in (config, ns.deepspeed, model_file) if p]
     limits = _limits(result, ns)
     # tables stay whole in logs and pipes; with --json, stdout holds the JSON alone and the rest goes to stderr
     stream = sys.stderr if ns.json else sys.stdout

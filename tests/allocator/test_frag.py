@@ -334,7 +334,13 @@ def test_an_oom_with_enough_free_memory_in_pieces_is_blamed_on_fragmentation(tmp
     assert "enough free memory, but in pieces" in " ".join(capsys.readouterr().out.split())
 
 
-def test_a_directory_given_as_the_snapshot_is_one_line(tmp_path, capsys):
+def test_a_directory_given_as_the_snapshot_a_file_as_out_and_a_bad_version_are_one_line(tmp_path, capsys):
     assert main(["frag", str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "is a directory; give the pickle" in err and "\n" not in err
+    snapshot, taken = tmp_path / "s.pickle", tmp_path / "taken"
+    snapshot.write_bytes(pickle.dumps({"segments": [], "device_traces": []}))
+    taken.write_text("x")
+    assert main(["frag", str(snapshot), "--out", str(taken)]) == 2
+    assert main(["frag", str(snapshot), "--hip-version", "x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "is a directory; give the pickle" in err[0]
+    assert f"--out {taken} is a file" in err[1] and "--hip-version must look like 6.2" in err[2]

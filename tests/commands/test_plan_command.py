@@ -53,6 +53,8 @@ def _plan(capsys, *args):
             "--write-config /no/such/dir/run.yaml: the directory '/no/such/dir' does not exist",
         ),
         (["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--explain", "0"], "--explain must be a row of"),
+        (["--model", "tiny", "--gpu", "mi210", "--html", "/"], "--html / is a directory; give the path of the file"),
+        (["--model", "tiny", "--gpu", "mi210", "--torch-version", "banana"], "--torch-version must look like 2.11"),
     ],
 )
 def test_plan_errors_are_one_line(capsys, args, message):
@@ -330,3 +332,9 @@ def test_a_deepspeed_json_of_the_wrong_shape_is_one_line(capsys, tmp_path, ds, m
     path.write_text(json.dumps(ds))
     code, _, err = _plan(capsys, "--model", "tiny", "--gpu", "h100", "--deepspeed", str(path))
     assert code == 2 and message in err and "\n" not in err
+
+
+def test_plan_takes_a_shipped_config_by_name_as_train_does(capsys):
+    code, out, _ = _plan(capsys, "--config", "tiny-cpu", "--gpu", "h100", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["model"] == "random:tiny" and plan["seq_len"] == 64 and plan["fitting"]
