@@ -59,6 +59,9 @@ def run(ns) -> int:
         )
     if ns.nproc_per_node is not None or ns.nnodes > 1:
         spec = LaunchSpec(ns.nproc_per_node or 1, ns.nnodes, ns.node_rank, ns.rdzv_endpoint, ns.numa_binding)
+        from memfit.train.levers import check_before_launch
+
+        check_before_launch(cfg, spec.world_size)  # said once here, not once by every rank
         code = launch(spec, cfg, config_path, overrides)
         if choice is not None and ns.node_rank == 0:
             write_auto_plan(Path(cfg.output.dir), choice)

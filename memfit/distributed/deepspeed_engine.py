@@ -19,6 +19,7 @@ import copy
 import importlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +232,8 @@ def _collectives_over_gloo():
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ds_config: dict[str, Any]):
     """``deepspeed.initialize`` on memfit's model and AdamW; returns the engine."""
     deepspeed = require_deepspeed()
+    # DeepSpeed's own calls of a collective that newer torch deprecates: nothing a user can change, once per rank
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     with _collectives_over_gloo():
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config, dist_init_required=False

@@ -25,8 +25,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from memfit.config.schema import OptimizerConfig
-from memfit.config.strategy import ENGINE_OF_STAGE
-from memfit.distributed.runtime import DistContext
 from memfit.errors import UserError
 from memfit.models.load import decoder_layers
 from memfit.strategies.optimizer import (
@@ -37,13 +35,6 @@ from memfit.strategies.optimizer import (
     resolve_implementation,
 )
 from memfit.strategies.precision import Precision
-
-
-def engine_name(ctx: DistContext, engine: str, stage: int) -> str:
-    """The engine a run uses: 'single' on one process, else by ``distributed.engine`` and ZeRO stage."""
-    if not ctx.distributed:
-        return "single"
-    return "deepspeed" if engine == "deepspeed" else ENGINE_OF_STAGE[stage]
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -171,8 +171,8 @@ def launch(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides: list[
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
 
+    worker_env(cfg)  # first: checking DeepSpeed imports it, which on a CPU warns unless told the accelerator
     check_launch(spec, cfg)
-    worker_env(cfg)
     if "LOGLEVEL" not in os.environ:  # memfit reports failures itself, in one line; LOGLEVEL=INFO shows torchrun's
         for name in ("torch.distributed.run", "torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)

@@ -20,19 +20,17 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from memfit.config.restart import RestartCondition
-from memfit.config.schema import RunConfig, grad_accum_steps, run_strategy
+from memfit.config.schema import RunConfig, grad_accum_steps
 from memfit.device import device_name, resolve_device
 from memfit.distributed.deepspeed_engine import (
     ds_reader,
     ds_writer,
     gathered,
     initialize,
-    offloaded,
-    read_ds,
     reconcile,
     resolve_ds_path,
 )
-from memfit.distributed.engines import Parallel, engine_name, parallelize
+from memfit.distributed.engines import Parallel, parallelize
 from memfit.distributed.runtime import init_distributed, on_main, shutdown
 from memfit.errors import Interrupted, OutOfMemoryExit, RestartExit, UserError
 from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
@@ -50,8 +48,7 @@ from memfit.strategies.allocator import (
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora, quantize_base
 from memfit.strategies.offload import activation_offload
-from memfit.strategies.optimizer import build_optimizer, build_scheduler, engine_host_config, resolve_implementation
-from memfit.strategies.precision import resolve_precision
+from memfit.strategies.optimizer import build_optimizer, build_scheduler, engine_host_config
 from memfit.telemetry.allocator_watch import AllocatorWatch
 from memfit.telemetry.display import TrainDisplay, summary_tables
 from memfit.telemetry.kernels import KernelProfiler
@@ -65,6 +62,7 @@ from memfit.train.data import eval_batches, load_dataset, split, train_loader
 from memfit.train.disk import guarded_write
 from memfit.train.export import export_model
 from memfit.train.fit_check import planned_step, restart_allocator
+from memfit.train.levers import engine_kind, run_levers
 from memfit.train.profiled_step import profiled_train_step
 from memfit.train.run_dir import prepare_run_dir, write_config
 from memfit.train.sharded_checkpoint import (
@@ -111,27 +109,10 @@ class Trainer:
         self.ctx = init_distributed(d.backend, "cuda" if gpu else "cpu", d.timeout_s)
         ctx = self.ctx
         self.device = torch.device("cuda", ctx.local_rank) if ctx.distributed and gpu else resolve_device(t.device)
-        self.kind = engine_name(ctx, d.engine, d.zero_stage)
+        self.kind = engine_kind(cfg, ctx.world_size)
         self.restart = RestartCondition.parse(t.restart_on) if t.restart_on else None
         self.accum = grad_accum_steps(cfg, ctx.world_size)
-        self.precision = resolve_precision(cfg.strategy.precision, self.device)
-        self.strategy = run_strategy(
-            cfg,
-            self.precision.name,
-            resolve_implementation(
-                cfg.optimizer.implementation, self.device, cfg.optimizer.name, cfg.optimizer.offload
-            ),
-            ctx.world_size,
-        )
-        self.offload_params = False  # DeepSpeed ZeRO-3's offload_param (from its JSON)
-        if d.deepspeed_config is not None:  # a missing file is one line wherever it would be read
-            ds_path = resolve_ds_path(d.deepspeed_config)
-            if self.kind == "deepspeed":  # its JSON offloads as it says (optimizer.offload=true fills it in)
-                optimizer_off, self.offload_params = offloaded(read_ds(ds_path), str(ds_path))
-                self.strategy = self.strategy.replace(optimizer_offload=optimizer_off or cfg.optimizer.offload)
-        conflict = self.strategy.conflict(cfg.optimizer.grad_clip, ctx.world_size, self.kind)
-        if conflict:  # levers that only combine once the device, precision and world size are known
-            raise UserError(conflict)
+        self.precision, self.strategy, self.offload_params = run_levers(cfg, self.device, ctx.world_size)
         self.run, self.resume_from, run_notes = on_main(ctx, lambda: prepare_run_dir(cfg, ctx.world_size))
         self.notes: list[str] = list(run_notes)
         if d.deepspeed_config is not None and self.kind != "deepspeed":

@@ -59,6 +59,27 @@ def test_launch_checks_fail_before_any_rank_starts(capsys):
     assert len(err) == 1 and err[0].startswith("memfit: error: train.global_batch_size 12 is not divisible")
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optimizer.in_backward=true", "optimizer.grad_clip=0"], "on 2 ranks (fsdp2) the gradient is not reduced"),
+        (["distributed.zero_stage=3", "lora.enabled=true", "lora.quantize_base=nf4"], "(got fsdp2, ZeRO-3)"),
+        (["train.device=cuda:7"], "train.device is 'cuda:7' but"),
+        (
+            ["distributed.engine=deepspeed", "distributed.deepspeed_config=ds-zero2-article"],
+            "train_micro_batch_size_per_gpu is 1 but train.micro_batch_size is 4",
+        ),
+    ],
+    ids=["step-in-backward", "nf4-zero3", "no-such-gpu", "deepspeed-json"],
+)
+def test_levers_every_rank_would_refuse_are_refused_once_before_torchrun(capsys, overrides, message):
+    if torch.cuda.device_count() > 7 and overrides == ["train.device=cuda:7"]:
+        pytest.skip("this machine has a cuda:7")
+    assert main(["train", "tiny-cpu", *overrides, "--nproc-per-node", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
 def test_torchrun_arguments_for_one_and_several_nodes(tmp_path):
     cfg = _cfg(f"output.dir={tmp_path}")
     one = torchrun_args(LaunchSpec(2), cfg, tmp_path / "c.yaml", ["train.max_steps=3"])

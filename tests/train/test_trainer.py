@@ -259,8 +259,10 @@ def test_bad_dataset_line_names_file_and_line(tmp_path, embedded_dir, capsys):
 
 def test_output_dir_with_a_different_run_is_refused(tiny_cfg, capsys, tmp_path):
     Trainer(tiny_cfg("train.max_steps=2")).fit()
+    err = _fails(capsys, tiny_overrides(tmp_path / "run", "train.max_steps=2", "train.seed=7"))
+    assert "holds a different run (train.seed: 1234 there, 7 here)" in err
     err = _fails(capsys, tiny_overrides(tmp_path / "run", "train.max_steps=3"))
-    assert "holds a different run (train.max_steps: 2 there, 3 here)" in err
+    assert "pass train.resume=true to continue it with train.max_steps: 2 there, 3 here" in err
     err = _fails(capsys, tiny_overrides(tmp_path / "run", "train.max_steps=2"))
     assert "pass train.resume=true" in err
 
