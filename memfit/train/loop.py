@@ -64,7 +64,7 @@ from memfit.train.export import export_model
 from memfit.train.fit_check import planned_step, restart_allocator
 from memfit.train.levers import engine_kind, run_levers
 from memfit.train.profiled_step import profiled_train_step
-from memfit.train.run_dir import prepare_run_dir, write_config
+from memfit.train.run_dir import prepare_run_dir, release, write_config
 from memfit.train.sharded_checkpoint import (
     check_compatible,
     dcp_reader,
@@ -558,6 +558,8 @@ class Trainer:
             )
         log.write(summary.record())
         log.close()
+        if ctx.is_main:
+            release(self.run.root)  # a finished run holds its directory no longer
         for table in summary_tables(summary):
             display.print(table)
         result.summary = summary
@@ -575,4 +577,6 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        if self.ctx.is_main:
+            release(self.run.root)
         shutdown(self.ctx)

@@ -9,6 +9,7 @@ export/         the final model or adapter in Hugging Face format
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,50 @@ class RunDir:
         return found[-1] if found else None
 
 
+LOCK_NAME = ".memfit.lock"
+"""In a run directory while a process trains in it: an exclusive ``flock`` (released by the kernel if the process
+dies) and the holder's pid, for the message another start gets."""
+_HELD: dict[Path, int] = {}  # run directories this process holds: its Trainers may take one in turn (tests, resumes)
+
+
+def hold(root: Path) -> None:
+    """Hold the run directory ``root`` (which exists) for this process until ``release``.
+
+    Raises:
+        UserError: another live process holds it (two starts into one ``output.dir`` would delete each other's
+            checkpoints in the making).
+    """
+    root = root.resolve()
+    if root in _HELD:
+        return
+    path = root / LOCK_NAME
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise UserError(
+                f"output.dir '{root}' is in use by another memfit run (pid {pid}); wait for it to end or choose "
+                "another output.dir"
+            ) from None
+        if path.exists() and path.stat().st_ino == os.fstat(fd).st_ino:
+            break
+        os.close(fd)  # its last holder removed the file between our open and our lock: take the new one
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _HELD[root] = fd
+
+
+def release(root: Path) -> None:
+    """Let the run directory go."""
+    fd = _HELD.pop(root.resolve(), None)
+    if fd is not None:
+        (root / LOCK_NAME).unlink(missing_ok=True)
+        os.close(fd)  # and with it the lock
+
+
 def prepare_run_dir(cfg: RunConfig, world_size: int = 1) -> tuple[RunDir, Path | None, list[str]]:
     """Check ``output.dir`` may hold this run; return it, the checkpoint to resume from (if any) and notes for
     the user (settings changed on resume, damaged checkpoints passed over).
@@ -136,6 +181,18 @@ def prepare_run_dir(cfg: RunConfig, world_size: int = 1) -> tuple[RunDir, Path |
     if run.root.exists() and not run.root.is_dir():
         raise UserError(f"{where} is a file; choose a directory path")
     check_creatable(run.root, "output.dir")
+    if run.root.is_dir() and any(p.name != LOCK_NAME for p in run.root.iterdir()) and not run.config_path.is_file():
+        raise UserError(f"{where} is not empty and is not a memfit run (no config.yaml); choose another output.dir")
+    if run.root.is_dir():
+        hold(run.root)  # before anything in it is read or changed (a new directory is held once made: write_config)
+    try:
+        return _check_run_dir(cfg, run, where, world_size)
+    except UserError:
+        release(run.root)
+        raise
+
+
+def _check_run_dir(cfg: RunConfig, run: RunDir, where: str, world_size: int) -> tuple[RunDir, Path | None, list[str]]:
     if run.config_path.is_file():
         try:
             old = yaml.safe_load(run.config_path.read_text()) or {}
@@ -181,13 +238,12 @@ def prepare_run_dir(cfg: RunConfig, world_size: int = 1) -> tuple[RunDir, Path |
                 f"{cfg.train.max_steps}: raise train.max_steps to train on"
             )
         return run, intact, notes
-    if run.root.is_dir() and any(run.root.iterdir()):
-        raise UserError(f"{where} is not empty and is not a memfit run (no config.yaml); choose another output.dir")
     return run, None, []
 
 
 def write_config(run: RunDir, cfg: RunConfig) -> None:
     run.root.mkdir(parents=True, exist_ok=True)
+    hold(run.root)  # a new run's directory (an existing one is held since prepare_run_dir)
     tmp = run.config_path.with_suffix(".yaml.tmp")
     tmp.write_text(dump_config(cfg))
     os.replace(tmp, run.config_path)

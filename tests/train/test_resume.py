@@ -165,6 +165,37 @@ def test_a_resume_past_max_steps_is_one_line_and_a_renamed_checkpoint_is_not_one
     assert latest_intact(run_dir / "checkpoints") == (run_dir / "checkpoints" / "step_0000004", [])
 
 
+def test_a_second_start_into_a_directory_in_use_is_one_line_and_changes_nothing(tiny_cfg, whole):
+    """Two starts into one output.dir (a resume launched twice) would delete each other's checkpoints in the
+    making; the second is refused while the first holds the directory, and may start once it ended."""
+    import subprocess
+    import sys
+
+    run_dir, _ = whole
+    holder = subprocess.Popen(  # another process holding the directory, as a running memfit train does
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from memfit.train.run_dir import hold; "
+            "hold(Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()",
+            str(run_dir),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        with pytest.raises(UserError, match=rf"is in use by another memfit run \(pid {holder.pid}\); wait for it"):
+            Trainer(tiny_cfg(*RUN, "train.resume=true", "train.max_steps=8", f"output.dir={run_dir}"))
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    finally:
+        holder.communicate("", timeout=60)
+    trainer, more = _fit(tiny_cfg(*RUN, "train.resume=true", "train.max_steps=8", f"output.dir={run_dir}"))
+    assert [r["step"] for r in more.steps] == [7, 8] and not (run_dir / ".memfit.lock").exists()
+
+
 def test_memory_levers_may_change_on_resume_and_the_steps_stay_the_same(tiny_cfg, whole):
     """What an out-of-memory run changes to fit (checkpointing, a chunked loss, offloaded activations, the optimizer
     step's kernels) computes the same steps: the resumed losses are the uninterrupted run's (fp32, to rounding)."""
