@@ -1,6 +1,7 @@
-"""Issue 19's hostile-user probes, re-runnable: each one a real ``memfit`` command in a fresh directory, judged by
-the promise "one clear line, non-zero exit, nothing half-written" (or, where the input is legitimate, that it
-works: resume however the path is spelled, train longer, retry with another port).
+"""The hostile-user probes (issue 19's and the twenty-second session's), re-runnable: each one a real ``memfit``
+command in a fresh directory, judged by the promise "one clear line, non-zero exit, nothing half-written" (or,
+where the input is legitimate, that it works: resume however the path is spelled, train longer, retry with another
+port).
 
     python benchmarks/hostile_probes.py [--only SUBSTRING] [--json PATH]
 
@@ -376,6 +377,135 @@ def _(tmp):
     row = next((s for s in sim.get("settings", []) if s["label"] == "expandable_segments:True,max_split_size_mb:512"))
     ok = "pytorch #123548" in (row.get("not_here") or "") and sim["recommended"] != row["label"]
     return ok, f"recommended {sim.get('recommended')}"
+
+
+# -- 22: the twenty-second session's probes (plan and train inputs, DeepSpeed JSON shapes, ranks, resume) --------
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100}
+
+for _config, _needle in [
+    ({"num_attention_heads": 3}, "config.json"),
+    ({"num_attention_heads": 4, "hidden_size": -64}, "has hidden_size -64"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 3}, "not a multiple of its 3 key/value heads"),
+]:
+
+    @probe("22", f"plan and train on a config.json with {json.dumps(_config)}")
+    def _(tmp, _config=_config, _needle=_needle):
+        (tmp / "config.json").write_text(json.dumps(LLAMA | _config))
+        plan = memfit("plan", "--model", str(tmp / "config.json"), "--gpu", "h100", "--seq-len", "64", cwd=tmp)
+        ok, line = one_error_line(plan, _needle)
+        ok2, _ = one_error_line(train(tmp, f"model.source=random:{tmp / 'config.json'}"), _needle)
+        return ok and ok2 and empty_or_absent(tmp / "run"), line
+
+
+for _ds, _needle in [
+    ({"zero_optimization": "x"}, "zero_optimization must be a JSON object"),
+    ({"bf16": True}, "bf16 must be a JSON object"),
+    ({"gradient_accumulation_steps": "x"}, "gradient_accumulation_steps must be a whole number"),
+]:
+
+    @probe("22", f"plan --deepspeed, and train on 2 ranks, with {json.dumps(_ds)}")
+    def _(tmp, _ds=_ds, _needle=_needle):
+        (tmp / "ds.json").write_text(json.dumps(_ds))
+        ok, line = one_error_line(
+            memfit("plan", "--model", "tiny", "--gpu", "h100", "--deepspeed", "ds.json", cwd=tmp), _needle
+        )
+        ranks = train(
+            tmp, "distributed.engine=deepspeed", "distributed.deepspeed_config=ds.json", "--nproc-per-node", "2"
+        )
+        ok2, _ = one_error_line(ranks, _needle)  # once, by the launcher, not once per rank
+        return ok and ok2, line
+
+
+for _args, _needle in [
+    (("--gpu-mem", "0"), "--gpu-mem must be more than 0 bytes"),
+    (("--gpu", "h100", "--write-config", "no/such/dir/run.yaml"), "the directory 'no/such/dir' does not exist"),
+    (("--gpu", "h100", "--html", "."), "is a directory"),
+    (("--gpu", "h100", "--explain", "0"), "--explain must be a row of the table"),
+    (("--gpu", "h100", "--torch-version", "banana"), "--torch-version must look like"),
+    (("--device", "cpu", "--precision", "fp16-mixed"), "a CPU run has no fp16 loss scaling"),
+]:
+
+    @probe("22", f"plan {' '.join(_args)}")
+    def _(tmp, _args=_args, _needle=_needle):
+        return one_error_line(memfit("plan", "--model", "tiny", "--seq-len", "64", *_args, cwd=tmp), _needle)
+
+
+@probe("22", "plan --json --explain 1: stdout is JSON alone")
+def _(tmp):
+    r = memfit("plan", "--model", "tiny", "--seq-len", "64", "--gpu", "h100", "--json", "--explain", "1", cwd=tmp)
+    try:
+        json.loads(r.out)
+    except ValueError as e:
+        return False, f"stdout is not JSON: {e}"
+    return r.code == 0 and "per phase peak" in r.err, "JSON on stdout, the explanation on stderr"
+
+
+for _env, _needle in [({"MEMFIT_PLAN_WORKERS": "two", "MEMFIT_PLAN_CACHE": "off"}, "MEMFIT_PLAN_WORKERS must be")]:
+
+    @probe("22", f"plan with {_env}")
+    def _(tmp, _env=_env, _needle=_needle):
+        return one_error_line(
+            memfit("plan", "--model", "tiny", "--seq-len", "64", "--gpu", "h100", cwd=tmp, env=_env), _needle
+        )
+
+
+for _extra, _needle in [
+    (("train.seed=99999999999999999999",), "train.seed must be in 0..4294967295"),
+    (("output.dir=",), "output.dir is empty"),
+    (("data.source=/dev/null",), "is not a regular file"),
+    (("--nproc-per-node", "0"), "--nproc-per-node and --nnodes must be >= 1"),
+    (("--nproc-per-node", "2", "optimizer.in_backward=true", "optimizer.grad_clip=0"), "on 2 ranks"),
+    (("train.metrics_host=192.0.2.1", "train.metrics_port=0"), "train.metrics_host 192.0.2.1: not an address"),
+]:
+
+    @probe("22", f"train {' '.join(_extra)}")
+    def _(tmp, _extra=_extra, _needle=_needle):
+        return one_error_line(train(tmp, *_extra), _needle)
+
+
+@probe("22", "overrides after an option, and train.eval_batches=0 runs no evaluation")
+def _(tmp):
+    r = memfit("train", "tiny-cpu", "--print-config", "train.eval_batches=0", cwd=tmp)
+    run = train(tmp, "train.eval_batches=0")
+    evals = (tmp / "run" / "metrics.jsonl").read_text().count('"kind": "eval"') if run.code == 0 else -1
+    return r.code == 0 and "eval_batches: 0" in r.out and evals == 0, f"exit {run.code}, {evals} eval records"
+
+
+@probe("22", "resume past train.max_steps, and a finished run started again without train.resume")
+def _(tmp):
+    train(tmp, "train.checkpoint_every=1")
+    ok, line = one_error_line(train(tmp, "train.max_steps=1", "train.resume=true"), "past train.max_steps 1")
+    ok2, line2 = one_error_line(train(tmp, "train.max_steps=3"), "pass train.resume=true to continue it")
+    return ok and ok2, f"{line} / {line2}"
+
+
+@probe("22", "resume with the memory levers changed (loss chunks, activation offload, optimizer kernels)")
+def _(tmp):
+    train(tmp, "train.checkpoint_every=1")
+    levers = ("strategy.loss_chunks=2", "strategy.activation_offload=true", "optimizer.implementation=for-loop")
+    r = train(tmp, "train.max_steps=3", "train.resume=true", *levers)
+    return r.code == 0 and "changed on resume: optimizer.implementation" in r.out, f"exit {r.code}"
+
+
+@probe("22", "two starts into one output.dir at once: one trains, the other is one line")
+def _(tmp):
+    args = [
+        sys.executable,
+        "-m",
+        "memfit.cli",
+        "train",
+        "tiny-cpu",
+        *TINY,
+        "train.max_steps=20",
+        f"output.dir={tmp}/run",
+    ]
+    runs = [subprocess.Popen(args, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in "ab"]
+    done = [Result(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in runs]
+    codes = sorted(r.code for r in done)
+    loser = next((r for r in done if r.code), Result(0, "", ""))
+    ok, line = one_error_line(loser, "is in use by another memfit run")
+    return codes == [0, 2] and ok, line
 
 
 def main() -> int:
