@@ -183,12 +183,14 @@ def prepare_run_dir(cfg: RunConfig, world_size: int = 1) -> tuple[RunDir, Path |
     check_creatable(run.root, "output.dir")
     if run.root.is_dir() and any(p.name != LOCK_NAME for p in run.root.iterdir()) and not run.config_path.is_file():
         raise UserError(f"{where} is not empty and is not a memfit run (no config.yaml); choose another output.dir")
-    if run.root.is_dir():
+    taken = run.root.is_dir() and run.root.resolve() not in _HELD
+    if taken:
         hold(run.root)  # before anything in it is read or changed (a new directory is held once made: write_config)
     try:
         return _check_run_dir(cfg, run, where, world_size)
     except UserError:
-        release(run.root)
+        if taken:
+            release(run.root)
         raise
 
 
