@@ -71,6 +71,26 @@ def _column(steps: list[dict[str, Any]], key: str, scale: float = 1.0) -> list[f
     return [None if not isinstance(r.get(key), (int, float)) else r[key] / scale for r in steps]
 
 
+MAX_POINTS = 10_000
+"""Steps drawn at most per chart: a longer run keeps one step per bucket of consecutive steps (the one with the
+highest memory peak, so the peaks stay), and every evaluated step."""
+PEAK_KEYS = ("peak_reserved_bytes", "peak_allocated_bytes", "peak_rss_bytes", "reserved_bytes", "rss_bytes")
+
+
+def _drawn(x: list[int], by_step: dict[int, dict[str, Any]], eval_at: dict[int, Any]) -> tuple[list[int], int]:
+    """The steps of ``x`` to draw and the bucket size (1: all of them)."""
+    size = -(-len(x) // MAX_POINTS)
+    if size == 1:
+        return x, 1
+
+    def peak(step: int) -> float:
+        values = [by_step.get(step, {}).get(k) for k in PEAK_KEYS]
+        return max((v for v in values if isinstance(v, (int, float))), default=float("-inf"))
+
+    kept = {max(x[i : i + size], key=peak) for i in range(0, len(x), size)}
+    return sorted(kept | set(eval_at) | {x[0], x[-1]}), size
+
+
 def _row(what: str, predicted: float, measured: float, unit: str, scale: float) -> list[Any]:
     return [
         what,
@@ -119,7 +139,7 @@ def run_page(run_dir: Path) -> Page:
     if steps:
         by_step = {r["step"]: r for r in steps}
         eval_at = {r["step"]: r.get("eval_loss") for r in evals}
-        x = sorted(set(by_step) | set(eval_at))
+        x, bucket = _drawn(sorted(set(by_step) | set(eval_at)), by_step, eval_at)
         rows = [by_step.get(s, {}) for s in x]
         loss = [
             Series("train loss", _column(rows, "loss"), "#3b6fb6"),
@@ -153,7 +173,16 @@ def run_page(run_dir: Path) -> Page:
             )
         page.section(
             "over steps",
-            paragraph("drag to zoom, double-click to reset", "note"),
+            paragraph(
+                "drag to zoom, double-click to reset"
+                + (
+                    f"; {len(by_step):,} steps logged, one drawn per {bucket} (the highest memory peak of each run of "
+                    f"{bucket}) and every evaluated step"
+                    if bucket > 1
+                    else ""
+                ),
+                "note",
+            ),
             page.chart(
                 "loss", "loss and learning rate", x, "step", loss, "loss", y2_label="learning rate", hover="steps"
             ),

@@ -144,6 +144,27 @@ def test_the_run_page_shows_steps_memory_and_the_summary_of_a_real_run(tiny_cfg,
     assert "strategy:" in page  # the config that ran
 
 
+def test_a_long_runs_page_draws_a_step_per_bucket_keeping_the_memory_peak_and_every_eval(tmp_path):
+    from memfit.pages.run import MAX_POINTS
+
+    steps = 3 * MAX_POINTS + 7
+    with (tmp_path / "metrics.jsonl").open("w") as fh:
+        for i in range(1, steps + 1):
+            rss = 5 * 2**30 if i == 12_345 else 2**30 + i  # one spike, in the middle of a bucket
+            fh.write(json.dumps({"kind": "step", "step": i, "loss": 1 / i, "rss_bytes": rss, "peak_rss_bytes": rss}))
+            fh.write("\n")
+            if i % 1000 == 0:
+                fh.write(json.dumps({"kind": "eval", "step": i, "eval_loss": 2 / i}) + "\n")
+    assert report(str(tmp_path)) == 0
+    page = (tmp_path / "report.html").read_text()
+    chart = data_of(page)["charts"]["memory"]
+    peak = next(s for s in chart["series"] if s["label"] == "peak RSS")["values"]
+    assert max(peak) == 5.0 and 12_345 in chart["x"]  # the spike is drawn
+    assert steps // 4 <= len(chart["x"]) <= MAX_POINTS + steps // 1000 + 2  # buckets of 4 steps
+    assert {1000 * k for k in range(1, steps // 1000 + 1)} <= set(chart["x"]) and chart["x"][-1] == steps
+    assert f"{steps:,} steps logged, one drawn per 4" in page
+
+
 def test_the_bench_page_tabulates_every_cell_and_says_which_ran_out_of_memory(tmp_path):
     out = bench_dir(tmp_path)
     assert report(str(out)) == 0
