@@ -29,6 +29,7 @@ from memfit.errors import UserError
 from memfit.units import GIB, MIB
 
 ACTIVE_STATES = ("active_allocated", "active_awaiting_free")
+BLOCK_STATES = (*ACTIVE_STATES, "inactive")
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -77,6 +78,15 @@ _ADDRESSED |= {"segment_unmap"}
 _TRACE_OPTIONAL = {"addr": _INT, "size": _INT, "stream": _INT, "time_us": _INT, "frames": (list,)}
 
 
+def _negative(item: dict, where: str) -> str | None:
+    """The first address or size of ``item`` below zero, said, or None."""
+    for key in ("address", "addr", "total_size", "allocated_size", "size", "requested_size"):
+        value = item.get(key)
+        if isinstance(value, int) and value < 0:
+            return f"{where}.{key} is {value}, not a byte count >= 0"
+    return None
+
+
 def _kind(value: Any) -> str:
     return "None" if value is None else type(value).__name__
 
@@ -101,9 +111,15 @@ def schema_error(snapshot: dict[str, Any]) -> str | None:
     """The first path in ``snapshot`` that does not have the shape ``_dump_snapshot`` writes (``segments[3].blocks
     is None, not list``), or None. Only the fields memfit reads are checked; others are left as they are."""
     for i, seg in enumerate(snapshot["segments"]):
-        bad = _fields(seg, f"segments[{i}]", _SEGMENT_FIELDS, _SEGMENT_OPTIONAL)
+        bad = _fields(seg, f"segments[{i}]", _SEGMENT_FIELDS, _SEGMENT_OPTIONAL) or _negative(seg, f"segments[{i}]")
         for j, block in enumerate(seg["blocks"] if bad is None else ()):
-            bad = bad or _fields(block, f"segments[{i}].blocks[{j}]", _BLOCK_FIELDS, _BLOCK_OPTIONAL)
+            where = f"segments[{i}].blocks[{j}]"
+            bad = bad or _fields(block, where, _BLOCK_FIELDS, _BLOCK_OPTIONAL) or _negative(block, where)
+            if bad is None and block["state"] not in BLOCK_STATES:
+                bad = f"{where}.state is {block['state']!r:.40}, not one of {', '.join(BLOCK_STATES)}"
+        if bad is None and sum(b["size"] for b in seg["blocks"]) != seg["total_size"]:
+            added = sum(b["size"] for b in seg["blocks"])
+            bad = f"segments[{i}]: its blocks add up to {added:,} bytes, its total_size is {seg['total_size']:,}"
         if bad:
             return bad
     traces = snapshot.get("device_traces")
@@ -116,7 +132,7 @@ def schema_error(snapshot: dict[str, Any]) -> str | None:
             return f"device_traces[{d}] is {_kind(entries)}, not list"
         for k, e in enumerate(entries):
             where = f"device_traces[{d}][{k}]"
-            bad = _fields(e, where, {"action": (str,)}, _TRACE_OPTIONAL)
+            bad = _fields(e, where, {"action": (str,)}, _TRACE_OPTIONAL) or _negative(e, where)
             if bad is None and e["action"] in _ADDRESSED:
                 missing = [key for key in ("addr", "size") if key not in e]
                 bad = f"{where} ({e['action']}) has no '{missing[0]}'" if missing else None

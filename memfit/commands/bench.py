@@ -34,17 +34,17 @@ def run(ns) -> int:
     """``memfit bench``: parse the matrix, run the cells, write and print the results."""
     config = str(resolve_config_path(ns.config))
     base = load_config(config, ns.set)  # validate the base config and overrides before spawning anything
-    loras = [{"true": True, "false": False}.get(v.lower()) for v in _split(ns.lora)]
+    loras = _distinct({"true": True, "false": False}.get(v.lower()) for v in _split(ns.lora))
     if None in loras:
         raise UserError(f"--lora must be a comma-separated list of true/false (got '{ns.lora}')")
     try:
-        zeros = [None if v in ("none", "-") else int(v) for v in _split(ns.zero)] or [None]
+        zeros = _distinct(None if v in ("none", "-") else int(v) for v in _split(ns.zero)) or [None]
     except ValueError:
-        raise UserError(f"--zero must be comma-separated stages 0-3 or none (got '{ns.zero}')") from None
-    if any(z not in (None, *ZERO_STAGES) for z in zeros) or ns.nproc_per_node < 2:
-        raise UserError(
-            f"--zero takes stages 0-3 (got '{ns.zero}') and --nproc-per-node >= 2 (got {ns.nproc_per_node})"
-        )
+        zeros = [-1]
+    if any(z not in (None, *ZERO_STAGES) for z in zeros):
+        raise UserError(f"--zero must be comma-separated stages 0-3 or none (got '{ns.zero}')")
+    if ns.nproc_per_node < 2 and zeros != [None]:
+        raise UserError(f"--nproc-per-node must be >= 2 for the --zero cells (got {ns.nproc_per_node})")
     if ns.steps < 1 or ns.warmup < 0:
         raise UserError(f"--steps must be >= 1 and --warmup >= 0 (got {ns.steps}, {ns.warmup})")
     cells = matrix(axes(ns, base), loras, zeros, ns.nproc_per_node)
@@ -99,6 +99,11 @@ def _split(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
+def _distinct(values) -> list:
+    """Each value once, in the order given (``--micro-batch 2,2`` is one cell, not two writing one directory)."""
+    return list(dict.fromkeys(values))
+
+
 def axes(ns, base) -> dict[str, list]:
     """The matrix's lever axes from their comma-separated flags, each value parsed by its lever (``--packing
     auto``: the ``base`` config's).
@@ -112,7 +117,7 @@ def axes(ns, base) -> dict[str, list]:
         flag = table[name].flag
         text = getattr(ns, flag[2:].replace("-", "_"))
         auto = {"auto": base.data.packs()} if name == "packing" else {}
-        out[name] = [auto[v] if v in auto else table[name].parse(v, flag) for v in _split(text)]
+        out[name] = _distinct(auto[v] if v in auto else table[name].parse(v, flag) for v in _split(text))
         if not out[name]:
             raise UserError(f"{flag} needs at least one value (got '{text}')")
     return out

@@ -58,6 +58,8 @@ def scenarios(snap: dict[str, Any], report: FragReport, rebuilt: Rebuilt, where:
 
 
 def run(ns) -> int:
+    if ns.top < 0:
+        raise UserError(f"--top must be >= 0 (got {ns.top})")
     snap, report, rebuilt = open_snapshot(ns.snapshot, ns.device)
     device = report.device
     points = rebuilt.totals()

@@ -67,6 +67,11 @@ def test_restricted_unpickler_refuses_objects(tmp_path):
         load_snapshot(q)
 
 
+def _segment(total: int, blocks: list[tuple[int, int, str]]) -> bytes:
+    rows = [{"address": a, "size": n, "state": state} for a, n, state in blocks]
+    return pickle.dumps({"segments": [{"address": 0, "total_size": total, "blocks": rows}]})
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
@@ -91,6 +96,16 @@ def test_restricted_unpickler_refuses_objects(tmp_path):
         ),
         (pickle.dumps({"segments": [], "device_traces": {"0": []}}), "device_traces is dict, not list"),
         (pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc", "size": 8}]]}), "(alloc) has no 'addr'"),
+        (_segment(-4096, [(0, -4096, "inactive")]), "segments[0].total_size is -4096, not a byte count >= 0"),
+        (_segment(4096, [(0, 4096, "freed")]), "blocks[0].state is 'freed', not one of active_allocated, active_"),
+        (
+            _segment(4096, [(0, 4096, "active_allocated"), (0, 4096, "inactive")]),
+            "segments[0]: its blocks add up to 8,192 bytes, its total_size is 4,096",
+        ),
+        (
+            pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc", "addr": 0, "size": -3}]]}),
+            "device_traces[0][0].size is -3, not a byte count >= 0",
+        ),
     ],
 )
 def test_bad_files_are_one_line(tmp_path, capsys, content, message):
@@ -334,13 +349,15 @@ def test_an_oom_with_enough_free_memory_in_pieces_is_blamed_on_fragmentation(tmp
     assert "enough free memory, but in pieces" in " ".join(capsys.readouterr().out.split())
 
 
-def test_a_directory_given_as_the_snapshot_a_file_as_out_and_a_bad_version_are_one_line(tmp_path, capsys):
+def test_a_directory_given_as_the_snapshot_a_file_as_out_a_bad_version_and_top_are_one_line(tmp_path, capsys):
     assert main(["frag", str(tmp_path)]) == 2
     snapshot, taken = tmp_path / "s.pickle", tmp_path / "taken"
     snapshot.write_bytes(pickle.dumps({"segments": [], "device_traces": []}))
     taken.write_text("x")
     assert main(["frag", str(snapshot), "--out", str(taken)]) == 2
     assert main(["frag", str(snapshot), "--hip-version", "x"]) == 2
+    assert main(["frag", str(snapshot), "--top", "-3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and "is a directory; give the pickle" in err[0]
+    assert len(err) == 4 and "is a directory; give the pickle" in err[0]
     assert f"--out {taken} is a file" in err[1] and "--hip-version must look like 6.2" in err[2]
+    assert "--top must be >= 0 (got -3)" in err[3]

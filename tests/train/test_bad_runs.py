@@ -40,6 +40,9 @@ def test_a_run_that_goes_non_finite_stops_before_checkpointing_or_exporting_it(t
         (["--ac", ","], "--ac needs at least one value"),
         (["--precision", "fp8"], "--precision must be one of"),
         (["--micro-batch", "3", "--global-batch", "4"], "--global-batch 4 is not a positive multiple of micro-batch 3"),
+        (["--zero", "5"], "--zero must be comma-separated stages 0-3 or none (got '5')"),
+        (["--zero", "two"], "--zero must be comma-separated stages 0-3 or none (got 'two')"),
+        (["--zero", "2", "--nproc-per-node", "1"], "--nproc-per-node must be >= 2 for the --zero cells (got 1)"),
     ],
 )
 def test_bench_refuses_a_bad_matrix_before_writing_anything(tmp_path, capsys, args, message):
@@ -233,3 +236,17 @@ def test_an_output_dir_on_a_read_only_mount_is_one_line(tiny_cfg, tmp_path):
             Trainer(tiny_cfg(f"output.dir={ro}/run"))
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=True)
+
+
+def test_a_value_given_twice_on_a_bench_axis_is_one_cell():
+    """``--micro-batch 2,2`` ran two cells of one name into one directory, the second overwriting the first."""
+    from memfit.cli import build_parser
+    from memfit.commands.bench import axes
+    from memfit.config.loader import load_config
+    from memfit.config.shipped import resolve_config_path
+    from memfit.telemetry.bench import matrix
+
+    ns = build_parser().parse_args(["bench", "tiny-cpu", "--micro-batch", "2,2", "--ac", "full,none,full"])
+    cells = matrix(axes(ns, load_config(str(resolve_config_path("tiny-cpu")))), [True])
+    names = [c.name for c in cells]
+    assert len(names) == len(set(names)) == 2 and names[0].startswith("ac-full")
