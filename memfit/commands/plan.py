@@ -152,11 +152,14 @@ def plan_request(ns) -> PlanRequest:
             lora.alpha = ns.lora_alpha
         if ns.lora_targets is not None:
             lora.target_modules = [t.strip() for t in ns.lora_targets.split(",") if t.strip()]
-        if lora.rank < 1 or not lora.target_modules or not math.isfinite(lora.alpha):
+        if lora.rank < 1:
+            raise UserError(f"--lora-rank must be >= 1 (got {lora.rank})")
+        if not lora.target_modules:
             raise UserError(
-                f"--lora-rank must be >= 1, --lora-targets name at least one module and --lora-alpha be finite "
-                f"(got {lora.rank}, '{ns.lora_targets}', {lora.alpha})"
+                f"--lora-targets must name at least one module, e.g. q_proj,v_proj (got '{ns.lora_targets}')"
             )
+        if not math.isfinite(lora.alpha):
+            raise UserError(f"--lora-alpha must be a finite number (got {lora.alpha})")
         req.lora = lora
     elif ns.lora_targets is not None or ns.lora_alpha is not None:
         raise UserError("--lora-targets and --lora-alpha describe LoRA adapters: give --lora too")

@@ -230,7 +230,12 @@ def test_plan_takes_lora_targets_and_alpha_and_shows_them(capsys, tmp_path):
     "args, message",
     [
         (["--lora-targets", "q_proj"], "give --lora too"),
-        (["--lora", "--lora-targets", ","], "--lora-targets name at least one module"),
+        (
+            ["--lora", "--lora-targets", ","],
+            "--lora-targets must name at least one module, e.g. q_proj,v_proj (got ',')",
+        ),
+        (["--lora", "--lora-rank", "0"], "--lora-rank must be >= 1 (got 0)"),
+        (["--lora", "--lora-alpha", "nan"], "--lora-alpha must be a finite number (got nan)"),
         (["--lora", "--lora-targets", "qq_proj"], "'qq_proj' is not a Linear module of this model"),
     ],
 )
