@@ -202,6 +202,21 @@ QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 torchao's CUDA kernels that cannot load on this machine, its enum registrations."""
 
 
+PATH_OPTIONS = {
+    "plan": ("model", "config", "deepspeed", "html", "write_config", "write_deepspeed"),
+    "bench": ("out",),
+    "frag": ("out",),
+    "report": ("out",),
+}
+"""Options that name a file or directory: an empty one (``--out "$UNSET"``) is refused, not taken as left out."""
+
+
+def check_no_empty_paths(ns) -> None:
+    for dest in PATH_OPTIONS.get(ns.command, ()):
+        if getattr(ns, dest, None) is not None and not getattr(ns, dest).strip():
+            raise UserError(f"--{dest.replace('_', '-')} is empty: give a path or a name, or leave the option out")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns, extra = parser.parse_known_args(argv)
@@ -214,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
         check_version_flags(getattr(ns, "hip_version", None), getattr(ns, "torch_version", None))
+        check_no_empty_paths(ns)
         if ns.command == "plan":  # a question asked before is answered from the plan cache, torch not imported
             from memfit.commands.plan_cache import answer
 

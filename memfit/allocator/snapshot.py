@@ -49,6 +49,8 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
         UserError: missing file, not a pickle, a pickle that needs classes, or not a snapshot.
     """
     p = Path(path)
+    if not str(path).strip():
+        raise UserError("the snapshot path is empty; give the pickle torch.cuda.memory._dump_snapshot wrote")
     if p.is_dir():
         raise UserError(f"snapshot '{path}' is a directory; give the pickle torch.cuda.memory._dump_snapshot wrote")
     if not p.is_file():

@@ -133,9 +133,9 @@ def plan_request(ns) -> PlanRequest:
         UserError: naming the flag or file key of the first bad value.
     """
     req = PlanRequest()
-    if ns.config:
+    if ns.config is not None:
         _from_train_config(ns.config, req)
-    if ns.deepspeed:
+    if ns.deepspeed is not None:
         _from_deepspeed(ns.deepspeed, req)
     for attr in ("model", "seq_len", "global_batch"):
         if getattr(ns, attr) is not None:

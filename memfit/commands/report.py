@@ -70,6 +70,8 @@ def _snapshot(path: Path, ns):
 
 
 def run(ns) -> int:
+    if not ns.path.strip():
+        raise UserError(f"memfit report needs a path, not an empty one; give {KINDS}")
     path = Path(ns.path)
     if path.name == "metrics.jsonl" and path.is_file():
         path = path.parent  # a run's own metrics file: the run's page

@@ -250,3 +250,36 @@ def test_a_value_given_twice_on_a_bench_axis_is_one_cell():
     cells = matrix(axes(ns, load_config(str(resolve_config_path("tiny-cpu")))), [True])
     names = [c.name for c in cells]
     assert len(names) == len(set(names)) == 2 and names[0].startswith("ac-full")
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["plan", "--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--write-config", ""], "--write-config"),
+        (["plan", "--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--html", " "], "--html"),
+        (["plan", "--model", "", "--gpu", "mi210"], "--model"),
+        (["plan", "--model", "tiny", "--gpu", "mi210", "--config", ""], "--config"),
+        (["bench", "tiny-cpu", "--out", ""], "--out"),
+        (["frag", "x.pickle", "--out", ""], "--out"),
+        (["report", "run", "--out", ""], "--out"),
+    ],
+)
+def test_an_empty_path_is_refused_not_taken_as_left_out(tmp_path, monkeypatch, capsys, args, flag):
+    """``--write-config "$UNSET"`` wrote nothing and said nothing; ``--out ''`` wrote to the default place."""
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{flag} is empty: give a path or a name, or leave the option out" in err and "\n" not in err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["report", ""], "memfit report needs a path, not an empty one"),
+        (["frag", ""], "the snapshot path is empty"),
+    ],
+)
+def test_an_empty_input_path_is_said_as_such(capsys, args, message):
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
