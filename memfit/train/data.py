@@ -259,6 +259,16 @@ def split(ds: TokenDataset, eval_fraction: float) -> tuple[TokenDataset, TokenDa
     return ds.rows(tr), ds.rows(ev)
 
 
+def check_enough_rows(n: int, batch_size: int, world_size: int, accum: int) -> None:
+    """Refuse a global batch larger than the ``n`` training rows (the trainer asks before it writes anything)."""
+    if n < batch_size * world_size * accum:
+        raise UserError(
+            f"a global batch of {batch_size * world_size * accum} sequences (train.micro_batch_size {batch_size} x "
+            f"{world_size} rank(s) x {accum} accumulation steps) is larger than the {n} training rows; "
+            "lower it or give more data"
+        )
+
+
 class EpochBatchSampler(torch.utils.data.Sampler):
     """Endless micro-batches of row indices; micro-batch ``b`` is a pure function of (seed, b), so resuming is
     exact.
@@ -280,13 +290,8 @@ class EpochBatchSampler(torch.utils.data.Sampler):
         world_size: int = 1,
         accum: int = 1,
     ):
+        check_enough_rows(n, batch_size, world_size, accum)
         per_pass = batch_size * world_size
-        if n < per_pass * accum:
-            raise UserError(
-                f"a global batch of {per_pass * accum} sequences (train.micro_batch_size {batch_size} x "
-                f"{world_size} rank(s) x {accum} accumulation steps) is larger than the {n} training rows; "
-                "lower it or give more data"
-            )
         self.n, self.batch_size, self.accum, self.seed, self.start_batch = n, per_pass, accum, seed, start_batch
         self.rank_slice = slice(rank * batch_size, (rank + 1) * batch_size)
         self.steps_per_epoch = n // (per_pass * accum)

@@ -58,7 +58,7 @@ from memfit.telemetry.prometheus import TrainerMetrics, listen_error
 from memfit.telemetry.readings import memory_record, reset_peaks, state_bytes
 from memfit.telemetry.summary import RunSummary, summarize
 from memfit.train.checkpoint import TrainerState, checkpoint_dir, load_checkpoint, save_checkpoint
-from memfit.train.data import eval_batches, load_dataset, split, train_loader
+from memfit.train.data import check_enough_rows, eval_batches, load_dataset, split, train_loader
 from memfit.train.disk import guarded_write
 from memfit.train.export import export_model
 from memfit.train.fit_check import planned_step, restart_allocator
@@ -146,6 +146,7 @@ class Trainer:
             )
         self.source, self.mconf = source, mconf
         train_ds, eval_ds = split(dataset, cfg.data.eval_fraction)
+        check_enough_rows(len(train_ds), t.micro_batch_size, ctx.world_size, self.accum)  # before a file is written
         self.train_ds, self.eval = train_ds, eval_batches(eval_ds, t.micro_batch_size, t.eval_batches)
 
         self.predicted = self.predicted_step_s = self.replayed = None  # replayed: the allocator model's (one GPU)

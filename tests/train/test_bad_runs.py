@@ -208,6 +208,15 @@ def test_data_that_is_not_utf8_text_is_one_line(tiny_cfg, tmp_path, name, conten
     assert str(e.value).startswith(f"data.source: '{data}'") and "\n" not in str(e.value)
 
 
+def test_too_few_records_for_the_global_batch_are_refused_before_the_run_directory_is_made(tiny_cfg, tmp_path):
+    data = tmp_path / "few.jsonl"
+    data.write_text('{"prompt": "q", "response": "a"}\n' * 3)
+    cfg = tiny_cfg(f"data.source={data}", "train.max_steps=1", "train.micro_batch_size=4")
+    with pytest.raises(UserError, match=r"a global batch of 4 sequences .* larger than the \d training rows"):
+        Trainer(cfg)
+    assert not pathlib.Path(cfg.output.dir).exists()
+
+
 def test_a_deepspeed_json_that_is_not_utf8_is_one_line(tmp_path, capsys):
     ds = tmp_path / "ds.json"
     ds.write_bytes(b'{"zero_optimization": {"stage": 2}, "note": "\xe9"}')
