@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, replace
 
 from memfit.errors import UserError, did_you_mean
-from memfit.units import GIB
+from memfit.units import GIB, MIB
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def custom_gpu(memory_bytes: int, bf16: bool = True) -> Gpu:
     """A GPU known only by its memory (rates of an A100 assumed for ranking; stated in the output)."""
     a100 = GPUS["a100-80g"]
     return Gpu(
-        f"custom-{memory_bytes / GIB:g}GiB",
+        f"custom-{memory_bytes / GIB:.4g}GiB" if memory_bytes >= GIB else f"custom-{memory_bytes / MIB:.4g}MiB",
         memory_bytes,
         bf16,
         a100.peak_tflops,

@@ -119,6 +119,7 @@ def test_plan_json_explain_and_written_configs(capsys, tmp_path):
     assert code == 0
     plan = json.loads(out)
     assert plan["fitting"] and plan["fitting"][0]["fits"] and "assumptions" in plan
+    assert plan["gpu"] == "custom-1GiB"  # a GPU known by its memory is named by it (not custom-0.00976562GiB)
     code, out, err = _plan(
         capsys,
         "--model",
