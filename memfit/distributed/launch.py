@@ -59,8 +59,10 @@ def check_launch(spec: LaunchSpec, cfg: RunConfig) -> None:
         raise UserError(f"--node-rank must be in 0..{spec.nnodes - 1} (got {spec.node_rank})")
     if spec.nnodes > 1 and not spec.rdzv_endpoint:
         raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node, e.g. node 0's address)")
-    if spec.rdzv_endpoint and ":" not in spec.rdzv_endpoint:
-        raise UserError(f"--rdzv-endpoint must be HOST:PORT (got '{spec.rdzv_endpoint}')")
+    if spec.rdzv_endpoint:
+        host, _, port = spec.rdzv_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise UserError(f"--rdzv-endpoint must be HOST:PORT with a port in 1..65535 (got '{spec.rdzv_endpoint}')")
     grad_accum_steps(cfg, spec.world_size)
     if spec.numa_binding is not None:
         check_numa_binding(spec.numa_binding, cfg.train.device)

@@ -51,6 +51,17 @@ def test_launch_checks_fail_before_any_rank_starts(capsys):
         check_launch(LaunchSpec(1, nnodes=2), _cfg())
     with pytest.raises(UserError, match="--node-rank must be in 0..1"):
         check_launch(LaunchSpec(1, nnodes=2, node_rank=2, rdzv_endpoint="127.0.0.1:29400"), _cfg())
+    for endpoint in (
+        "nonsense",
+        "127.0.0.1:99999",
+        ":29400",
+        "host:port",
+        "127.0.0.1:0",
+    ):  # 99999 was torchrun's traceback
+        with pytest.raises(
+            UserError, match=f"--rdzv-endpoint must be HOST:PORT with a port in 1..65535 \\(got '{endpoint}'"
+        ):
+            check_launch(LaunchSpec(2, rdzv_endpoint=endpoint), _cfg())
     code = main(
         ["train", "tiny-cpu", "train.micro_batch_size=4", "train.global_batch_size=12", "--nproc-per-node", "2"]
     )

@@ -70,7 +70,14 @@ def test_train_overrides_may_follow_an_option_and_zero_ranks_are_refused(capsys)
     assert main(["train", "tiny-cpu", "--print-config", "train.max_steps=7"]) == 0
     assert "max_steps: 7" in capsys.readouterr().out
     assert main(["train", "tiny-cpu", "--nproc-per-node", "0"]) == 2
-    assert "--nproc-per-node and --nnodes must be >= 1 (got 0, 1)" in capsys.readouterr().err
+    assert main(["train", "tiny-cpu", "--nnodes", "0"]) == 2
+    assert main(["train", "tiny-cpu", "--node-rank", "-1"]) == 2  # trained one process before
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "memfit: error: --nproc-per-node must be >= 1 (got 0)",
+        "memfit: error: --nnodes must be >= 1 (got 0)",
+        "memfit: error: --node-rank must be in 0..0 (got -1)",
+    ]
 
 
 def test_exporter_refuses_a_port_out_of_range_and_a_host_that_is_not_here(capsys):
