@@ -319,13 +319,14 @@ def check(cfg: RunConfig) -> RunConfig:
     for name, value in (
         ("data.seq_len", d.seq_len),
         ("train.max_steps", t.max_steps),
-        ("train.profile_step", t.profile_step or 1),
         ("train.micro_batch_size", t.micro_batch_size),
         ("train.grad_accum_steps", t.grad_accum_steps),
         ("train.log_every", t.log_every),
         ("lora.rank", lo.rank),
     ):
         _need(value > 0, f"{name} must be > 0 (got {value})")
+    for name, value in (("train.profile_step", t.profile_step), ("train.snapshot_at_step", t.snapshot_at_step)):
+        _need(value is None or value > 0, f"{name} must be a step >= 1 or null (got {value})")
     _need(t.on_oom in ON_OOM, f"train.on_oom must be {' | '.join(ON_OOM)} (got {t.on_oom!r})")
     if t.restart_on is not None:
         RestartCondition.parse(t.restart_on)

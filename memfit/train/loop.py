@@ -117,6 +117,12 @@ class Trainer:
         self.notes: list[str] = list(run_notes)
         if d.deepspeed_config is not None and self.kind != "deepspeed":
             self.notes.append(f"distributed.deepspeed_config is not read: this run's engine is {self.kind}")
+        for key, step, what in (
+            ("profile_step", t.profile_step, "no step is profiled"),
+            ("snapshot_at_step", t.snapshot_at_step, "no snapshot is written"),
+        ):
+            if step is not None and step > t.max_steps:
+                self.notes.append(f"train.{key} {step} is after the last step (train.max_steps {t.max_steps}): {what}")
         if t.resume and self.resume_from is None:
             self.notes.append(f"train.resume=true but {self.run.root} holds no checkpoint yet: starting at step 0")
         # may convert the embedded GGUF (with its progress bar): rank 0 first, the others then hit the cache

@@ -215,6 +215,15 @@ def test_data_that_is_not_utf8_text_is_one_line(tiny_cfg, tmp_path, name, conten
     assert str(e.value).startswith(f"data.source: '{data}'") and "\n" not in str(e.value)
 
 
+def test_a_step_to_profile_or_snapshot_after_the_last_one_is_said(tiny_cfg):
+    trainer = Trainer(tiny_cfg("train.max_steps=2", "train.profile_step=5", "train.snapshot_at_step=3"))
+    trainer.close()
+    assert "train.profile_step 5 is after the last step (train.max_steps 2): no step is profiled" in trainer.notes
+    assert (
+        "train.snapshot_at_step 3 is after the last step (train.max_steps 2): no snapshot is written" in trainer.notes
+    )
+
+
 def test_too_few_records_for_the_global_batch_are_refused_before_the_run_directory_is_made(tiny_cfg, tmp_path):
     data = tmp_path / "few.jsonl"
     data.write_text('{"prompt": "q", "response": "a"}\n' * 3)
