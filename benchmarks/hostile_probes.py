@@ -1,7 +1,7 @@
-"""The hostile-user probes (issue 19's and the twenty-second session's), re-runnable: each one a real ``memfit``
-command in a fresh directory, judged by the promise "one clear line, non-zero exit, nothing half-written" (or,
-where the input is legitimate, that it works: resume however the path is spelled, train longer, retry with another
-port).
+"""The hostile-user probes (issue 19's, the twenty-second and twenty-third sessions'), re-runnable: each a real
+``memfit`` command in a fresh directory, judged by the promise "one clear line, non-zero exit, nothing half-written"
+(or, where the input is legitimate, that it works: resume however the path is spelled, train longer, retry with
+another port).
 
     python benchmarks/hostile_probes.py [--only SUBSTRING] [--json PATH]
 
@@ -454,7 +454,7 @@ for _extra, _needle in [
     (("train.seed=99999999999999999999",), "train.seed must be in 0..4294967295"),
     (("output.dir=",), "output.dir is empty"),
     (("data.source=/dev/null",), "is not a regular file"),
-    (("--nproc-per-node", "0"), "--nproc-per-node and --nnodes must be >= 1"),
+    (("--nproc-per-node", "0"), "--nproc-per-node must be >= 1"),
     (("--nproc-per-node", "2", "optimizer.in_backward=true", "optimizer.grad_clip=0"), "on 2 ranks"),
     (("train.metrics_host=192.0.2.1", "train.metrics_port=0"), "train.metrics_host 192.0.2.1: not an address"),
 ]:
@@ -508,14 +508,76 @@ def _(tmp):
     return codes == [0, 2] and ok, line
 
 
+# -- 23: the twenty-third session's probes (snapshots, empty paths, bench axes, launch flags, step numbers) ---------
+
+SNAPSHOTS = {  # (segment total_size, its blocks as (address, size, state)) -> the one line expected
+    (-4096, ((0, -4096, "inactive"),)): "segments[0].total_size is -4096, not a byte count >= 0",
+    (4096, ((0, 4096, "freed"),)): "blocks[0].state is 'freed', not one of active_allocated",
+    (4096, ((0, 4096, "active_allocated"), (0, 4096, "inactive"))): "its blocks add up to 8,192 bytes",
+}
+for (_total, _blocks), _needle in SNAPSHOTS.items():
+
+    @probe("23", f"frag and report on a snapshot segment of {_total} bytes with blocks {_blocks}")
+    def _(tmp, _total=_total, _blocks=_blocks, _needle=_needle):
+        rows = [{"address": a, "size": n, "state": state} for a, n, state in _blocks]
+        (tmp / "s.pickle").write_bytes(
+            pickle.dumps({"segments": [{"address": 0, "total_size": _total, "blocks": rows}]})
+        )
+        ok, line = one_error_line(memfit("frag", "s.pickle", cwd=tmp), _needle)
+        ok2, _ = one_error_line(memfit("report", "s.pickle", cwd=tmp), _needle)
+        return ok and ok2 and not (tmp / "s.pickle.frag").exists() and not (tmp / "s.pickle.html").exists(), line
+
+
+for _args, _needle in [
+    (("frag", "s.pickle", "--top", "-3"), "--top must be >= 0 (got -3)"),
+    (("frag", ""), "the snapshot path is empty"),
+    (("report", ""), "memfit report needs a path, not an empty one"),
+    (("report", ".", "--out", ""), "--out is empty"),
+    (("plan", "--model", "tiny", "--gpu", "h100", "--lora", "--lora-rank", "0"), "--lora-rank must be >= 1 (got 0)"),
+    (("plan", "--model", "tiny", "--gpu", "h100", "--write-config", ""), "--write-config is empty"),
+    (("plan", "--model", "", "--gpu", "h100"), "--model is empty"),
+    (("plan", "--model", "tiny", "--gpu-mem", "10MiB", "--seq-len", "64"), "nothing fits on custom-10MiB"),
+    (("bench", "tiny-cpu", "--out", ""), "--out is empty"),
+    (("bench", "tiny-cpu", "--zero", "5"), "--zero must be comma-separated stages 0-3 or none (got '5')"),
+]:
+
+    @probe("23", " ".join(_args))
+    def _(tmp, _args=_args, _needle=_needle):
+        (tmp / "s.pickle").write_bytes(pickle.dumps({"segments": []}))
+        return one_error_line(memfit(*_args, cwd=tmp), _needle)
+
+
+for _extra, _needle in [
+    (("--node-rank", "-1"), "--node-rank must be in 0..0 (got -1)"),
+    (("--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:99999"), "with a port in 1..65535"),
+    (("train.profile_step=0",), "train.profile_step must be a step >= 1"),
+    (("train.snapshot_at_step=-2",), "train.snapshot_at_step must be a step >= 1"),
+    (("data.source=few.jsonl", "train.micro_batch_size=4"), "larger than the 1 training rows"),
+]:
+
+    @probe("23", f"train {' '.join(_extra)}: one line, no run directory")
+    def _(tmp, _extra=_extra, _needle=_needle):
+        (tmp / "few.jsonl").write_text('{"prompt": "q", "response": "a"}\n' * 3)
+        ok, line = one_error_line(train(tmp, *_extra), _needle)
+        return ok and empty_or_absent(tmp / "run"), line
+
+
+@probe("23", "bench --micro-batch 2,2 runs one cell")
+def _(tmp):
+    args = ("--ac", "none", "--lora", "true", "--micro-batch", "2,2", "--steps", "1", "--warmup", "0", "--out", "b")
+    r = memfit("bench", "tiny-cpu", *args, "--set", *TINY[1:3], cwd=tmp)
+    cells = json.loads((tmp / "b" / "results.json").read_text()) if r.code == 0 else []
+    return r.code == 0 and len(cells) == 1, f"exit {r.code}, {len(cells)} cell(s)"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", help="run the probes whose name contains this")
+    ap.add_argument("--only", help="run the probes whose name contains this, or of this item (e.g. 23)")
     ap.add_argument("--json", help="write the results here")
     ns = ap.parse_args()
     rows = []
     for item, name, fn in PROBES:
-        if ns.only and ns.only not in name:
+        if ns.only and ns.only not in name and ns.only != item:
             continue
         with tempfile.TemporaryDirectory() as d:
             start = time.perf_counter()
