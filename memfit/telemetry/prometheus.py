@@ -91,12 +91,31 @@ def listen_error(e: OSError, host: str, port: int, host_key: str, port_key: str)
     return f"{port_key} {port}: cannot listen on {host} ({e.strerror}); pick a free port, or 0 for any"
 
 
+def _at_metrics(app):
+    """``app`` at /metrics (Prometheus's default path); / names it, any other path is 404 (prometheus_client's app
+    answers every path, so a scrape job with a mistyped path got the metrics as if it were right)."""
+
+    def routed(environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return app(environ, start_response)
+        status, body = (
+            ("200 OK", b"memfit metrics: /metrics\n")
+            if path == "/"
+            else ("404 Not Found", b"not found; memfit serves /metrics\n")
+        )
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+        return [body]
+
+    return routed
+
+
 def serve_registry(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> WSGIServer:
     """Serve ``registry`` at ``http://host:port/metrics`` from a daemon thread; returns the server (its
     ``server_port`` is the bound port, for port 0; ``shutdown()`` then ``server_close()`` stop it)."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     server_class = type("ScrapeServer", (_ScrapeServer,), {"address_family": family})
-    server = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+    server = make_server(host, port, _at_metrics(make_wsgi_app(registry)), server_class, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name=f"metrics:{server.server_port}", daemon=True).start()
     return server
 

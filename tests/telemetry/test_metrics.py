@@ -5,6 +5,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,6 +45,10 @@ def test_trainer_metrics_endpoint_serves_every_gauge():
             "memfit_largest_free_block_bytes",
             "memfit_active_bytes",
         } <= set(got)
+        home = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10).read().decode()
+        assert home == "memfit metrics: /metrics\n"
+        with pytest.raises(urllib.error.HTTPError, match="404"):  # a scrape job's mistyped path is not answered
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metric", timeout=10)
     finally:
         m.close()
 
