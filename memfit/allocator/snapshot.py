@@ -119,8 +119,8 @@ def schema_error(snapshot: dict[str, Any]) -> str | None:
             bad = bad or _fields(block, where, _BLOCK_FIELDS, _BLOCK_OPTIONAL) or _negative(block, where)
             if bad is None and block["state"] not in BLOCK_STATES:
                 bad = f"{where}.state is {block['state']!r:.40}, not one of {', '.join(BLOCK_STATES)}"
-        if bad is None and sum(b["size"] for b in seg["blocks"]) != seg["total_size"]:
-            added = sum(b["size"] for b in seg["blocks"])
+        added = sum(b["size"] for b in seg["blocks"]) if bad is None else None
+        if added is not None and added != seg["total_size"]:
             bad = f"segments[{i}]: its blocks add up to {added:,} bytes, its total_size is {seg['total_size']:,}"
         if bad:
             return bad

@@ -37,11 +37,9 @@ def run(ns) -> int:
     loras = _distinct({"true": True, "false": False}.get(v.lower()) for v in _split(ns.lora))
     if None in loras:
         raise UserError(f"--lora must be a comma-separated list of true/false (got '{ns.lora}')")
-    try:
-        zeros = _distinct(None if v in ("none", "-") else int(v) for v in _split(ns.zero)) or [None]
-    except ValueError:
-        zeros = [-1]
-    if any(z not in (None, *ZERO_STAGES) for z in zeros):
+    stages = {"none": None, "-": None, **{str(z): z for z in ZERO_STAGES}}
+    zeros = _distinct(stages.get(v, -1) for v in _split(ns.zero)) or [None]
+    if -1 in zeros:
         raise UserError(f"--zero must be comma-separated stages 0-3 or none (got '{ns.zero}')")
     if ns.nproc_per_node < 2 and zeros != [None]:
         raise UserError(f"--nproc-per-node must be >= 2 for the --zero cells (got {ns.nproc_per_node})")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from memfit.config.loader import config_help, dump_config, load_config
 from memfit.config.schema import RunConfig
 from memfit.config.shipped import resolve_config_path, split_train_args
-from memfit.distributed.launch import LaunchSpec, launch
+from memfit.distributed.launch import LaunchSpec, check_counts, launch
 from memfit.distributed.runtime import launched_ranks
 from memfit.errors import UserError
 from memfit.telemetry.metrics_file import read_metrics
@@ -32,12 +32,7 @@ def run(ns) -> int:
     if ns.help_config:
         print(config_help())
         return 0
-    if ns.nproc_per_node is not None and ns.nproc_per_node < 1:
-        raise UserError(f"--nproc-per-node must be >= 1 (got {ns.nproc_per_node})")
-    if ns.nnodes < 1:
-        raise UserError(f"--nnodes must be >= 1 (got {ns.nnodes})")
-    if not 0 <= ns.node_rank < ns.nnodes:
-        raise UserError(f"--node-rank must be in 0..{ns.nnodes - 1} (got {ns.node_rank})")
+    check_counts(ns.nproc_per_node, ns.nnodes, ns.node_rank)
     config_arg, overrides = split_train_args(ns.args)
     config_path = resolve_config_path(config_arg)
     cfg = load_config(config_path, overrides)

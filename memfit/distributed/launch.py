@@ -46,6 +46,16 @@ class LaunchSpec:
         return self.nproc_per_node * self.nnodes
 
 
+def check_counts(nproc_per_node: int | None, nnodes: int, node_rank: int) -> None:
+    """Refuse process and node counts that cannot be (``nproc_per_node`` None: one process, no torchrun)."""
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node must be >= 1 (got {nproc_per_node})")
+    if nnodes < 1:
+        raise UserError(f"--nnodes must be >= 1 (got {nnodes})")
+    if not 0 <= node_rank < nnodes:
+        raise UserError(f"--node-rank must be in 0..{nnodes - 1} (got {node_rank})")
+
+
 def check_launch(spec: LaunchSpec, cfg: RunConfig) -> None:
     """Everything that can be checked before starting ranks.
 
@@ -53,10 +63,7 @@ def check_launch(spec: LaunchSpec, cfg: RunConfig) -> None:
         UserError: bad counts, several nodes without an endpoint, a global batch that does not divide,
             or engine deepspeed without DeepSpeed installed.
     """
-    if spec.nproc_per_node < 1 or spec.nnodes < 1:
-        raise UserError(f"--nproc-per-node and --nnodes must be >= 1 (got {spec.nproc_per_node}, {spec.nnodes})")
-    if not 0 <= spec.node_rank < spec.nnodes:
-        raise UserError(f"--node-rank must be in 0..{spec.nnodes - 1} (got {spec.node_rank})")
+    check_counts(spec.nproc_per_node, spec.nnodes, spec.node_rank)
     if spec.nnodes > 1 and not spec.rdzv_endpoint:
         raise UserError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node, e.g. node 0's address)")
     if spec.rdzv_endpoint:
