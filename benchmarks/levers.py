@@ -76,7 +76,7 @@ def measured_rows(name: str, on, batch: int, seq_len: int, ac: CheckpointPolicy)
                     micro_batch_size=batch,
                     **{name: value},
                 )
-                model = build_model(smol, ModelConfig(), precision_policy(precision).param_dtype, 0)
+                model = build_model(smol, ModelConfig(), precision_policy(precision).param_dtype, 0, trains_on_cpu=True)
                 measured = measured_steady_step(StepSpec(config, seq_len, strategy, lora_cfg), model)
                 prediction = predictor.predict(strategy)
                 predicted = prediction.peak

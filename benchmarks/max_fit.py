@@ -63,7 +63,7 @@ def _cell(smol, config, cap: int, tune: str, ac: str, micro_batch: int, what: st
     for edge, (seq, batch) in zip(("at", "above"), shapes):
         s = candidate.strategy.replace(micro_batch_size=batch)
         predicted = Predictor(StepSpec(config, seq, lora=lora, host_is_device=True)).predict(s).peak_bytes
-        model = build_model(smol, ModelConfig(), precision_policy("fp32").param_dtype, 0)
+        model = build_model(smol, ModelConfig(), precision_policy("fp32").param_dtype, 0, trains_on_cpu=True)
         measured = measured_steady_step(StepSpec(config, seq, s, lora, host_is_device=True), model)
         row[edge] = {
             "seq_len": seq,

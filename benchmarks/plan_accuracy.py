@@ -49,7 +49,9 @@ def main() -> None:
                     )
                     predicted = extrapolated_step(spec).peak
                     model = (
-                        build_model(source, ModelConfig(), precision_policy(precision).param_dtype, 0)
+                        build_model(
+                            source, ModelConfig(), precision_policy(precision).param_dtype, 0, trains_on_cpu=True
+                        )
                         if source
                         else None
                     )

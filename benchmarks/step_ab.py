@@ -39,7 +39,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     a = ap.parse_args()
 
-    model = build_model(ModelSource("hf", path=embedded_checkpoint_dir()), ModelConfig(), torch.float32, 0)
+    model = build_model(
+        ModelSource("hf", path=embedded_checkpoint_dir()), ModelConfig(), torch.float32, 0, trains_on_cpu=True
+    )
     torch.manual_seed(1)
     model = apply_lora(model, LoraConfig(enabled=True), precision_policy("fp32"))
     model.train()

@@ -224,7 +224,14 @@ class Trainer:
         """The model as configured (weights, LoRA adapters), before any wrapper or engine: a random
         preset on the run's device when it runs alone, everything else on CPU."""
         init_device = self.device if not self.ctx.distributed else torch.device("cpu")  # ranks shard from CPU
-        model = build_model(self.source, self.cfg.model, self.precision.param_dtype, self.cfg.train.seed, init_device)
+        model = build_model(
+            self.source,
+            self.cfg.model,
+            self.precision.param_dtype,
+            self.cfg.train.seed,
+            init_device,
+            trains_on_cpu=self.device.type == "cpu",
+        )
         if not self.cfg.lora.enabled:
             return model
         model = apply_lora(model, self.cfg.lora, self.precision)

@@ -1,6 +1,7 @@
 """The trainer end to end on the tiny preset: stored-value losses, strategies run, export, errors."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -149,6 +150,42 @@ def test_plan_check_and_checkpointing_policy_leave_the_adapters_initialised_alik
     ):
         got = adapters(*extra)
         assert got.keys() == reference.keys() and all(torch.equal(got[n], reference[n]) for n in got), extra
+
+
+def _in_file_maps(tensors, path) -> int:
+    """How many of ``tensors`` lie in this process's memory maps of the file ``path``."""
+    spans = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(path):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((lo, hi))
+    return sum(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in tensors)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+def test_a_checkpoint_trained_on_cpu_is_copied_out_of_its_file(tiny_cfg, tmp_path, embedded_dir):
+    """transformers maps safetensors copy-on-write: loaded as is, the weights are pages of the file; a CPU run copies
+    them (the first optimizer step no longer faults them in one by one, and the file may change under the run)."""
+    from transformers import AutoTokenizer
+
+    base_dir = tmp_path / "tiny-hf"
+    build_model(ModelSource("preset", preset="tiny"), tiny_cfg().model, torch.float32, seed=3).save_pretrained(base_dir)
+    AutoTokenizer.from_pretrained(embedded_dir).save_pretrained(base_dir)
+    weights = (base_dir / "model.safetensors").resolve()
+    src = ModelSource("hf", path=base_dir)
+    mapped = build_model(src, None, torch.float32, seed=0)
+    assert _in_file_maps(mapped.parameters(), weights) == len(list(mapped.parameters()))
+    del mapped
+    trainer = Trainer(tiny_cfg(f"model.source={base_dir}", "train.max_steps=1", "train.eval_batches=0"))
+    try:
+        params = list(trainer.model.parameters())
+        assert _in_file_maps(params, weights) == 0
+        tied = trainer.model.get_input_embeddings().weight is trainer.model.get_output_embeddings().weight
+        assert tied == trainer.model.config.tie_word_embeddings
+        assert trainer.fit().steps
+    finally:
+        trainer.close()
 
 
 def test_export_lora_adapter_loads_in_peft(tiny_cfg, tmp_path, embedded_dir):
