@@ -2,8 +2,9 @@
 
 Forward and backward depend on (checkpointing, precision, LoRA). At a fixed depth, the step at
 micro-batch B runs the same ops as at B = 2 and 3 with every tensor's batch dimension scaled, so the
-bytes after each op are linear in B (but see ``_traced_as_is``): the timelines at B = 2 and 3 are
-combined op by op, and only then is the peak taken (the moment of the peak may move with B). Each
+bytes after each op are linear in B (but see ``_traced_as_is``): the timelines at B = 2 and 3 (one trace, at a prime
+micro-batch, resized to each: ``trace.steady_timelines``) are combined op by op, and only then is the peak taken
+(the moment of the peak may move with B). Each
 phase's peak is then linear in depth (identical decoder layers): two depths extrapolate to any depth. The
 optimizer and clipping phases depend on (precision, optimizer implementation and states, LoRA) only: they are
 traced apart (``StepSpec.part``: forward and backward without an optimizer; the update alone, on gradients made
@@ -28,6 +29,7 @@ from memfit.planner.spec import StepSpec, extrapolate_regions, extrapolation_dep
 from memfit.planner.timeline import Moments, Timeline
 
 LOSS_DELTA_DEPTH = 2  # decoder layers of the traces that measure what a chunked loss changes
+LINE_BATCHES = (2, 3)  # the micro-batches a step's bytes are drawn through, op by op (``Predictor._at_batch``)
 
 
 class Predictor:
@@ -55,21 +57,43 @@ class Predictor:
         return (spec.strategy, spec.part, layers)
 
     def _trace(self, spec: StepSpec, layers: int) -> Timeline:
-        key = self._key(spec, layers)
-        if key not in self._cache:
-            layers = min(layers, self.depth)
-            disk = trace_cache.trace_key(spec, layers)
-            timeline = trace_cache.load(disk)
-            if timeline is None:
-                from memfit.planner.trace import steady_timeline  # the tracing machinery, only when a trace is missing
+        return self._timelines((spec,), layers)[0]
 
-                timeline = steady_timeline(spec, layers)
-                trace_cache.store(disk, timeline)
-            else:
-                self.cached += 1
+    def _line(self, spec: StepSpec, layers: int) -> list[Timeline]:
+        """The timelines at micro-batches 2 and 3 that ``_at_batch`` draws its line through."""
+        return self._timelines(_line_specs(spec), layers)
+
+    def _timelines(self, specs: tuple[StepSpec, ...], layers: int) -> list[Timeline]:
+        """Each of ``specs`` (one, or ``_line``'s) from this predictor, else the trace cache, else traced: the
+        missing ones of a line in one trace (``trace.steady_timelines``)."""
+        missing = self._read(specs, layers)
+        if missing:
+            from memfit.planner.trace import steady_timelines  # the tracing machinery, only when a trace is missing
+
+            self._keep(missing, layers, steady_timelines(list(missing), min(layers, self.depth)))
+        return [self._cache[self._key(s, layers)] for s in specs]
+
+    def _read(self, specs: Iterable[StepSpec], layers: int) -> tuple[StepSpec, ...]:
+        """Take what the trace cache holds of ``specs`` into this predictor; the ones neither holds."""
+        missing = []
+        for spec in specs:
+            key = self._key(spec, layers)
+            if key in self._cache:
+                continue
+            timeline = trace_cache.load(trace_cache.trace_key(spec, min(layers, self.depth)))
+            if timeline is None:
+                missing.append(spec)
+                continue
             self._cache[key] = timeline
             self.traces += 1
-        return self._cache[key]
+            self.cached += 1
+        return tuple(missing)
+
+    def _keep(self, specs: tuple[StepSpec, ...], layers: int, timelines: list[Timeline]) -> None:
+        for spec, timeline in zip(specs, timelines):
+            trace_cache.store(trace_cache.trace_key(spec, min(layers, self.depth)), timeline)
+            self._cache[self._key(spec, layers)] = timeline
+            self.traces += 1
 
     def _step_spec(self, strategy: Strategy) -> StepSpec:
         """Forward and backward do not depend on the optimizer, the accumulation or the ZeRO stage (applied
@@ -112,23 +136,21 @@ class Predictor:
         la, lb = extrapolation_depths(spec)
         return (self.depth,) if self.depth <= lb else (la, lb)
 
-    def _requests(self, strategy: Strategy) -> list[tuple[StepSpec, int]]:
-        """The traces ``predict(strategy)`` reads, for any micro-batch, accumulation and ZeRO stage."""
+    def _requests(self, strategy: Strategy) -> list[tuple[tuple[StepSpec, ...], int]]:
+        """The timelines ``predict(strategy)`` reads, for any micro-batch, accumulation and ZeRO stage: (specs, layers)
+        of one trace each (a line's two micro-batches are one)."""
         spec = self._step_spec(strategy)
         depths = self._step_depths(spec)
         if _traced_as_is(strategy):
-            out = [(spec.with_strategy(micro_batch_size=strategy.micro_batch_size), n) for n in depths]
+            out = [((spec.with_strategy(micro_batch_size=strategy.micro_batch_size),), n) for n in depths]
         else:
             layers = spec if len(depths) == 1 else spec.with_strategy(loss_chunks=0)
-            out = [(layers.with_strategy(micro_batch_size=b), n) for n in depths for b in (2, 3)]
+            out = [(_line_specs(layers), n) for n in depths]
             if len(depths) == 2 and strategy.loss_chunks:
-                chunked, plain = self._loss_delta_specs(spec)
-                out += [
-                    (s.with_strategy(micro_batch_size=b), LOSS_DELTA_DEPTH) for s in (chunked, plain) for b in (2, 3)
-                ]
+                out += [(_line_specs(s), LOSS_DELTA_DEPTH) for s in self._loss_delta_specs(spec)]
         if strategy.optimizer_in_backward:  # no optimizer phase: the steps are traced inside backward
             return out
-        return out + [(self._optimizer_spec(spec, strategy), n) for n in self._optimizer_depths()]
+        return out + [((self._optimizer_spec(spec, strategy),), n) for n in self._optimizer_depths()]
 
     def _loss_delta_specs(self, spec: StepSpec) -> tuple[StepSpec, StepSpec]:
         """(chunked, plain) specs of the shallow traces ``_with_chunked_loss`` reads."""
@@ -174,20 +196,14 @@ class Predictor:
             workers: processes (default ``MEMFIT_PLAN_WORKERS`` or this machine's cores, at most 8);
                 1, or a platform without ``fork``, traces on demand in this process.
         """
-        missing: dict[tuple, tuple[StepSpec, int]] = {}
+        jobs: dict[tuple, tuple[tuple[StepSpec, ...], int]] = {}  # one trace each, by the keys it fills
         for strategy in strategies:
-            for spec, layers in self._requests(strategy):
-                key = self._key(spec, layers)
-                if key in self._cache or key in missing:
-                    continue
-                cached = trace_cache.load(trace_cache.trace_key(spec, min(layers, self.depth)))
-                if cached is not None:
-                    self._cache[key] = cached
-                    self.traces += 1
-                    self.cached += 1
-                else:
-                    missing[key] = (spec, min(layers, self.depth))
-        workers = min(workers or plan_workers(), len(missing))
+            for specs, layers in self._requests(strategy):
+                missing = self._read(specs, layers)
+                keys = tuple(self._key(s, layers) for s in missing)
+                if missing and not any(k in job for job in jobs for k in keys):
+                    jobs[keys] = (missing, layers)
+        workers = min(workers or plan_workers(), len(jobs))
         if workers < 2:
             return
         # fork: the children inherit the imported torch/transformers and the tracing machinery (a fresh interpreter, or
@@ -195,11 +211,9 @@ class Predictor:
         import memfit.planner.trace  # noqa: F401
 
         with multiprocessing.get_context("fork").Pool(workers, initializer=torch_single_thread) as pool:
-            for key, timeline in pool.imap_unordered(_trace_job, missing.items(), chunksize=1):
-                self._cache[key] = timeline
-                self.traces += 1
-                spec, layers = missing[key]
-                trace_cache.store(trace_cache.trace_key(spec, layers), timeline)
+            items = [(specs, n, min(n, self.depth)) for specs, n in jobs.values()]
+            for (specs, layers), timelines in pool.imap_unordered(_trace_job, items):
+                self._keep(specs, layers, timelines)
 
     def _at_batch(self, spec: StepSpec, layers: int, micro_batch: int) -> dict[str, tuple[int, ...]]:
         """Moments of the first step at ``micro_batch``, from the op-by-op line through B = 2 and 3.
@@ -211,8 +225,7 @@ class Predictor:
         if key not in self._moments and _traced_as_is(spec.strategy):
             self._moments[key] = self._trace(spec.with_strategy(micro_batch_size=micro_batch), layers).region_peaks()
         if key not in self._moments:
-            two = self._trace(spec.with_strategy(micro_batch_size=2), layers)
-            three = self._trace(spec.with_strategy(micro_batch_size=3), layers)
+            two, three = self._line(spec, layers)
             if two.phases == three.phases:
                 self._moments[key] = two.combine(three, micro_batch - 2).region_peaks()
             else:  # not expected; trace the batch size itself
@@ -339,8 +352,13 @@ def torch_single_thread() -> None:
     torch.set_num_threads(1)  # the workers already fill the cores
 
 
-def _trace_job(item: tuple[tuple, tuple[StepSpec, int]]) -> tuple[tuple, Timeline]:
-    from memfit.planner.trace import steady_timeline
+def _line_specs(spec: StepSpec) -> tuple[StepSpec, ...]:
+    return tuple(spec.with_strategy(micro_batch_size=b) for b in LINE_BATCHES)
 
-    key, (spec, layers) = item
-    return key, steady_timeline(spec, layers)
+
+def _trace_job(item: tuple[tuple[StepSpec, ...], int, int]) -> tuple[tuple[tuple[StepSpec, ...], int], list[Timeline]]:
+    """(specs, layers asked, layers traced) -> ((specs, layers asked), their timelines): one trace, in a worker."""
+    from memfit.planner.trace import steady_timelines
+
+    specs, layers, depth = item
+    return (specs, layers), steady_timelines(list(specs), depth)

@@ -42,6 +42,7 @@ from memfit.step.runner import StepRunner, sample_batch
 from memfit.strategies.checkpointing import apply_activation_checkpointing
 from memfit.strategies.lora import apply_lora, quantize_base
 from memfit.strategies.precision import precision_policy
+from memfit.strategies.tensors import plain_tensors
 
 CPU = torch.device("cpu")
 
@@ -85,6 +86,48 @@ def steady_timeline(spec: StepSpec, num_layers: int | None = None) -> Timeline:
     return trace_timeline(spec, num_layers).steady()
 
 
+def steady_timelines(specs: list[StepSpec], num_layers: int) -> list[Timeline]:
+    """``steady_timeline`` of each of ``specs``; specs that differ in their micro-batch only (forward and backward
+    without offloading: ``StepSpec.part`` "passes") from one trace, at ``batch_prime``'s micro-batch, resized to each.
+
+    Resizing is exact where every storage is either made of whole rows of the batch or of none: measured equal, op by
+    op and category by category, to a trace per micro-batch for every preset, checkpointing policy, precision, loss
+    chunking and LoRA or not (``test_one_trace_resized_to_each_batch_equals_a_trace_of_each``).
+    """
+    if len(specs) == 1:
+        return [steady_timeline(specs[0], num_layers)]
+    first = specs[0]
+    if any(s.with_strategy(micro_batch_size=first.strategy.micro_batch_size) != first for s in specs):
+        raise ValueError("one trace stands only for specs that differ in their micro-batch only")
+    if first.part != "passes" or first.strategy.activation_offload:
+        raise ValueError("only forward and backward without offloading are resized to another micro-batch")
+    tracker = _traced(first, num_layers, prime_batch=True)
+    return [tracker.timeline((tracker.micro_batch, s.strategy.micro_batch_size)).steady() for s in specs]
+
+
+BATCH_PRIMES = (101, 103, 107, 109, 113, 127, 131, 137, 139, 149, 151, 157, 163, 167, 173, 179, 181, 191, 193, 197)
+
+
+def batch_prime(model: torch.nn.Module, spec: StepSpec) -> int:
+    """The micro-batch ``steady_timelines`` traces at: a prime that divides none of the sizes the batch does not make
+    (the parameters and buffers, and what the sequence length makes: position ids, RoPE's tables, a chunked loss's
+    chunks), so that a storage whose size it divides holds that many rows of the batch.
+
+    Raises:
+        ValueError: where every candidate prime divides one of them (not seen; the caller then traces each batch).
+    """
+    T, n = spec.seq_len, spec.strategy.loss_chunks
+    held = (x for t in (*model.parameters(), *model.buffers()) for x in plain_tensors(t))  # an NF4 base's codes, scales
+    sizes = {t.untyped_storage().nbytes() for t in held} | {T, T + 1}
+    if n:
+        chunk = -(-T // n)
+        sizes |= {chunk, T - chunk * (-(-T // chunk) - 1)}
+    for p in BATCH_PRIMES:
+        if all(size % p for size in sizes if size):
+            return p
+    raise ValueError(f"every prime of {BATCH_PRIMES} divides a size of this model or sequence")
+
+
 def trace_allocations(spec: StepSpec, num_layers: int | None = None, steps: int = 1) -> list[tuple[int, int]]:
     """The storage allocations and releases of the first ``steps`` optimizer steps, in order: input for
     the allocator model. From step 2 on the optimizer state exists before the step and the cache holds
@@ -92,18 +135,21 @@ def trace_allocations(spec: StepSpec, num_layers: int | None = None, steps: int 
     return _traced(spec, num_layers, steps).allocation_events()
 
 
-def _traced(spec: StepSpec, num_layers: int | None, steps: int = 1) -> StepTracker:
+def _traced(spec: StepSpec, num_layers: int | None, steps: int = 1, prime_batch: bool = False) -> StepTracker:
     """Run ``steps`` steps of ``spec`` under a tracker. ``spec.part`` narrows what runs, for the predictor, which
     reads forward and backward from one trace and clipping and the optimizer step from another: "passes" runs
     forward and backward only (``StepRunner.accumulate``); "update" runs clipping and the optimizer step only
     (``StepRunner.update``), on zero gradients of the trainable parameters' shapes made before it, as backward
     leaves them. An offloaded optimizer moves each gradient to the host from a hook in backward, so its update is
-    traced after a real backward."""
+    traced after a real backward. ``prime_batch``: at ``batch_prime``'s micro-batch instead of the spec's (the tracker's
+    ``micro_batch`` says which)."""
     if steps > 1 and spec.part != "step":
         raise ValueError("only a whole step is traced over several steps")
     depth = num_layers or spec.model_config.num_hidden_layers
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _build_fake_model(spec, depth, fake_mode)
+    if prime_batch:
+        spec = spec.with_strategy(micro_batch_size=batch_prime(model, spec))
     model.train()
     in_backward = spec.strategy.optimizer_in_backward  # no update of its own: the whole step is traced
     update_alone = spec.part == "update" and not spec.strategy.optimizer_offload and not in_backward
@@ -119,6 +165,7 @@ def _traced(spec: StepSpec, num_layers: int | None, steps: int = 1) -> StepTrack
             for p in runner.params:
                 p.grad = torch.zeros_like(p)
         tracker = StepTracker(model, optimizer, spec.round_to, spec.host_is_device)
+        tracker.micro_batch = spec.strategy.micro_batch_size
         tracker.track([*model.parameters(), *model.buffers(), *(t for b in batches for t in b)])
         if update_alone:
             # what backward leaves: the gradients, the step's loss (held by ``step``), and the token ids, which a

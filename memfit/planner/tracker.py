@@ -75,6 +75,9 @@ def _pow2_ceil(n: int) -> int:
     return 1 << max(0, n - 1).bit_length() if n > 0 else 0
 
 
+_DEVICE, _EXACT, _PINNED = range(3)  # how a storage's bytes are rounded: round_to, not at all (host), a power of two
+
+
 # The layer of a saved tensor that several decoder layers saved (RoPE's cos/sin). Tagged with the last
 # layer that saved it, its unpack in the first layer's backward flipped the region to "last" and put
 # the moments of that region out of step between the two traced depths: on Llama-2-7B (LoRA, ffn,
@@ -131,10 +134,13 @@ class StepTracker(TorchDispatchMode):
         self._observer = self._host_observer = self._updates = None
         self._serial_of: dict[int, int] = {}  # id(storage) -> serial, for live storages
         self._events: list[tuple[int, int]] = []  # (serial, +nbytes | -nbytes)
+        self._raw: dict[int, tuple[int, int]] = {}  # serial -> (storage bytes before rounding, how rounded: _ROUNDING)
         self._ops: list[tuple[int, str]] = []  # (number of events after the op, phase)
         self._category: dict[int, Category] = {}
         self._refs: dict[int, weakref.ref] = {}  # keeps the release callbacks alive
         self._next = 0
+        self._replayed = False  # some storages replayed (``_replay``), their sizes not kept
+        self.micro_batch: int | None = None  # of the traced step (set by the tracer)
         self.total_bytes = 0
         self._in_optimizer = False
         self._after_backward = False  # reset by each model forward (gradient accumulation)
@@ -150,6 +156,9 @@ class StepTracker(TorchDispatchMode):
         r = self.round_to
         return n if r <= 1 else (n + r - 1) // r * r
 
+    def _rounded(self, nbytes: int, rounding: int) -> int:
+        return self._round(nbytes) if rounding == _DEVICE else _pow2_ceil(nbytes) if rounding == _PINNED else nbytes
+
     def _add(self, t: torch.Tensor) -> int | None:
         if is_traceable_wrapper_subclass(t):  # its storage is a stand-in of its apparent dtype: count its inner ones
             for inner in plain_tensors(t):
@@ -162,11 +171,13 @@ class StepTracker(TorchDispatchMode):
         if key in self._serial_of:
             return self._serial_of[key]
         serial, self._next = self._next, self._next + 1
-        nbytes = st.nbytes()
+        raw = st.nbytes()
         if not (self._on_host and not self._host_is_device):  # host blocks are not the device allocator's
-            nbytes = self._round(nbytes)
-        elif self._on_pinned and self._pow2_pinned:
-            nbytes = _pow2_ceil(nbytes)
+            rounding = _DEVICE
+        else:
+            rounding = _PINNED if self._on_pinned and self._pow2_pinned else _EXACT
+        self._raw[serial] = raw, rounding
+        nbytes = self._rounded(raw, rounding)
 
         def gone(_ref, key=key, serial=serial, nbytes=nbytes):
             if self._serial_of.get(key) == serial:
@@ -287,6 +298,7 @@ class StepTracker(TorchDispatchMode):
         return per_op, after, self._next - first_serial
 
     def _replay(self, per_op: list, after: list, storages: int) -> None:
+        self._replayed = True
         base, self._next = self._next, self._next + storages
         phase = self._phase()
         for events in per_op:
@@ -400,19 +412,37 @@ class StepTracker(TorchDispatchMode):
         (host memory: offloaded activations' copies, the offloaded optimizer's storages, is left out)."""
         return [(s, d) for s, d in self._events if self._category_of(s) not in HOST_CATEGORIES]
 
+    def _sized_at(self, traced: int, wanted: int) -> dict[int, int]:
+        if self._replayed:
+            raise ValueError("a trace with replayed update slices is not resized to another batch")
+        return {
+            serial: self._rounded(raw // traced * wanted if raw % traced == 0 else raw, rounding)
+            for serial, (raw, rounding) in self._raw.items()
+        }
+
     def _category_of(self, serial: int) -> Category:
         """What a storage turned out to be; unmarked, a temporary (of the host, in the offloaded optimizer's work)."""
         if serial in self._category:
             return self._category[serial]
         return Category.HOST if serial in self._host_serials and not self._host_is_device else Category.TEMPORARIES
 
-    def timeline(self) -> Timeline:
-        """Bytes per category after each op; categories as the storages turned out to be."""
+    def timeline(self, batch: tuple[int, int] | None = None) -> Timeline:
+        """Bytes per category after each op; categories as the storages turned out to be.
+
+        Args:
+            batch: (traced, wanted): the step as it runs at micro-batch ``wanted``, from this trace of it at micro-batch
+                ``traced``, a prime that divides the size of no storage the batch does not make (``trace.batch_prime``):
+                a storage whose size ``traced`` divides holds that many rows of the batch and is resized to ``wanted``
+                rows before it is rounded; the others are the same at every batch size.
+        """
         index = {c: i for i, c in enumerate(CATEGORIES)}
         totals = [0] * len(CATEGORIES)
         rows, phases, done = [], [], 0
+        sized = None if batch is None else self._sized_at(*batch)
         for end, phase in self._ops:
             for serial, delta in self._events[done:end]:
+                if sized is not None:
+                    delta = sized[serial] if delta > 0 else -sized[serial]
                 totals[index[self._category_of(serial)]] += delta
             done = end
             rows.append(tuple(totals))
