@@ -20,7 +20,9 @@ import sys
 import tempfile
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
+import memfit
 from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.models.planning import config_for_planning
 from memfit.planner.hardware import gpu_preset
@@ -33,13 +35,21 @@ README_PLAN = ["plan", "--model", "llama2-7b", "--gpu", "mi210", "--seq-len", "2
 def cli_seconds() -> dict[str, float]:
     """Wall seconds of the README's `memfit plan` example in a fresh process: cold, traces warm, asked again."""
     root = tempfile.mkdtemp(prefix="memfit-plan-cli-")
+    # the memfit this benchmark imported (a worktree's through PYTHONPATH), first on the path, from a directory without
+    # one: `python -m` puts the working directory first, which in the repository root is its own memfit
+    tree = str(Path(memfit.__file__).resolve().parents[1])
     env = dict(os.environ, MEMFIT_TRACE_CACHE=f"{root}/traces")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
     out = {}
     for name, plans in (("cold", "cold"), ("traces_warm", "other"), ("asked_again", "other")):
         env["MEMFIT_PLAN_CACHE"] = f"{root}/plans-{plans}"
         t0 = time.perf_counter()
         p = subprocess.run(
-            [sys.executable, "-m", "memfit.cli", *README_PLAN, "--top", "2"], env=env, capture_output=True, text=True
+            [sys.executable, "-m", "memfit.cli", *README_PLAN, "--top", "2"],
+            env=env,
+            cwd=root,
+            capture_output=True,
+            text=True,
         )
         out[name] = time.perf_counter() - t0
         if p.returncode != 0:
