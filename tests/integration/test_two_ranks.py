@@ -304,9 +304,8 @@ def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, stag
         "train.max_steps=2",
         "train.profile_step=2",
         "train.micro_batch_size=1",
-        "train.eval_batches=1",
-        "train.eval_every=0",
-        "train.keep_checkpoints=0",  # no final checkpoint: this test reads the profiled step only
+        "train.eval_batches=0",  # no evaluation, and no final checkpoint: this test reads the profiled step only
+        "train.keep_checkpoints=0",
         f"distributed.zero_stage={stage}",
     )
     code, _, err = _memfit(args, nproc=2)
