@@ -217,9 +217,22 @@ def check_no_empty_paths(ns) -> None:
             raise UserError(f"--{dest.replace('_', '-')} is empty: give a path or a name, or leave the option out")
 
 
+def values_that_look_negative(argv: list[str]) -> list[str]:
+    """``--mem -5GiB`` as ``--mem=-5GiB``: argparse reads a value that starts with ``-`` and is not a plain number as
+    an option and says only "expected one argument"; no memfit option starts with a digit, so it is the option's value,
+    which the option's own check then names (``--mem must look like 64GiB ...``)."""
+    out: list[str] = []
+    for token in argv:
+        if out and token[:1] == "-" and token[1:2].isdigit() and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns, extra = parser.parse_known_args(argv)
+    ns, extra = parser.parse_known_args(values_that_look_negative(sys.argv[1:] if argv is None else argv))
     if getattr(ns, "command", None) == "train":  # overrides after an option: ``train cfg --auto train.max_steps=9``
         ns.args += [a for a in extra if not a.startswith("-")]
         extra = [a for a in extra if a.startswith("-")]
