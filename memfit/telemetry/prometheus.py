@@ -93,9 +93,20 @@ def listen_error(e: OSError, host: str, port: int, host_key: str, port_key: str)
 
 def _at_metrics(app):
     """``app`` at /metrics (Prometheus's default path); / names it, any other path is 404 (prometheus_client's app
-    answers every path, so a scrape job with a mistyped path got the metrics as if it were right)."""
+    answers every path, so a scrape job with a mistyped path got the metrics as if it were right). HEAD answers as GET
+    does, without the body (prometheus_client's app answers it 405)."""
 
     def routed(environ, start_response):
+        if (
+            environ.get("REQUEST_METHOD") == "HEAD"
+        ):  # GET's status and headers without its body (curl -I, health checks)
+            answered = []
+            body = b"".join(routed(dict(environ, REQUEST_METHOD="GET"), lambda *a: answered.append(a)))
+            status, headers = answered[0][:2]
+            if not any(k.lower() == "content-length" for k, _ in headers):
+                headers = [*headers, ("Content-Length", str(len(body)))]
+            start_response(status, headers)
+            return []
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
             return app(environ, start_response)

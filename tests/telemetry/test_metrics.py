@@ -49,6 +49,13 @@ def test_trainer_metrics_endpoint_serves_every_gauge():
         assert home == "memfit metrics: /metrics\n"
         with pytest.raises(urllib.error.HTTPError, match="404"):  # a scrape job's mistyped path is not answered
             urllib.request.urlopen(f"http://127.0.0.1:{port}/metric", timeout=10)
+        head = urllib.request.urlopen(
+            urllib.request.Request(f"http://127.0.0.1:{port}/metrics", method="HEAD"), timeout=10
+        )
+        assert head.status == 200 and int(head.headers["Content-Length"]) > 1000 and head.read() == b""
+        assert head.headers["Content-Type"].startswith("text/plain")
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/metric", method="HEAD"), timeout=10)
     finally:
         m.close()
 
