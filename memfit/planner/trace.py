@@ -102,30 +102,26 @@ def steady_timelines(specs: list[StepSpec], num_layers: int) -> list[Timeline]:
     if first.part != "passes" or first.strategy.activation_offload:
         raise ValueError("only forward and backward without offloading are resized to another micro-batch")
     tracker = _traced(first, num_layers, prime_batch=True)
+    if tracker is None:  # no prime would do (not seen): each traced
+        return [steady_timeline(s, num_layers) for s in specs]
     return [tracker.timeline((tracker.micro_batch, s.strategy.micro_batch_size)).steady() for s in specs]
 
 
 BATCH_PRIMES = (101, 103, 107, 109, 113, 127, 131, 137, 139, 149, 151, 157, 163, 167, 173, 179, 181, 191, 193, 197)
 
 
-def batch_prime(model: torch.nn.Module, spec: StepSpec) -> int:
+def batch_prime(model: torch.nn.Module, spec: StepSpec) -> int | None:
     """The micro-batch ``steady_timelines`` traces at: a prime that divides none of the sizes the batch does not make
     (the parameters and buffers, and what the sequence length makes: position ids, RoPE's tables, a chunked loss's
-    chunks), so that a storage whose size it divides holds that many rows of the batch.
-
-    Raises:
-        ValueError: where every candidate prime divides one of them (not seen; the caller then traces each batch).
-    """
+    chunks), so that a storage whose size it divides holds that many rows of the batch. None where each of
+    ``BATCH_PRIMES`` divides one of them (not seen; each batch is then traced)."""
     T, n = spec.seq_len, spec.strategy.loss_chunks
     held = (x for t in (*model.parameters(), *model.buffers()) for x in plain_tensors(t))  # an NF4 base's codes, scales
     sizes = {t.untyped_storage().nbytes() for t in held} | {T, T + 1}
     if n:
         chunk = -(-T // n)
         sizes |= {chunk, T - chunk * (-(-T // chunk) - 1)}
-    for p in BATCH_PRIMES:
-        if all(size % p for size in sizes if size):
-            return p
-    raise ValueError(f"every prime of {BATCH_PRIMES} divides a size of this model or sequence")
+    return next((p for p in BATCH_PRIMES if all(size % p for size in sizes if size)), None)
 
 
 def trace_allocations(spec: StepSpec, num_layers: int | None = None, steps: int = 1) -> list[tuple[int, int]]:
@@ -135,21 +131,24 @@ def trace_allocations(spec: StepSpec, num_layers: int | None = None, steps: int 
     return _traced(spec, num_layers, steps).allocation_events()
 
 
-def _traced(spec: StepSpec, num_layers: int | None, steps: int = 1, prime_batch: bool = False) -> StepTracker:
+def _traced(spec: StepSpec, num_layers: int | None, steps: int = 1, prime_batch: bool = False) -> StepTracker | None:
     """Run ``steps`` steps of ``spec`` under a tracker. ``spec.part`` narrows what runs, for the predictor, which
     reads forward and backward from one trace and clipping and the optimizer step from another: "passes" runs
     forward and backward only (``StepRunner.accumulate``); "update" runs clipping and the optimizer step only
     (``StepRunner.update``), on zero gradients of the trainable parameters' shapes made before it, as backward
     leaves them. An offloaded optimizer moves each gradient to the host from a hook in backward, so its update is
     traced after a real backward. ``prime_batch``: at ``batch_prime``'s micro-batch instead of the spec's (the tracker's
-    ``micro_batch`` says which)."""
+    ``micro_batch`` says which), None where there is none."""
     if steps > 1 and spec.part != "step":
         raise ValueError("only a whole step is traced over several steps")
     depth = num_layers or spec.model_config.num_hidden_layers
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _build_fake_model(spec, depth, fake_mode)
     if prime_batch:
-        spec = spec.with_strategy(micro_batch_size=batch_prime(model, spec))
+        prime = batch_prime(model, spec)
+        if prime is None:
+            return None
+        spec = spec.with_strategy(micro_batch_size=prime)
     model.train()
     in_backward = spec.strategy.optimizer_in_backward  # no update of its own: the whole step is traced
     update_alone = spec.part == "update" and not spec.strategy.optimizer_offload and not in_backward

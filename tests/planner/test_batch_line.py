@@ -69,3 +69,19 @@ def test_only_a_lines_specs_without_offloading_share_a_trace():
     offloaded = spec.with_strategy(activation_offload=True)
     with pytest.raises(ValueError, match="without offloading"):
         steady_timelines([offloaded, offloaded.with_strategy(micro_batch_size=3)], 2)
+
+
+def test_without_a_prime_that_would_do_each_batch_is_traced(monkeypatch):
+    from memfit.planner import trace
+
+    monkeypatch.setattr(trace, "BATCH_PRIMES", (5,))  # divides the tiny preset's T = 64 + 1: none would do
+    spec = StepSpec(preset_config("tiny"), 64, Strategy(precision="fp32"), part="passes")
+    traced_at = []
+    real = trace._traced
+    monkeypatch.setattr(
+        trace, "_traced", lambda s, *a, **k: traced_at.append(s.strategy.micro_batch_size) or real(s, *a, **k)
+    )
+    resized, traced = _resized_and_traced(spec, 2)
+    assert traced_at[:3] == [2, 2, 3]  # the line's first spec (no prime: nothing traced), then each batch
+    for r, t in zip(resized, traced):
+        assert r.phases == t.phases and _rows(r) == _rows(t)
