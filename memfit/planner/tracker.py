@@ -134,7 +134,7 @@ class StepTracker(TorchDispatchMode):
         self._observer = self._host_observer = self._updates = None
         self._serial_of: dict[int, int] = {}  # id(storage) -> serial, for live storages
         self._events: list[tuple[int, int]] = []  # (serial, +nbytes | -nbytes)
-        self._raw: dict[int, tuple[int, int]] = {}  # serial -> (storage bytes before rounding, how rounded: _ROUNDING)
+        self._raw: dict[int, tuple[int, int]] = {}  # serial -> (storage bytes before rounding, how rounded: _DEVICE...)
         self._ops: list[tuple[int, str]] = []  # (number of events after the op, phase)
         self._category: dict[int, Category] = {}
         self._refs: dict[int, weakref.ref] = {}  # keeps the release callbacks alive

@@ -97,9 +97,8 @@ def _at_metrics(app):
     does, without the body (prometheus_client's app answers it 405)."""
 
     def routed(environ, start_response):
-        if (
-            environ.get("REQUEST_METHOD") == "HEAD"
-        ):  # GET's status and headers without its body (curl -I, health checks)
+        if environ.get("REQUEST_METHOD") == "HEAD":
+            # GET's status and headers without its body (curl -I, health checks)
             answered = []
             body = b"".join(routed(dict(environ, REQUEST_METHOD="GET"), lambda *a: answered.append(a)))
             status, headers = answered[0][:2]

@@ -303,16 +303,7 @@ def test_an_empty_path_is_refused_not_taken_as_left_out(tmp_path, monkeypatch, c
     [
         (["report", ""], "memfit report needs a path, not an empty one"),
         (["frag", ""], "the snapshot path is empty"),
-    ],
-)
-def test_an_empty_input_path_is_said_as_such(capsys, args, message):
-    assert main(args) == 2
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    "args, message",
-    [
+        # argparse took ``-5GiB`` for an option and said only "argument --mem: expected one argument"
         (
             ["plan", "--model", "tiny", "--gpu-mem", "-5GiB"],
             "--gpu-mem must look like 64GiB, 80GB or 512MiB (got '-5GiB')",
@@ -321,8 +312,9 @@ def test_an_empty_input_path_is_said_as_such(capsys, args, message):
         (["frag", "x.pickle", "--top", "-3"], "--top must be"),
     ],
 )
-def test_a_value_that_looks_negative_is_named_by_its_option(tmp_path, monkeypatch, capsys, args, message):
-    """argparse took ``-5GiB`` for an option and said only "argument --mem: expected one argument"."""
+def test_an_empty_input_path_or_a_value_that_looks_negative_is_named_in_one_line(
+    tmp_path, monkeypatch, capsys, args, message
+):
     monkeypatch.chdir(tmp_path)
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
