@@ -3,52 +3,50 @@
     bash benchmarks/gpu_prepare.sh          # here: tokenizer + two plays into .gpu_carry/ (no hub)
     bash benchmarks/gpu_check.sh            # there: runs this script, results under $OUT
 
-Parts, each in its own subprocess(es) with its own time limit, so one failure leaves the others:
+Parts, each in its own subprocess(es) with its own time limit, so one failure leaves the others. With no
+``--parts``, the run is ``OPEN_PARTS``: what the open issues still ask of a GPU, in this order:
 
 1. ``doctor``: the platform as memfit sees it (``memfit doctor --json``).
-2. ``replay`` (fragmentation issue): a Llama-2-7B-shaped LoRA run records allocator history from
-   before the weights arrive and dumps a snapshot after step 3; the trace is replayed through memfit's
-   allocator model and its peak reserved and segment count set beside what the allocator reported
-   (target within 2%), for default settings and for expandable segments. Also the cost of one
-   fragmentation reading against the step time, and the layout rebuilt from the trace
-   (``memfit/allocator/layout.py``): how many blocks live at the dump its size rule reproduces, and the
-   fragmentation at the trace's peak.
-3. ``layout`` (fragmentation issue): a random alloc/free workload on the GPU (with ``empty_cache`` calls),
-   in a fresh process per allocator setting (default, expandable segments), takes
-   ``torch.cuda.memory_snapshot()`` three times mid-run as ground truth; the layout rebuilt from the
-   final snapshot's trace at those three moments (the trace marks each with a ``snapshot`` entry) is set
-   beside it: reserved, allocated, requested, external free, largest free block, segments.
-4. ``bench-lora`` / ``bench-full`` (issues 2, 3, 6): ``memfit bench`` on the 7B-shaped model: AC policy x
-   precision, LoRA and full fine-tuning; per cell peak allocated / reserved, fragmentation, step time,
-   tokens/s and the planner's prediction beside ``torch.cuda.max_memory_allocated()``, and (since the
-   sixth session) the allocator model's peak reserved for the planned two steps beside
-   ``max_memory_reserved()`` (the ``modelled reserved GiB`` column; each cell traces and replays its
-   two steps on the machine's CPU before allocating).
+2. ``bench-qlora`` (issue 16, items 0 and 3): ``memfit bench`` on the Llama-2-7B-shaped LoRA cell (bf16-mixed, AC
+   none and full) with the base in bf16 (``lora.quantize_base=none``: the frozen base stored in bf16 under
+   bf16-mixed) and in NF4: per cell peak allocated / reserved, fragmentation, step time, tokens/s, and the planner's
+   prediction (computed on the machine's CPU before the cell allocated) beside ``torch.cuda.max_memory_allocated()``.
+3. ``bench-lowbit`` (issue 16 item 1): the full fine-tune (bf16-pure, AC full) with 32-, 8- and 4-bit AdamW
+   states (``optimizer.name``). torchao comes from ``.gpu_carry/wheels`` (``gpu_prepare.sh``).
+4. ``packing`` (issue 18): ``benchmarks/packing.py`` on the 7B-shaped LoRA cell (bf16-mixed, T = 1024, 4 rows):
+   supervised tokens/s and model FLOPs utilisation of memfit packed, memfit padded and HF Trainer's padding-free
+   collator on the same records (``.gpu_carry/shakespeare-chat.jsonl``), 2 interleaved runs per arm.
+5. ``bench-optimizer-offload`` (issue 16 item 2): the full fine-tune (bf16-pure, AC full) with AdamW in host
+   memory (``optimizer.offload``): device peak, step time and host RSS against the planner's device and host bytes;
+   the same cell with AdamW on the device is ``bench-lowbit``'s 32-bit one (not run twice). Last: its host step and
+   pinned buffers (58 GiB of host memory predicted) make it the slowest cell.
 
-5. ``bench-chunks`` (levers issue): the same 7B-shaped LoRA cell, bf16-mixed, AC none and full, with the
-   loss whole and in 8 chunks (``strategy.loss_chunks``): what chunking saves on a GPU, beside the planner.
-6. ``bench-offload`` / ``bench-in-backward`` (levers issue): the 7B-shaped LoRA cell (bf16-mixed, AC none)
-   with activations offloaded and not (``strategy.activation_offload``: device peak, step time, host RSS
-   against the planner's device and host bytes), and the full fine-tune (bf16-pure, AC full) with the
-   optimizer step after and in backward (``optimizer.in_backward``).
-7. ``bench-lowbit`` / ``bench-qlora`` (issue 16; named in ``--parts``, not yet in the default list): the full
-   fine-tune (bf16-pure, AC full) with 32-, 8- and 4-bit AdamW states (``optimizer.name``), and the LoRA cell
-   (bf16-mixed, AC none and full) with the base unquantized and in NF4 (``lora.quantize_base``). torchao comes
-   from ``.gpu_carry/wheels`` (``gpu_prepare.sh``). ``bench-lora`` measures the bf16 frozen base of
-   bf16-mixed LoRA (issue 16 item 0) as it is. ``bench-optimizer-offload`` (issue 16 item 2, also named only):
-   the full fine-tune (bf16-pure, AC full) with AdamW on the device and in host memory (``optimizer.offload``):
-   device peak, step time and host RSS against the planner's device and host bytes.
+Parts measured on 2026-11-30 (benchmarks/RESULTS.md) or by an earlier issue, run only when named in ``--parts``:
 
-Parts run only when named in ``--parts``:
-
-8. ``diag``: one bench cell (7B LoRA, ffn, bf16-pure) once more, its last step both profiled (torch.profiler's
-   memory events, written to ``diag_events.json.gz``) and traced by the allocator (``diag_snapshot.pickle.gz``),
-   then ``memfit frag --simulate`` on that snapshot (its plots come back as ``diag_*.png``).
-9. ``oom``: a cell under ``allocator.memory_fraction=0.25`` must exit 3 with the bytes requested and a snapshot.
-10. ``exporter``: ``memfit exporter`` on loopback, scraped and parsed with prometheus_client.
-11. ``auto`` (issue 17): ``memfit train --auto`` on the 7B-shaped cell: the row it chose for this GPU (after the
-    allocator replay), three steps, the predicted and measured peak and step time.
-12. ``on-oom`` (issue 17): the ``oom`` cell with ``train.on_oom=next``: the switches it made and whether it ends.
+- ``replay`` (fragmentation): a 7B-shaped LoRA run records allocator history from before the weights arrive and
+  dumps a snapshot after step 3; the trace is replayed through memfit's allocator model and its peak reserved and
+  segment count set beside what the allocator reported (target within 2%), for default settings and for
+  expandable segments; also the cost of one fragmentation reading against the step time, and the layout rebuilt
+  from the trace (``memfit/allocator/layout.py``).
+- ``layout`` (fragmentation): a random alloc/free workload on the GPU (with ``empty_cache`` calls), in a fresh
+  process per allocator setting, takes ``torch.cuda.memory_snapshot()`` three times mid-run as ground truth, set
+  beside the layout rebuilt from the final snapshot's trace at those moments.
+- ``bench-lora`` / ``bench-full``: AC policy x precision (bf16-mixed, bf16-pure), LoRA and full fine-tuning, with
+  the allocator model's peak reserved for the planned two steps beside ``max_memory_reserved()``.
+- ``bench-chunks``, ``bench-offload``, ``bench-in-backward`` (the first levers issue): the loss whole and in 8
+  chunks; activations offloaded and not (device peak, step time, host RSS against the planner's device and host
+  bytes); the full fine-tune's optimizer step after and in backward.
+- ``throughput``: ``benchmarks/train_throughput.py`` on the 7B-shaped LoRA cell: memfit vs a plain loop vs HF
+  Trainer on the same padded text rows, tokens/s and MFU.
+- ``diag``: one bench cell (7B LoRA, ffn, bf16-pure) once more, its last step both profiled (torch.profiler's
+  memory events, written to ``diag_events.json.gz``) and traced by the allocator (``diag_snapshot.pickle.gz``),
+  then ``memfit frag --simulate`` on that snapshot (its plots come back as ``diag_*.png``).
+- ``oom``: a cell under ``allocator.memory_fraction=0.25`` must exit 3 with the bytes requested and a snapshot.
+- ``exporter``: ``memfit exporter`` on loopback, scraped and parsed with prometheus_client.
+- ``auto``: ``memfit train --auto`` on the 7B-shaped cell: the row it chose for this GPU (after the allocator
+  replay), three steps, the predicted and measured peak and step time.
+- ``on-oom``: the ``oom`` cell with ``train.on_oom=next``: the switches it made and whether it ends.
+- ``restart``: ``train.restart_on`` with the whole run's allocator trace recorded.
 
 ``--budget-s`` bounds the whole run: each part's time limit is clipped to what is left, and a part with
 under 30 s left is skipped. Work files live in a temporary directory, so only the summaries, tables and
@@ -78,6 +76,11 @@ from memfit.allocator.validation import compare_moments, layout_line, replay_lin
 from memfit.telemetry.bench import run_in_group  # noqa: E402
 
 GIB = 1 << 30
+OPEN_PARTS = ("doctor", "bench-qlora", "bench-lowbit", "packing", "bench-optimizer-offload")
+"""The default run: what the open issues still ask a GPU for, the likeliest to finish first (about 8 minutes on the
+H200 by the 2026-11-30 runs' 30-35 s a bench cell: 8 cells and 6 packing runs). Run it as
+``bash benchmarks/gpu_check.sh --out $OUT`` with carry ``[".gpu_carry"]`` and a ``timeout_s`` of about 580: a lent
+GPU's 15 minutes include its start, so there is one try; every part rewrites ``summary.json`` as it ends."""
 DEADLINE = [float("inf")]  # perf_counter time by which every part must be done (--budget-s)
 
 
@@ -460,6 +463,19 @@ def part_exporter(s, out: Path, log) -> dict:
         proc.wait(timeout=10)
 
 
+def part_script(s, out: Path, log, name: str, args: list[str], timeout_s: int) -> dict:
+    """``benchmarks/<name>.py`` with ``args``: its whole output to ``<name>.txt`` in ``--out``, its last line (the
+    benchmark's JSON summary) into the summary."""
+    proc = _run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), *args], timeout_s, log)
+    if proc is None:
+        return {"status": "timed out"}
+    (out / f"{name}.txt").write_text(proc.stdout + proc.stderr)
+    lines = proc.stdout.strip().splitlines() or [""]
+    if proc.returncode != 0 or not lines[-1].startswith("{"):
+        return {"status": f"exit {proc.returncode}"}
+    return {"status": "ok", "result": json.loads(lines[-1]), "table": "\n".join(lines[:-1]).strip()}
+
+
 def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
     bench_out = s.work / name
     cmd = [
@@ -483,10 +499,12 @@ def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
     results = bench_out / "results.json"  # rewritten after every cell: a timeout keeps the finished ones
     if not results.is_file():
         return {"status": "failed" if proc is not None else "timed out"}
-    copies = [("results.md", f"{name}.md"), ("memory_per_cell.png", f"{name}_memory.png")]
-    if name == "bench_lora":  # at most 8 files come back from the machine
+    # At most 8 files come back from the machine: the table goes into summary.md, the plot is copied (the default run's
+    # parts bring back 7 files in all), and the cells of the older levers' parts travel in summary.json only.
+    copies = [("memory_per_cell.png", f"{name}_memory.png")]
+    if name == "bench_lora":
         copies.append(("pareto.png", f"{name}_pareto.png"))
-    if name in ("bench_offload", "bench_in_backward"):  # their cells travel in summary.json only
+    if name in ("bench_offload", "bench_in_backward", "bench_chunks"):
         copies = []
     for src, dst in copies:
         if (bench_out / src).is_file():
@@ -504,13 +522,17 @@ def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
                 if r.get("kind") == "step" and r.get("frag_time_s") is not None
             ]
     done = proc is not None and all(c["status"] != "pending" for c in cells)
-    return {"status": "ok" if done else "partial (timed out)", "cells": cells, "frag_time_vs_step": frag}
+    table = (bench_out / "results.md").read_text() if (bench_out / "results.md").is_file() else None
+    status = "ok" if done else "partial (timed out)"
+    return {"status": status, "cells": cells, "frag_time_vs_step": frag, "table": table}
 
 
 def summary_md(summary: dict) -> str:
     lines = [f"# GPU check {summary['date']} on {summary['device']}", ""]
     for name, part in summary["parts"].items():
         lines.append(f"## {name}: {part.get('status')} ({part.get('wall_s', 0):.0f} s)")
+        if part.get("table"):
+            lines += ["", part["table"].strip(), ""]
         for r in part.get("rows", []):
             if r["status"] != "ok":
                 lines.append(f"- {r['settings']}: {r['status']}")
@@ -535,10 +557,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"))
     ap.add_argument("--smoke", action="store_true", help="tiny preset on CPU: checks this script, measures nothing")
-    ap.add_argument(
-        "--parts", default="doctor,replay,layout,bench-lora,bench-full,bench-chunks,bench-offload,bench-in-backward"
-    )
-    ap.add_argument("--budget-s", type=float, default=480, help="all parts end within this many seconds")
+    ap.add_argument("--parts", default=",".join(OPEN_PARTS), help="comma-separated, run in this order")
+    ap.add_argument("--budget-s", type=float, default=540, help="all parts end within this many seconds")
     ap.add_argument("--layout-worker", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--diag-worker", metavar="JSON", help=argparse.SUPPRESS)
     ns = ap.parse_args()
@@ -550,8 +570,6 @@ def main() -> int:
         return 0
     DEADLINE[0] = time.perf_counter() + ns.budget_s
     out = Path(ns.out)
-    out.mkdir(parents=True, exist_ok=True)
-    ns.work = Path(tempfile.mkdtemp(prefix="memfit-gpu-check-"))  # outside --out: only summaries travel back
     data = REPO / ".gpu_carry" / "data"
     source = str(data) if data.is_dir() else "shakespeare"
     if ns.smoke:
@@ -584,10 +602,10 @@ def main() -> int:
         ns.in_backward += ["--optimizer-in-backward", "false,true"]
         ns.lowbit = ["--ac", "full", "--precision", "fp32", "--micro-batch", "2", "--lora", "false"]
         ns.lowbit += ["--optimizer-name", "adamw,adamw8bit,adamw4bit"]
-        ns.qlora = ["--ac", "none,full", "--precision", "bf16-mixed", "--micro-batch", "2", "--lora", "true"]
+        ns.qlora = ["--ac", "none", "--precision", "bf16-mixed", "--micro-batch", "2", "--lora", "true"]
         ns.qlora += ["--quantize-base", "none,nf4"]
         ns.host_optimizer = ["--ac", "full", "--precision", "fp32", "--micro-batch", "2", "--lora", "false"]
-        ns.host_optimizer += ["--optimizer-offload", "false,true"]
+        ns.host_optimizer += ["--optimizer-offload", "true"]  # on the device: bench-lowbit's adamw cell
         ns.diag_cell = [
             "strategy.precision=fp32",
             "strategy.activation_checkpointing=ffn",
@@ -595,6 +613,10 @@ def main() -> int:
             "train.micro_batch_size=2",
         ]
         ns.oom_cell = ns.replay_cell
+        ns.packing = ["--model", "random:tiny", "--seq-len", "128", "--records", "60", "--data", "shakespeare-chat"]
+        ns.packing += ["--reps", "1", "--steps", "3", "--warmup", "1"]
+        ns.throughput = ["--model", "random:tiny", "--seq-len", "64", "--reps", "1", "--steps", "3", "--warmup", "1"]
+        ns.throughput += ["--runners", "memfit,plain,hf", "--ac", "", "--data", source]
         ns.steps, ns.bench_timeout = 2, 300
     else:
         ns.base = [
@@ -643,7 +665,7 @@ def main() -> int:
         ns.qlora = ["--ac", "none,full", "--precision", "bf16-mixed", "--micro-batch", "4", "--lora", "true"]
         ns.qlora += ["--quantize-base", "none,nf4"]
         ns.host_optimizer = ["--ac", "full", "--precision", "bf16-pure", "--micro-batch", "4", "--lora", "false"]
-        ns.host_optimizer += ["--optimizer-offload", "false,true"]
+        ns.host_optimizer += ["--optimizer-offload", "true"]  # on the device: bench-lowbit's adamw cell
         ns.diag_cell = [
             "strategy.precision=bf16-pure",
             "strategy.activation_checkpointing=ffn",
@@ -657,6 +679,13 @@ def main() -> int:
             "train.micro_batch_size=4",
             "allocator.memory_fraction=0.25",
         ]
+        chat = REPO / ".gpu_carry" / "shakespeare-chat.jsonl"  # gpu_prepare.sh: the GPU machine has no plays
+        ns.packing = ["--model", "random:llama2-7b", "--device", "cuda", "--precision", "bf16-mixed"]
+        ns.packing += ["--seq-len", "1024", "--batch", "4", "--records", "3000", "--reps", "2", "--steps", "8"]
+        ns.packing += ["--data", str(chat) if chat.is_file() else "shakespeare-chat"]
+        ns.throughput = ["--model", "random:llama2-7b", "--device", "cuda", "--precision", "bf16-mixed"]
+        ns.throughput += ["--seq-len", "1024", "--batch", "4", "--steps", "10", "--reps", "2"]
+        ns.throughput += ["--runners", "memfit,plain,hf", "--ac", "", "--data", source]
         ns.steps, ns.bench_timeout = 3, 190
     import torch
 
@@ -686,7 +715,14 @@ def main() -> int:
         "auto": lambda log: part_auto(ns, out, log),
         "on-oom": lambda log: part_on_oom(ns, out, log),
         "restart": lambda log: part_restart(ns, out, log),
+        "packing": lambda log: part_script(ns, out, log, "packing", ns.packing, 300),
+        "throughput": lambda log: part_script(ns, out, log, "train_throughput", ns.throughput, 300),
     }
+    unknown = [name for name in ns.parts.split(",") if name not in parts]
+    if unknown:
+        ap.error(f"--parts: no part {', '.join(unknown)}; the parts are {', '.join(parts)}")
+    out.mkdir(parents=True, exist_ok=True)
+    ns.work = Path(tempfile.mkdtemp(prefix="memfit-gpu-check-"))  # outside --out: only summaries travel back
     with open(out / "log.txt", "a") as log:
         for name in ns.parts.split(","):
             start = time.perf_counter()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Here, before a device run: what benchmarks/gpu_check.sh needs that the GPU machine cannot fetch.
-# The GPU image has torch, transformers, peft, rich, pyyaml, matplotlib, prometheus-client; it lacks the
-# embedded model's packages. Random presets need only the tokenizer, and the data two plays, so
-# .gpu_carry/ (git-ignored, < 5 MiB) holds the converted tokenizer directory (no weights) and two texts.
+# The GPU image (python3 3.12) has torch, transformers, peft, accelerate, rich, pyyaml, matplotlib, prometheus-client;
+# it lacks torchao and the embedded model's packages. Random presets need only the tokenizer, and the data two plays, so
+# .gpu_carry/ (git-ignored, < 10 MiB) holds the converted tokenizer directory (no weights), two texts, 4,000 chat
+# records and the torchao wheel.
 # Then: device run with carry [".gpu_carry"] and command `bash benchmarks/gpu_check.sh`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,8 @@ for f in config.json generation_config.json tokenizer.json tokenizer_config.json
 done
 $PY -c "from memfit.train.data import shakespeare_files as s; print('\n'.join(map(str, s()[:2])))" |
   while read -r f; do cp "$f" .gpu_carry/data/; done
+# chat records for the packing part (data.source=shakespeare-chat is built from the plays, which are not there)
+head -n 4000 "$($PY -c "from memfit.train.plays import plays_chat_file as f; print(f())")" > .gpu_carry/shakespeare-chat.jsonl
 # torchao (optimizer.name adamw8bit/adamw4bit, lora.quantize_base nf4) is one pure-Python wheel, no deps
 mkdir -p .gpu_carry/wheels
 $PY -m pip download --no-deps --only-binary=:all: -d .gpu_carry/wheels "torchao>=0.18" >/dev/null

@@ -16,6 +16,14 @@ with the rows it drew); the table gives the median run and the spread. Prints a 
 
     python benchmarks/packing.py                    # defaults below
     python benchmarks/packing.py --reps 1 --steps 4 # quick look
+    python benchmarks/packing.py --model random:llama2-7b --device cuda --precision bf16-mixed --seq-len 1024 \
+        --batch 4 --data .gpu_carry/shakespeare-chat.jsonl   # on a GPU: the 7B-shaped LoRA cell, with MFU
+
+With ``--model random:PRESET`` the records' token ids are folded into the preset's vocabulary (``id mod V``) as
+memfit's trainer folds them, for the HF arm too. On a GPU each run also reports model FLOPs utilisation: the FLOPs of
+every position the arm's model ran (padding included: the padded arm's MFU says how busy the GPU was, its supervised
+tokens/s how much of that was useful), at memfit's cost model's FLOPs a token for ``--seq-len`` with LoRA and no
+recomputation, over the bf16 peak of the memfit preset the device's name carries.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from train_throughput import _lora_model, run_child  # noqa: E402  the throughput benchmark's model and runner
+from train_throughput import _lora_model, _model_config, _sync, gpu_utilisation, run_child  # noqa: E402  its model, runner
 
 
 def _config(a, out_dir: str, packing: bool):
@@ -42,7 +50,7 @@ def _config(a, out_dir: str, packing: bool):
     return load_config(
         shipped_configs()["smollm2-shakespeare-lora-cpu"],
         [
-            "data.source=shakespeare-chat",
+            f"data.source={a.data}",
             f"data.packing={str(packing).lower()}",
             f"data.seq_len={a.seq_len}",
             f"data.max_documents={a.records}",
@@ -55,6 +63,9 @@ def _config(a, out_dir: str, packing: bool):
             "output.export=false",
             "optimizer.warmup_steps=2",
             f"output.dir={out_dir}",
+            f"model.source={a.model}",
+            f"train.device={a.device}",
+            f"strategy.precision={a.precision}",
         ],
     )
 
@@ -74,6 +85,7 @@ def run_memfit(a, packing: bool) -> dict:
     steps = result.steps[a.warmup :]
     return {
         "supervised_tokens_per_s": [r["supervised_tokens_per_s"] for r in steps],
+        "positions_per_s": [r["tokens_per_s"] for r in steps],
         "step_times_s": [r["step_time_s"] for r in steps],
         "rows": rows,
         "records": records,
@@ -92,7 +104,10 @@ def packed_steps(a) -> list[list[dict]]:
     with tempfile.TemporaryDirectory() as d:
         cfg = _config(a, f"{d}/run", packing=True)
     tok = load_tokenizer(ModelSource("hf", path=embedded_checkpoint_dir()))
-    train, _ = split(load_dataset(cfg.data, tok), cfg.data.eval_fraction)
+    whole = load_dataset(cfg.data, tok)
+    if a.model.startswith("random:") and len(tok) > _model_config(a).vocab_size:
+        whole = whole.folded(_model_config(a).vocab_size)  # as memfit's trainer folds a random preset's ids
+    train, _ = split(whole, cfg.data.eval_fraction)
     sampler = EpochBatchSampler(len(train), a.batch, cfg.train.seed)
     steps = []
     for b in range(a.steps):
@@ -115,10 +130,12 @@ def run_hf(a) -> dict:
     steps = packed_steps(a)
     flatten = DataCollatorWithFlattening()
     supervised: list[int] = []
+    positions: list[int] = []
 
     def collate(features):  # one item per step: that step's records
         batch = flatten(features[0])
         supervised.append(int((batch["labels"][:, 1:] != -100).sum()))  # HF shifts labels inside the loss
+        positions.append(batch["input_ids"].numel())
         return batch
 
     class InOrder(Trainer):  # memfit's steps in memfit's order, not reshuffled
@@ -132,6 +149,7 @@ def run_hf(a) -> dict:
             self.t = time.perf_counter()
 
         def on_step_end(self, *args, **kw):
+            _sync(a)
             times.append(time.perf_counter() - self.t)
 
     with tempfile.TemporaryDirectory() as d:
@@ -147,17 +165,20 @@ def run_hf(a) -> dict:
             logging_steps=10**6,
             save_strategy="no",
             report_to=[],
-            use_cpu=True,
+            use_cpu=a.device == "cpu",
+            bf16=a.precision == "bf16-mixed",
             dataloader_num_workers=0,
             remove_unused_columns=False,  # an item is a list of records, not model inputs
             disable_tqdm=True,
             seed=0,
         )
-        InOrder(model=_lora_model(), args=args, train_dataset=steps, data_collator=collate, callbacks=[Clock()]).train()
-    measured = list(zip(supervised, times))[a.warmup :]
+        model = _lora_model(a)
+        InOrder(model=model, args=args, train_dataset=steps, data_collator=collate, callbacks=[Clock()]).train()
+    measured = list(zip(supervised, positions, times))[a.warmup :]
     return {
-        "supervised_tokens_per_s": [n / t for n, t in measured],
-        "step_times_s": [t for _, t in measured],
+        "supervised_tokens_per_s": [n / t for n, _, t in measured],
+        "positions_per_s": [n / t for _, n, t in measured],
+        "step_times_s": [t for _, _, t in measured],
         "records_per_step": [len(r) for r in steps],
     }
 
@@ -167,6 +188,9 @@ def child(a) -> None:
     supervised = sum(r * t for r, t in zip(out["supervised_tokens_per_s"], out["step_times_s"]))
     out["supervised_tokens"] = supervised
     out["rate"] = supervised / sum(out["step_times_s"])
+    if a.device.startswith("cuda"):
+        positions = sum(r * t for r, t in zip(out["positions_per_s"], out["step_times_s"]))
+        out.update(gpu_utilisation(a, positions / sum(out["step_times_s"])))
     print("RESULT " + json.dumps(out))
 
 
@@ -175,7 +199,8 @@ ARMS = ("memfit-packed", "memfit-padded", "hf-flat")
 
 def spawn(a, runner: str) -> dict:
     flags = ["--steps", a.steps, "--warmup", a.warmup, "--batch", a.batch, "--seq-len", a.seq_len]
-    flags += ["--records", a.records]
+    flags += ["--records", a.records, "--model", a.model, "--device", a.device, "--precision", a.precision]
+    flags += ["--data", a.data]
     return run_child([sys.executable, __file__, "--child", runner, *map(str, flags)], runner)
 
 
@@ -187,7 +212,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="steps excluded from the median")
     p.add_argument("--batch", type=int, default=2, help="memfit rows per step")
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--records", type=int, default=600, help="records of shakespeare-chat used")
+    p.add_argument("--records", type=int, default=600, help="records of --data used")
+    p.add_argument("--data", default="shakespeare-chat", help="memfit's data.source: chat records (.jsonl)")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="or random:PRESET (e.g. random:llama2-7b)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--precision", default="fp32", help="fp32 | bf16-mixed")
     a = p.parse_args()
     if a.runner:
         return child(a)
@@ -204,22 +233,25 @@ def main() -> None:
             "runs": [round(r["rate"], 1) for r in v],
             "median_step_time_s": statistics.median(statistics.median(r["step_times_s"]) for r in v),
             "supervised_tokens_per_step": statistics.median(r["supervised_tokens"] for r in v) / (a.steps - a.warmup),
+            **({"mfu": statistics.median(r["mfu"] for r in v), "device": v[0]["device"]} if "mfu" in v[0] else {}),
         }
         for k, v in results.items()
     }
     base = med["memfit-packed"]["supervised_tokens_per_s"]
+    where = med["memfit-packed"].get("device") or f"CPU ({platform.processor() or platform.machine()})"
     print(
-        f"\nSmolLM2-135M LoRA r=8, fp32, CPU ({platform.processor() or platform.machine()}), shakespeare-chat "
+        f"\n{a.model} LoRA r=8, {a.precision}, {where}, {a.data} "
         f"({a.records} records), T={a.seq_len}; memfit B={a.batch} rows, HF the records of memfit's packed steps; "
         f"{a.reps} runs x {a.steps} steps (median of steps {a.warmup + 1}..{a.steps})"
     )
     head = f"{'arm':14s} {'supervised tok/s':>17s} {'runs min-max':>13s} {'step s':>7s} {'sup tok/step':>13s}"
-    print(head + f" {'packed ÷ this':>14s}")
+    print(head + f" {'packed ÷ this':>14s}" + (f" {'MFU':>6s}" if "mfu" in med["memfit-packed"] else ""))
     for k, v in med.items():
         spread = f"{min(v['runs']):.0f}-{max(v['runs']):.0f}"
         print(
             f"{k:14s} {v['supervised_tokens_per_s']:17.1f} {spread:>13s} {v['median_step_time_s']:7.2f} "
             f"{v['supervised_tokens_per_step']:13.0f} {base / v['supervised_tokens_per_s']:14.2f}"
+            + (f" {100 * v['mfu']:5.1f}%" if "mfu" in v else "")
         )
     summary = {
         "benchmark": "packing",
