@@ -1,7 +1,7 @@
-"""The hostile-user probes (issue 19's, the twenty-second and twenty-third sessions'), re-runnable: each a real
-``memfit`` command in a fresh directory, judged by the promise "one clear line, non-zero exit, nothing half-written"
-(or, where the input is legitimate, that it works: resume however the path is spelled, train longer, retry with
-another port).
+"""The hostile-user probes (issue 19's, the twenty-second, twenty-third and twenty-fifth sessions'), re-runnable:
+each a real ``memfit`` command in a fresh directory, judged by the promise "one clear line, non-zero exit, nothing
+half-written" (or, where the input is legitimate, that it works: resume however the path is spelled, train longer,
+retry with another port).
 
     python benchmarks/hostile_probes.py [--only SUBSTRING] [--json PATH]
 
@@ -568,6 +568,27 @@ def _(tmp):
     r = memfit("bench", "tiny-cpu", *args, "--set", *TINY[1:3], cwd=tmp)
     cells = json.loads((tmp / "b" / "results.json").read_text()) if r.code == 0 else []
     return r.code == 0 and len(cells) == 1, f"exit {r.code}, {len(cells)} cell(s)"
+
+
+PLAN = ("plan", "--model", "llama2-7b", "--gpu", "a100-80g", "--top", "1")
+for _args, _needle in [
+    (("--optimizer-offload", "true", "--nodes", "2", "--gpus-per-node", "8", "--zero", "0"), "got ddp (16 GPUs"),
+    (("--activation-offload", "true", "--engine", "deepspeed", "--gpus-per-node", "2"), "not reach into DeepSpeed"),
+    (("--optimizer-in-backward", "true", "--precision", "fp16-mixed"), "fp16-mixed's GradScaler"),
+]:
+
+    @probe("25", f"plan {' '.join(_args)}: pins that leave nothing to plan")
+    def _(tmp, _args=_args, _needle=_needle):
+        ok, line = one_error_line(memfit(*PLAN, *_args, cwd=tmp), "nothing to plan: ")
+        return ok and _needle in line, line
+
+
+@probe("25", "plan --lora --quantize-base nf4 --gpus-per-node 2: an NF4 base on DDP is planned (ZeRO-0)")
+def _(tmp):
+    r = memfit(*PLAN, "--lora", "--quantize-base", "nf4", "--gpus-per-node", "2", "--json", cwd=tmp)
+    rows = json.loads(r.out.strip().splitlines()[-1])["fitting"] if r.code == 0 else []
+    ok = bool(rows) and all(x["zero_stage"] == 0 and x["quantize_base"] == "nf4" for x in rows)
+    return ok, f"exit {r.code}, {len(rows)} fitting row(s)" + (f": {r.err.strip().splitlines()[-1]}" if r.code else "")
 
 
 def main() -> int:

@@ -237,17 +237,17 @@ def _check_pins(pins: Pins, w: Workload, c: Cluster) -> None:
     base = pins.levers.get("quantize_base", "none")
     if base != "none" and w.lora is None:
         raise UserError(f"--quantize-base {base} quantizes the frozen base of a LoRA run: add --lora")
-    if base != "none":
-        conflict = Strategy(quantize_base=base, zero_stage=zero or 0).conflict(
-            engine="single" if c.world_size == 1 else pins.engine
-        )
+    # with the ZeRO stage left to the search, a stage that combines may exist: the search skips the others
+    pinned_engine = _engine(c, pins, Strategy(zero_stage=zero)) if zero is not None or c.world_size == 1 else None
+    if base != "none" and pinned_engine:
+        conflict = Strategy(quantize_base=base, zero_stage=zero or 0).conflict(engine=pinned_engine)
         if conflict:
             raise UserError(conflict)
     name = pins.levers.get("optimizer_name", "adamw")
-    if name != "adamw":
+    if name != "adamw" and pinned_engine:
         conflict = Strategy(
             optimizer_name=name, optimizer=pins.levers.get("optimizer", "for-loop"), zero_stage=zero or 0
-        ).conflict(engine="single" if c.world_size == 1 else pins.engine)
+        ).conflict(engine=pinned_engine)
         if conflict:
             raise UserError(conflict)
     if micro_batch is not None:
@@ -290,6 +290,49 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
     by the hardware (precisions by bf16 support, ZeRO stages by world size) and the batch (micro-batches
     that divide it; the accumulation follows from the global batch)."""
     per_rank_batch = w.global_batch // c.world_size
+    choices = _choices(w, c)
+    # stepped in backward, parameters are stepped one at a time, where implementations differ by one
+    # parameter's temporaries at most: the preferred one stands for them (a quarter of the traces)
+    in_backward_optimizer = host_optimizer = pins.levers.get("optimizer", OPTIMIZER_IMPLEMENTATIONS[0])
+    out = []
+    for chosen in candidates(pins.levers, choices):
+        s = Strategy(**chosen, grad_accum_steps=per_rank_batch // chosen["micro_batch_size"])
+        if s.conflict(0.0, c.world_size, _engine(c, pins, s)):
+            continue  # levers that do not combine (the step in backward cannot accumulate, low-bit states need
+            # one implementation, offloads need an engine that can, ...); a plan does not clip
+        if s.optimizer_in_backward and s.optimizer != in_backward_optimizer:
+            continue  # one implementation stands for all
+        # on the host the implementation changes host temporaries only: the preferred one stands for all; low-bit
+        # states on the host (two fallbacks at once) only where the user pins them
+        host_step = s.optimizer == host_optimizer if s.optimizer_name == "adamw" else "optimizer_name" in pins.levers
+        if s.optimizer_offload and not host_step:
+            continue
+        out.append(s)
+    return out
+
+
+def why_no_candidate(w: Workload, c: Cluster, pins: Pins) -> str:
+    """Why ``search_space`` found nothing to plan: a conflict among the pinned levers' combinations, the largest
+    micro-batch's first (where accumulation is not what conflicts, the other levers' conflict shows)."""
+    per_rank_batch = w.global_batch // c.world_size
+    chosen = sorted(candidates(pins.levers, _choices(w, c)), key=lambda x: -x["micro_batch_size"])
+    for s in (Strategy(**x, grad_accum_steps=per_rank_batch // x["micro_batch_size"]) for x in chosen):
+        why = s.conflict(0.0, c.world_size, _engine(c, pins, s))
+        if why:
+            gpus = "1 GPU" if c.world_size == 1 else f"{c.world_size} GPUs"
+            return f"{why} ({gpus}, ZeRO-{s.zero_stage}, micro-batch {s.micro_batch_size}); change the pins"
+    return "the pins leave no combination of levers"
+
+
+def _engine(c: Cluster, pins: Pins, s: Strategy) -> str:
+    """The engine a candidate runs on: one process, DeepSpeed where pinned, else the ZeRO stage's own."""
+    if c.world_size == 1:
+        return "single"
+    return "deepspeed" if pins.engine == "deepspeed" else ENGINE_OF_STAGE[s.zero_stage]
+
+
+def _choices(w: Workload, c: Cluster) -> dict[str, tuple]:
+    """Each searched lever's values, narrowed by the hardware and the batch."""
     choices = {
         "precision": precisions_for(c.gpu),
         "micro_batch_size": micro_batches(w.global_batch, c.world_size),
@@ -301,29 +344,7 @@ def search_space(w: Workload, c: Cluster, pins: Pins) -> list[Strategy]:
     }
     if c.gpu.is_cpu:  # host and device are one memory: offloading moves nothing
         choices.update(activation_offload=(False,), optimizer_offload=(False,))
-    # stepped in backward, parameters are stepped one at a time, where implementations differ by one
-    # parameter's temporaries at most: the preferred one stands for them (a quarter of the traces)
-    in_backward_optimizer = host_optimizer = pins.levers.get("optimizer", OPTIMIZER_IMPLEMENTATIONS[0])
-
-    def engine(s: Strategy) -> str:
-        if c.world_size == 1:
-            return "single"
-        return "deepspeed" if pins.engine == "deepspeed" else ENGINE_OF_STAGE[s.zero_stage]
-
-    out = []
-    for chosen in candidates(pins.levers, choices):
-        s = Strategy(**chosen, grad_accum_steps=per_rank_batch // chosen["micro_batch_size"])
-        if s.optimizer_in_backward and (s.conflict() or s.optimizer != in_backward_optimizer):
-            continue  # it cannot accumulate or scale the loss; one implementation stands for all
-        if s.optimizer_name != "adamw" and s.conflict():
-            continue  # low-bit states are stepped one parameter at a time: one implementation
-        # on the host the implementation changes host temporaries only: the preferred one stands for all; low-bit
-        # states on the host (two fallbacks at once) only where the user pins them
-        host_step = s.optimizer == host_optimizer if s.optimizer_name == "adamw" else "optimizer_name" in pins.levers
-        if s.optimizer_offload and (s.conflict(0.0, c.world_size, engine(s)) or not host_step):
-            continue
-        out.append(s)
-    return out
+    return choices
 
 
 def search(
@@ -338,6 +359,8 @@ def search(
     micro_batches(w.global_batch, c.world_size)  # the batch must split over the GPUs
     _check_pins(pins, w, c)
     strategies = search_space(w, c, pins)
+    if not strategies:
+        raise UserError(f"nothing to plan: {why_no_candidate(w, c, pins)}")
     cpu = c.gpu.is_cpu  # a CPU run's tensors: exact bytes, offloaded copies in the one memory
     predictor = predictor or Predictor(
         StepSpec(w.model_config, w.seq_len, lora=w.lora, round_to=1 if cpu else 512, host_is_device=cpu)

@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 
 from memfit.config.loader import load_config
-from memfit.config.schema import RunConfig, run_strategy
+from memfit.config.schema import LoraConfig, RunConfig, run_strategy
 from memfit.config.strategy import CheckpointPolicy, Strategy, candidates, levers
 from memfit.errors import UserError
 from memfit.models.presets import preset_config
 from memfit.planner.hardware import gpu_preset
-from memfit.planner.search import Cluster, Pins, Workload, search_space
+from memfit.planner.search import Cluster, Pins, Workload, search, search_space
 from memfit.telemetry.bench import matrix
 
 
@@ -89,3 +89,30 @@ def test_planner_candidates_and_bench_cells_are_strategies():
     )
     assert [c.name for c in cells] == ["ac-ffn_fp32_mb2_full", "ac-ffn_fp32_mb2_full_zero3x2"]
     assert cells[1].strategy.zero_stage == 3 and cells[1].nproc == 2
+
+
+def test_the_search_space_holds_only_strategies_that_combine_on_their_engine():
+    """A lever pinned where only some ZeRO stages take it is searched on those alone; the engine decides."""
+    w = Workload(preset_config("tiny"), "tiny", 64, 8, LoraConfig(enabled=True))
+    two = Cluster(gpu_preset("h100"), 2)
+    space = search_space(w, two, Pins({"quantize_base": "nf4"}))
+    assert space and {s.zero_stage for s in space} == {0}  # DDP; FSDP2 and ZeroRedundancyOptimizer cannot
+    offloaded = search_space(w, two, Pins({"optimizer_offload": True}))
+    assert {s.zero_stage for s in offloaded} == {2, 3}  # FSDP2's CPUOffloadPolicy
+    for pins in (Pins({"activation_offload": True}, "deepspeed"), Pins({"optimizer_offload": True, "zero_stage": 0})):
+        assert search_space(w, two, pins) == []
+
+
+@pytest.mark.parametrize(
+    "levers, engine, gpus, why",
+    [
+        ({"activation_offload": True}, "deepspeed", 2, "strategy.activation_offload does not reach into DeepSpeed"),
+        ({"optimizer_offload": True, "zero_stage": 0}, "fsdp2", 16, "got ddp (16 GPUs, ZeRO-0"),
+        ({"optimizer_in_backward": True, "precision": "fp16-mixed"}, "fsdp2", 1, "fp16-mixed's GradScaler"),
+    ],
+)
+def test_pins_that_leave_nothing_to_plan_are_one_line_naming_the_conflict(levers, engine, gpus, why):
+    w = Workload(preset_config("tiny"), "tiny", 64, 16)
+    with pytest.raises(UserError, match="nothing to plan: ") as e:
+        search(w, Cluster(gpu_preset("h100"), gpus), Pins(levers, engine))
+    assert why in str(e.value) and "\n" not in str(e.value)
