@@ -583,6 +583,18 @@ for _args, _needle in [
         return ok and _needle in line, line
 
 
+for _args, _needle in [
+    (("--quantize-base", "nf4", "--lora", "false"), "no bench cell can run: --quantize-base nf4"),
+    (("--optimizer-offload", "true", "--zero", "1"), "no bench cell can run: --optimizer-offload true"),
+    (("--optimizer-name", "adamw8bit", "--zero", "2"), "runs on one process or DDP without ZeRO"),
+]:
+
+    @probe("25", f"bench {' '.join(_args)}: one line, no --out directory")
+    def _(tmp, _args=_args, _needle=_needle):
+        ok, line = one_error_line(memfit("bench", "tiny-cpu", *_args, "--out", "b", cwd=tmp), _needle)
+        return ok and not (tmp / "b").exists(), line
+
+
 @probe("25", "plan --lora --quantize-base nf4 --gpus-per-node 2: an NF4 base on DDP is planned (ZeRO-0)")
 def _(tmp):
     r = memfit(*PLAN, "--lora", "--quantize-base", "nf4", "--gpus-per-node", "2", "--json", cwd=tmp)

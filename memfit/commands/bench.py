@@ -19,6 +19,7 @@ from memfit.errors import UserError
 from memfit.telemetry.bench import (
     BENCH_AXES,
     cells_summary,
+    check_cell,
     flag_losses,
     matrix,
     rows,
@@ -55,6 +56,7 @@ def run(ns) -> int:
                 f"--global-batch {global_batch} is not a positive multiple of micro-batch "
                 f"{c.strategy.micro_batch_size} x {c.nproc} rank(s) (cell {c.name}); pick a multiple of {per_pass}"
             )
+        check_cell(c, global_batch)
     mem_limit = parse_memory(ns.mem_limit, "--mem-limit") if ns.mem_limit else None
     out = Path(ns.out or f"runs/bench-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
     if out.is_dir() and any(out.iterdir()):

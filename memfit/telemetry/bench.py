@@ -114,25 +114,44 @@ class Cell:
 
 def matrix(axes: dict[str, list], loras: list[bool], zeros: list[int | None] = (None,), nproc: int = 2) -> list[Cell]:
     """Every combination of the ``axes`` (``Strategy`` lever name to values, in lever order), LoRA and ZeRO
-    stage; cells with a ZeRO stage (not None) run on ``nproc`` ranks through torchrun."""
+    stage; cells with a ZeRO stage (not None) run on ``nproc`` ranks through torchrun.
+
+    Raises:
+        UserError: when every combination is one that cannot run (the first such reason, by flag).
+    """
     names = [n for n in levers() if n in axes]
-    cells = []
+    cells, skipped = [], []
     for values in itertools.product(*(axes[n] for n in names)):
         for lora, zero in itertools.product(loras, zeros):
             if not lora and dict(zip(names, values)).get("quantize_base", "none") != "none":
+                skipped.append("--quantize-base nf4 quantizes a LoRA run's frozen base: add true to --lora")
                 continue  # an NF4 base is a LoRA run's: a full fine-tune trains every weight
             if dict(zip(names, values)).get("optimizer_offload") and zero in (0, 1):
+                skipped.append(
+                    f"--optimizer-offload true on several ranks is FSDP2's CPUOffloadPolicy: give --zero 2 or 3, "
+                    f"or none for one process (got {zero})"
+                )
                 continue  # offloaded by FSDP2 (ZeRO-2/3) on several ranks, not by DDP
             strategy = Strategy(**dict(zip(names, values)), zero_stage=zero or 0)
             if strategy.optimizer_name != "adamw" and "optimizer" not in names:  # auto: low-bit steps one by one
                 strategy = strategy.replace(optimizer="for-loop")
             cells.append(Cell(strategy, lora, 1 if zero is None else nproc, tuple(names)))
+    if not cells and skipped:
+        raise UserError(f"no bench cell can run: {skipped[0]}")
     return cells
 
 
 def profiled(cell: Cell) -> bool:
     """Engines whose every buffer torch.profiler sees (not DDP's gradient buckets, made at start-up)."""
     return cell.nproc == 1 or cell.strategy.zero_stage in (2, 3)
+
+
+def check_cell(cell: Cell, global_batch: int) -> None:
+    """Raises UserError where the cell's levers do not combine at ``global_batch`` on its ranks and engine."""
+    s = cell.strategy.replace(grad_accum_steps=global_batch // (cell.strategy.micro_batch_size * cell.nproc))
+    conflict = s.conflict(world_size=cell.nproc, engine="single" if cell.nproc == 1 else ENGINE_OF_STAGE[s.zero_stage])
+    if conflict:
+        raise UserError(f"bench cell {cell.name}: {conflict}")
 
 
 def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: int, extra: list[str]) -> list[str]:
@@ -143,9 +162,7 @@ def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: 
             f"--micro-batch {s.micro_batch_size} x {cell.nproc} rank(s) does not divide the global batch {global_batch}"
         )
     cell.strategy = s = s.replace(grad_accum_steps=global_batch // per_pass)
-    conflict = s.conflict(world_size=cell.nproc, engine="single" if cell.nproc == 1 else ENGINE_OF_STAGE[s.zero_stage])
-    if conflict:
-        raise UserError(f"bench cell {cell.name}: {conflict}")
+    check_cell(cell, global_batch)
     pins = s.overrides(cell.axes)
     if cell.nproc > 1:
         pins.append(f"{levers()['zero_stage'].config_key}={s.zero_stage}")

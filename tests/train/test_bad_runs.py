@@ -43,6 +43,9 @@ def test_a_run_that_goes_non_finite_stops_before_checkpointing_or_exporting_it(t
         (["--zero", "5"], "--zero must be comma-separated stages 0-3 or none (got '5')"),
         (["--zero", "two"], "--zero must be comma-separated stages 0-3 or none (got 'two')"),
         (["--zero", "2", "--nproc-per-node", "1"], "--nproc-per-node must be >= 2 for the --zero cells (got 1)"),
+        (["--quantize-base", "nf4", "--lora", "false"], "no bench cell can run: --quantize-base nf4 quantizes"),
+        (["--optimizer-offload", "true", "--zero", "1"], "no bench cell can run: --optimizer-offload true on several"),
+        (["--optimizer-name", "adamw8bit", "--zero", "2"], "runs on one process or DDP without ZeRO (got fsdp2"),
     ],
 )
 def test_bench_refuses_a_bad_matrix_before_writing_anything(tmp_path, capsys, args, message):
