@@ -238,7 +238,7 @@ def _check_pins(pins: Pins, w: Workload, c: Cluster) -> None:
     if base != "none" and w.lora is None:
         raise UserError(f"--quantize-base {base} quantizes the frozen base of a LoRA run: add --lora")
     # with the ZeRO stage left to the search, a stage that combines may exist: the search skips the others
-    pinned_engine = _engine(c, pins, Strategy(zero_stage=zero)) if zero is not None or c.world_size == 1 else None
+    pinned_engine = _engine(c, pins, Strategy(zero_stage=zero or 0)) if zero is not None or c.world_size == 1 else None
     if base != "none" and pinned_engine:
         conflict = Strategy(quantize_base=base, zero_stage=zero or 0).conflict(engine=pinned_engine)
         if conflict:

@@ -18,7 +18,7 @@ from memfit.models.presets import preset_config
 from memfit.planner.categories import Category
 from memfit.planner.hardware import gpu_preset
 from memfit.planner.measure import measured_steady_step
-from memfit.planner.search import Cluster, Pins, Workload, predict_run, search
+from memfit.planner.search import Cluster, Pins, Workload, predict_run, search, search_space
 from memfit.planner.trace import StepSpec, _traced
 from memfit.strategies.optimizer import LOW_BIT_BLOCK, build_optimizer
 from memfit.strategies.tensors import state_tensors
@@ -172,8 +172,11 @@ def test_impossible_combinations_are_one_line(tiny_cfg, monkeypatch):
     )
     cfg = preset_config("tiny")
     w, two = Workload(cfg, "tiny", 64, 4), Cluster(gpu_preset("a100-80g"), gpus_per_node=2)
-    with pytest.raises(UserError, match=r"adamw8bit .* one process or DDP without ZeRO"):
-        search(w, two, Pins({"optimizer_name": "adamw8bit"}))
+    with pytest.raises(UserError, match=r"adamw8bit .* one process or DDP without ZeRO \(got fsdp2, ZeRO-2\)"):
+        search(w, two, Pins({"optimizer_name": "adamw8bit", "zero_stage": 2}))
+    # the stage left to the search: DDP (ZeRO-0) takes low-bit states (a 2-rank gloo run trains so), the others not
+    space = search_space(w, two, Pins({"optimizer_name": "adamw8bit"}))
+    assert space and {s.zero_stage for s in space} == {0}
     monkeypatch.setitem(sys.modules, "torchao.optim", None)  # as if torchao were not installed
     with pytest.raises(UserError, match=r"optimizer.name adamw8bit needs torchao: pip install 'memfit\[lowbit\]'"):
         build_optimizer([torch.nn.Parameter(torch.ones(4))], OptimizerConfig(name="adamw8bit"), CPU)
