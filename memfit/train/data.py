@@ -37,6 +37,7 @@ class TokenDataset(torch.utils.data.Dataset):
     positions: torch.Tensor | None = None
     records: int = 0  # chat/instruction records in the rows (0 for text)
     truncated: int = 0  # records longer than a row, cut to it
+    answerless: int = 0  # records whose answer is cut away entirely: they take no loss
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -60,11 +61,29 @@ class TokenDataset(torch.utils.data.Dataset):
                 "(each record attends only to itself)"
             )
         if self.truncated:
+            lost = f"; {self.answerless} of them keep none of their answer" if self.answerless else ""
             out.append(
                 f"{self.truncated} of {self.records} records are longer than data.seq_len + 1 = {row} tokens: each is "
-                "cut to that length and what is cut takes no loss (raise data.seq_len to keep them whole)"
+                f"cut to that length and what is cut takes no loss{lost} (raise data.seq_len to keep them whole)"
             )
         return out
+
+    def check_supervised(self, train: TokenDataset) -> None:
+        """Refuse chat rows on which no token takes a loss: a run on them would log a loss of 0 and learn nothing.
+        ``train`` is the training split of these rows."""
+        if not self.records or train.supervised_tokens:
+            return
+        row = self.tokens.shape[1]
+        if self.answerless == self.records:
+            why = f"every answer lies past data.seq_len + 1 = {row} tokens and is cut away; raise data.seq_len"
+        elif self.supervised_tokens:
+            why = "the held-out rows have them all; give more records"
+        else:
+            why = "their answers render to no token; give answers"
+        raise UserError(
+            f"data.source: the {len(train)} training rows of its {self.records} records hold no token that takes a "
+            f"loss: {why}"
+        )
 
     def rows(self, index) -> TokenDataset:
         """The rows at ``index`` (a slice or an index tensor), their positions with them."""
@@ -178,6 +197,12 @@ def _rows_tensor(values: array.array, row: int) -> torch.Tensor:
     return torch.frombuffer(values, dtype=torch.long).view(-1, row).clone()
 
 
+def _cut_counts(records: list[Record], row: int) -> tuple[int, int]:
+    """(records longer than a row, those of them left with no label to score once cut to it)."""
+    cut = [lab for ids, lab in records if len(ids) > row]
+    return len(cut), sum(all(x == IGNORE_INDEX for x in lab[1:row]) for lab in cut)
+
+
 def padded_rows(records: list[Record], row: int, pad_id: int) -> TokenDataset:
     """One record per row of ``row`` tokens, cut to it where longer, padded (no loss) where shorter."""
     tokens, labels = array.array("q"), array.array("q")
@@ -187,8 +212,8 @@ def padded_rows(records: list[Record], row: int, pad_id: int) -> TokenDataset:
         tokens.extend([pad_id] * pad)
         labels.extend(lab[:row])
         labels.extend([IGNORE_INDEX] * pad)
-    truncated = sum(len(ids) > row for ids, _ in records)
-    return TokenDataset(_rows_tensor(tokens, row), _rows_tensor(labels, row), None, len(records), truncated)
+    tokens, labels = _rows_tensor(tokens, row), _rows_tensor(labels, row)
+    return TokenDataset(tokens, labels, None, len(records), *_cut_counts(records, row))
 
 
 def packed_rows(records: list[Record], row: int, pad_id: int) -> TokenDataset:
@@ -231,8 +256,7 @@ def packed_rows(records: list[Record], row: int, pad_id: int) -> TokenDataset:
         labels.extend([IGNORE_INDEX] * (row - used))
         positions.extend(range(row - used))
     tokens, labels, positions = (_rows_tensor(a, row) for a in (tokens, labels, positions))
-    truncated = sum(len(ids) > row for ids, _ in records)
-    return TokenDataset(tokens, labels, positions, len(records), truncated)
+    return TokenDataset(tokens, labels, positions, len(records), *_cut_counts(records, row))
 
 
 def load_dataset(cfg: DataConfig, tokenizer) -> TokenDataset:

@@ -24,10 +24,14 @@ def export_model(model, tokenizer, source: ModelSource, target: Path) -> None:
     base = str(source.path) if source.kind == "hf" else f"random:{source.preset or source.path}"
 
     def write(tmp: Path) -> None:
+        kw = {}
         if hasattr(model, "peft_config"):
             for conf in model.peft_config.values():
                 conf.base_model_name_or_path = base
-        model.save_pretrained(tmp, safe_serialization=True)
+            # memfit never resizes the vocabulary, so the base's embeddings are never part of the adapter; PEFT's
+            # "auto" would look for the base's config.json (on the Hub, for a name that is no local path) to decide
+            kw["save_embedding_layers"] = False
+        model.save_pretrained(tmp, safe_serialization=True, **kw)
         tokenizer.save_pretrained(tmp)
 
     atomic_dir(target, write)

@@ -152,6 +152,7 @@ class Trainer:
             )
         self.source, self.mconf = source, mconf
         train_ds, eval_ds = split(dataset, cfg.data.eval_fraction)
+        dataset.check_supervised(train_ds)
         check_enough_rows(len(train_ds), t.micro_batch_size, ctx.world_size, self.accum)  # before a file is written
         self.train_ds, self.eval = train_ds, eval_batches(eval_ds, t.micro_batch_size, t.eval_batches)
 

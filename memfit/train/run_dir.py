@@ -50,7 +50,8 @@ MAY_CHANGE_ON_RESUME = {
         "max_restarts",
     )
 } | {("data", "num_workers"), ("data", "pin_memory"), ("data", "prefetch_factor")}
-MAY_CHANGE_ON_RESUME |= {("distributed", "timeout_s"), ("output", "export"), ("optimizer", "implementation")}
+MAY_CHANGE_ON_RESUME |= {("distributed", "timeout_s"), ("output", "export")}
+MAY_CHANGE_ON_RESUME |= {("optimizer", "implementation"), ("optimizer", "offload")}
 MAY_CHANGE_ON_RESUME |= {("strategy", key) for key in ("activation_checkpointing", "loss_chunks", "activation_offload")}
 MAY_CHANGE_ON_RESUME |= {
     ("allocator", key)
@@ -66,8 +67,10 @@ MAY_CHANGE_ON_RESUME |= {
     )
 }
 """Settings that do not change what the run computes (ports, cadences, workers, how long it trains, what is
-recomputed in backward or held on the host, the loss computed in chunks, the optimizer step's kernels, how the caching
-allocator and the host's malloc keep memory): a resume may change them, and each change is printed.
+recomputed in backward or held on the host, the loss computed in chunks, the optimizer step's kernels and whether
+it steps on the host (its state dict is the same either way; a DeepSpeed run's offload is its JSON's, whose path is
+compared), how the caching allocator and the host's malloc keep memory): a resume may change them, and each change is
+printed.
 ``train.max_steps`` trains a run on past its end, with the LR schedule stretched from the next step."""
 
 

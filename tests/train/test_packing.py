@@ -106,6 +106,19 @@ def test_chat_data_packs_by_default_and_says_so(tmp_path, tokenizer):
     assert cut.truncated > 0 and any("cut to that length" in n for n in cut.notes())
 
 
+@pytest.mark.parametrize("rows", [packed_rows, padded_rows])
+def test_records_cut_to_no_answer_are_said_and_rows_with_no_loss_at_all_are_refused(rows):
+    """A record whose prompt fills the row keeps none of its answer: the note counts them; rows where no token
+    takes a loss would train on a loss of 0 (the run did, and exited 0), so they are one line."""
+    some = rows(_records([90, 12, 90, 12]), 21, PAD)  # 30-token prompts, rows of 21
+    assert (some.truncated, some.answerless) == (2, 2)
+    assert any("2 of them keep none of their answer" in n for n in some.notes())
+    some.check_supervised(some)
+    none = rows(_records([90] * 4), 21, PAD)
+    with pytest.raises(UserError, match=r"takes a loss: every answer lies past data.seq_len \+ 1 = 21"):
+        none.check_supervised(none)
+
+
 def test_packing_refuses_text_data_and_too_few_rows(tmp_path, tokenizer):
     (tmp_path / "a.txt").write_text("word " * 100)
     with pytest.raises(UserError, match="data.packing packs chat/instruction records"):

@@ -2,6 +2,7 @@
 the bytes NF4 stores, training, resume and export, and the one-line refusals."""
 
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -77,11 +78,14 @@ def test_a_qlora_run_trains_resumes_exactly_and_exports_the_adapter(tiny_cfg, tm
     """bf16-mixed QLoRA on the tiny preset: the losses stay within 2% of bf16 LoRA's (4-bit weights: each
     weight within half a code step of its block's absmax; measured 2e-4 here), a resume from step 4 repeats
     steps 5 and 6 exactly (the base is quantized again from the same weights), and the export is the PEFT
-    adapter alone."""
+    adapter alone, written without PEFT looking for the base's config (a random preset has none: it warned)."""
     run = ("lora.enabled=true", "strategy.precision=bf16-mixed", "train.max_steps=6", "train.checkpoint_every=2")
     run += ("train.eval_every=0", "output.export=true")
     plain = [r["loss"] for r in _fit(tiny_cfg(*run, f"output.dir={tmp_path}/plain")).steps]
-    whole = [r["loss"] for r in _fit(tiny_cfg(*run, "lora.quantize_base=nf4", f"output.dir={tmp_path}/q")).steps]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        whole = [r["loss"] for r in _fit(tiny_cfg(*run, "lora.quantize_base=nf4", f"output.dir={tmp_path}/q")).steps]
+    assert not [w for w in seen if "config file" in str(w.message)], [str(w.message) for w in seen]
     assert whole != plain and all(abs(a - b) <= 0.02 * a for a, b in zip(plain, whole)), (plain, whole)
     exported = sorted(p.name for p in (tmp_path / "q" / "export").iterdir())
     assert "adapter_model.safetensors" in exported and "model.safetensors" not in exported

@@ -198,7 +198,8 @@ def test_a_second_start_into_a_directory_in_use_is_one_line_and_changes_nothing(
 
 def test_memory_levers_may_change_on_resume_and_the_steps_stay_the_same(tiny_cfg, whole):
     """What an out-of-memory run changes to fit (checkpointing, a chunked loss, offloaded activations, the optimizer
-    step's kernels) computes the same steps: the resumed losses are the uninterrupted run's (fp32, to rounding)."""
+    step's kernels, the optimizer in host memory) computes the same steps: the resumed losses are the uninterrupted
+    run's (fp32, to rounding)."""
     run_dir, losses = whole
     _cut_back_to(run_dir, 4)
     levers = (
@@ -206,6 +207,7 @@ def test_memory_levers_may_change_on_resume_and_the_steps_stay_the_same(tiny_cfg
         "strategy.loss_chunks=2",
         "strategy.activation_offload=true",
         "optimizer.implementation=for-loop",
+        "optimizer.offload=true",
     )
     trainer, rest = _fit(tiny_cfg(*RUN, *levers, "train.resume=true", f"output.dir={run_dir}"))
     assert trainer.resume_from.name == "step_0000004"
