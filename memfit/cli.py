@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     exporter = sub.add_parser(
         "exporter", help="serve per-device memory as Prometheus metrics (amdsmi / NVML / CPU fallback)"
     )
-    exporter.add_argument("--port", type=int, default=9400)
+    exporter.add_argument("--port", type=int, default=9400, help="TCP port (default 9400; 0 picks a free one)")
     exporter.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     exporter.set_defaults(command="exporter")
     doctor = sub.add_parser("doctor", help="check the platform: build, devices, precisions, allocator settings")

@@ -27,6 +27,13 @@ _UNITS = {
 }
 
 
+def size_text(n: int) -> str:
+    """``n`` bytes as a person reads them: GiB to two places, or MiB or bytes for a size that would show as 0.00 GiB."""
+    if n >= 10 * MIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / MIB:.2f} MiB" if n >= 10 << 10 else f"{n:,} bytes"
+
+
 def parse_memory(text: str, flag: str = "--gpu-mem") -> int:
     """``64GiB`` / ``64`` (GiB) / ``80GB`` (decimal) / ``512MiB`` / ``1TiB`` to bytes.
 

@@ -27,6 +27,7 @@ from memfit.telemetry.bench import (
     write_outputs,
     write_progress,
 )
+from memfit.train.data import source_files
 from memfit.train.disk import check_creatable
 from memfit.units import parse_memory
 
@@ -35,6 +36,7 @@ def run(ns) -> int:
     """``memfit bench``: parse the matrix, run the cells, write and print the results."""
     config = str(resolve_config_path(ns.config))
     base = load_config(config, ns.set)  # validate the base config and overrides before spawning anything
+    source_files(base.data)  # and that its data is there
     loras = _distinct({"true": True, "false": False}.get(v.lower()) for v in _split(ns.lora))
     if None in loras:
         raise UserError(f"--lora must be a comma-separated list of true/false (got '{ns.lora}')")
@@ -56,7 +58,7 @@ def run(ns) -> int:
                 f"--global-batch {global_batch} is not a positive multiple of micro-batch "
                 f"{c.strategy.micro_batch_size} x {c.nproc} rank(s) (cell {c.name}); pick a multiple of {per_pass}"
             )
-        check_cell(c, global_batch)
+        check_cell(config, c, global_batch, ns.set)
     mem_limit = parse_memory(ns.mem_limit, "--mem-limit") if ns.mem_limit else None
     out = Path(ns.out or f"runs/bench-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
     if out.is_dir() and any(out.iterdir()):

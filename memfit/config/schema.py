@@ -381,6 +381,10 @@ def check(cfg: RunConfig) -> RunConfig:
         f"train.metrics_port must be in 0..65535 or null (got {t.metrics_port})",
     )
     _need(
+        bool(str(t.metrics_host).strip()),
+        "train.metrics_host is empty: give an address of this machine, 127.0.0.1 (the default) or 0.0.0.0 for all",
+    )
+    _need(
         a.memory_fraction is None or 0 < a.memory_fraction <= 1,
         f"allocator.memory_fraction must be in (0, 1] (got {a.memory_fraction})",
     )

@@ -27,7 +27,7 @@ from memfit.errors import UserError
 from memfit.models.planning import config_for_planning
 from memfit.planner.hardware import cpu_device, device_preset
 from memfit.planner.search import Candidate, Cluster, Pins, PlanResult, Workload, search, table_rows
-from memfit.units import GIB, meminfo, parse_memory, process_rss_bytes, this_machine_memory
+from memfit.units import GIB, meminfo, parse_memory, process_rss_bytes, size_text, this_machine_memory
 
 REPLAYED_ROWS = 3  # rows tried through the allocator model on one GPU before giving up
 
@@ -119,7 +119,7 @@ def choose(result: PlanResult, replay_oom: Callable[[Candidate], str | None] | N
     if not rows:
         closest = result.pruned[0]
         raise UserError(
-            f"--auto: nothing fits on {result.cluster.gpu.name} ({result.usable_bytes / GIB:.2f} GiB usable): the "
+            f"--auto: nothing fits on {result.cluster.gpu.name} ({size_text(result.usable_bytes)} usable): the "
             f"closest candidate ({closest.strategy.label()}) misses by {closest.shortfall_bytes / GIB:.2f} GiB; "
             "shorten data.seq_len, lower the global batch, "
             + ("use LoRA, " if result.workload.lora is None else "")

@@ -49,7 +49,7 @@ from memfit.planner.hardware import Gpu
 from memfit.planner.predict import Predictor
 from memfit.planner.sharding import ShardingSpec, comm_bytes_per_step, validate
 from memfit.planner.spec import StepSpec
-from memfit.units import GIB
+from memfit.units import GIB, size_text
 
 if TYPE_CHECKING:
     from memfit.models.planning import PlanningConfig
@@ -131,11 +131,11 @@ class Candidate:
         if self.reserved_bytes <= self.usable_bytes and not self.fits_host:
             return (
                 f"needs {self.host_node_bytes / GIB:.2f} GiB of host memory per node > "
-                f"{self.host_usable_bytes / GIB:.2f} GiB (--host-mem); its {self.reserved_bytes / GIB:.2f} GiB of "
+                f"{size_text(self.host_usable_bytes)} (--host-mem); its {self.reserved_bytes / GIB:.2f} GiB of "
                 "device memory would fit"
             )
         return (
-            f"needs {self.reserved_bytes / GIB:.2f} GiB > {self.usable_bytes / GIB:.2f} GiB usable "
+            f"needs {self.reserved_bytes / GIB:.2f} GiB > {size_text(self.usable_bytes)} usable "
             f"(peak in {self.memory.peak_phase}: "
             + ", ".join(f"{c.value} {self.memory.peak[c] / GIB:.2f}" for c in DEVICE_CATEGORIES if self.memory.peak[c])
             + (f"; host {self.memory.host_peak_bytes / GIB:.2f}" if self.memory.host_peak_bytes else "")

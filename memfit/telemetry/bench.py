@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from memfit.config.loader import load_config
 from memfit.config.strategy import ENGINE_OF_STAGE, Strategy, levers
 from memfit.errors import EXIT_OUT_OF_MEMORY, UserError
 from memfit.telemetry.metrics_file import read_metrics
@@ -146,37 +147,29 @@ def profiled(cell: Cell) -> bool:
     return cell.nproc == 1 or cell.strategy.zero_stage in (2, 3)
 
 
-def check_cell(cell: Cell, global_batch: int) -> None:
-    """Raises UserError where the cell's levers do not combine at ``global_batch`` on its ranks and engine."""
+def check_cell(config: str, cell: Cell, global_batch: int, extra: list[str]) -> None:
+    """Raises UserError where the cell's levers do not combine at ``global_batch`` on its ranks and engine, or where
+    its train config (``config``, ``extra`` and the cell's pins) is one ``memfit train`` would refuse."""
     s = cell.strategy.replace(grad_accum_steps=global_batch // (cell.strategy.micro_batch_size * cell.nproc))
     conflict = s.conflict(world_size=cell.nproc, engine="single" if cell.nproc == 1 else ENGINE_OF_STAGE[s.zero_stage])
     if conflict:
         raise UserError(f"bench cell {cell.name}: {conflict}")
+    try:
+        load_config(config, _cell_overrides(cell, s, Path("bench"), 1, global_batch, extra))
+    except UserError as e:
+        raise UserError(f"bench cell {cell.name}: {e}") from None
 
 
-def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: int, extra: list[str]) -> list[str]:
-    s = cell.strategy
-    per_pass = s.micro_batch_size * cell.nproc
-    if global_batch % per_pass:
-        raise UserError(
-            f"--micro-batch {s.micro_batch_size} x {cell.nproc} rank(s) does not divide the global batch {global_batch}"
-        )
-    cell.strategy = s = s.replace(grad_accum_steps=global_batch // per_pass)
-    check_cell(cell, global_batch)
+def _cell_overrides(cell: Cell, s: Strategy, out: Path, steps: int, global_batch: int, extra: list[str]) -> list[str]:
+    """The ``memfit train`` overrides of a cell running strategy ``s`` for ``steps`` steps (the inspected one
+    included) into ``out``."""
     pins = s.overrides(cell.axes)
     if cell.nproc > 1:
         pins.append(f"{levers()['zero_stage'].config_key}={s.zero_stage}")
-    steps += 1  # the inspected step, outside the timed ones
     inspect = [f"train.snapshot_at_step={steps}"]
     if profiled(cell):
         inspect.append(f"train.profile_step={steps}")
-    launch = [] if cell.nproc == 1 else ["--nproc-per-node", str(cell.nproc)]
     return [
-        sys.executable,
-        "-m",
-        "memfit.cli",
-        "train",
-        config,
         *extra,
         *inspect,
         *pins,
@@ -190,8 +183,21 @@ def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: 
         "train.log_every=1",
         "output.export=false",
         f"output.dir={out / 'cells' / cell.name}",
-        *launch,
     ]
+
+
+def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: int, extra: list[str]) -> list[str]:
+    s = cell.strategy
+    per_pass = s.micro_batch_size * cell.nproc
+    if global_batch % per_pass:
+        raise UserError(
+            f"--micro-batch {s.micro_batch_size} x {cell.nproc} rank(s) does not divide the global batch {global_batch}"
+        )
+    cell.strategy = s = s.replace(grad_accum_steps=global_batch // per_pass)
+    launch = [] if cell.nproc == 1 else ["--nproc-per-node", str(cell.nproc)]
+    # the inspected step, outside the timed ones
+    overrides = _cell_overrides(cell, s, out, steps + 1, global_batch, extra)
+    return [sys.executable, "-m", "memfit.cli", "train", config, *overrides, *launch]
 
 
 def run_cell(

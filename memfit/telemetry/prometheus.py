@@ -120,6 +120,11 @@ def _at_metrics(app):
     return routed
 
 
+def metrics_url(host: str, port: int) -> str:
+    """Where a scraper finds the metrics served on ``host``: an IPv6 literal goes in brackets (RFC 3986)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
+
+
 def serve_registry(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> WSGIServer:
     """Serve ``registry`` at ``http://host:port/metrics`` from a daemon thread; returns the server (its
     ``server_port`` is the bound port, for port 0; ``shutdown()`` then ``server_close()`` stop it)."""

@@ -259,18 +259,27 @@ def packed_rows(records: list[Record], row: int, pad_id: int) -> TokenDataset:
     return TokenDataset(tokens, labels, positions, len(records), *_cut_counts(records, row))
 
 
-def load_dataset(cfg: DataConfig, tokenizer) -> TokenDataset:
-    """All rows of ``data.source`` (before the train/eval split)."""
+def source_files(cfg: DataConfig) -> list[Path]:
+    """The files ``data.source`` names (``data.max_documents`` of them for text), none read yet.
+
+    Raises:
+        UserError: where the source does not exist or holds nothing to read.
+    """
     if cfg.is_chat():
         path = plays_chat_file() if cfg.source == PLAYS_CHAT else Path(cfg.source)
         if not path.is_file():
             raise UserError(f"data.source: '{cfg.source}' does not exist; give a .jsonl file of chat records")
-        records = chat_records(path, tokenizer, cfg.max_documents)
+        return [path]
+    return text_files(cfg.source)[: cfg.max_documents]
+
+
+def load_dataset(cfg: DataConfig, tokenizer) -> TokenDataset:
+    """All rows of ``data.source`` (before the train/eval split)."""
+    files = source_files(cfg)
+    if cfg.is_chat():
+        records = chat_records(files[0], tokenizer, cfg.max_documents)
         rows = packed_rows if cfg.packs() else padded_rows
         return rows(records, cfg.seq_len + 1, tokenizer.pad_token_id)
-    files = text_files(cfg.source)
-    if cfg.max_documents is not None:
-        files = files[: cfg.max_documents]
     return pack_text(files, tokenizer, cfg.seq_len)
 
 

@@ -54,7 +54,7 @@ from memfit.telemetry.display import TrainDisplay, summary_tables
 from memfit.telemetry.kernels import KernelProfiler
 from memfit.telemetry.metrics_file import MetricsLog, NullLog
 from memfit.telemetry.oom import oom_request_bytes
-from memfit.telemetry.prometheus import TrainerMetrics, listen_error
+from memfit.telemetry.prometheus import TrainerMetrics, listen_error, metrics_url
 from memfit.telemetry.readings import memory_record, reset_peaks, state_bytes
 from memfit.telemetry.summary import RunSummary, summarize
 from memfit.train.checkpoint import TrainerState, checkpoint_dir, load_checkpoint, save_checkpoint
@@ -446,7 +446,7 @@ class Trainer:
             display.log(f"note: {note}")
         if self.metrics_port is not None:
             where = f"rank {ctx.rank} " if ctx.distributed else ""
-            display.log(f"metrics: {where}http://{t.metrics_host}:{self.metrics_port}/metrics", everywhere=True)
+            display.log(f"metrics: {where}{metrics_url(t.metrics_host, self.metrics_port)}", everywhere=True)
 
         def do_eval(step: int) -> None:
             if not self.eval:  # train.eval_batches=0

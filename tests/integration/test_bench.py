@@ -107,6 +107,20 @@ def test_bench_refuses_bad_matrix(tmp_path, capsys):
     assert "--ac must be none | full | ffn | every_k:N" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--packing", "true"], "bench cell ac-none_fp32_packed_mb2_lora: data.packing packs chat/instruction records"),
+        (["--set", "data.source=no/such.jsonl"], "data.source: 'no/such.jsonl' does not exist"),
+    ],
+)
+def test_bench_refuses_a_cell_train_would_refuse_before_it_writes(tmp_path, capsys, args, needle):
+    """A cell whose config ``memfit train`` refuses (packing on text, data that is not there) was run and reported
+    as failed, the whole matrix long; now it is one line before ``--out`` is made."""
+    assert main(["bench", "tiny-cpu", "--ac", "none", "--lora", "true", *args, "--out", str(tmp_path / "b")]) == 2
+    assert needle in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
 def test_bench_zero_cells_run_on_two_ranks(tmp_path, capsys, embedded_dir):
     out = tmp_path / "bench"
     code = main(

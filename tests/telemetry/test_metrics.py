@@ -13,7 +13,7 @@ import pytest
 from support.scrape import scrape
 from support.tiny import REPO
 
-from memfit.telemetry.prometheus import DeviceMemoryCollector, TrainerMetrics, serve_exporter
+from memfit.telemetry.prometheus import DeviceMemoryCollector, TrainerMetrics, metrics_url, serve_exporter
 from memfit.train.loop import Trainer
 
 
@@ -118,6 +118,22 @@ def test_memfit_exporter_command_serves_until_stopped():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_the_address_printed_for_an_ipv6_bind_is_one_a_scraper_can_use():
+    """``--host ::1`` printed ``http://::1:PORT/metrics``, which no client parses; the literal goes in brackets."""
+    assert metrics_url("127.0.0.1", 9400) == "http://127.0.0.1:9400/metrics"
+    metrics = TrainerMetrics()
+    try:
+        port = metrics.serve(0, "::1")
+    except OSError as e:
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    try:
+        metrics.update({"loss": 1.5})
+        with urllib.request.urlopen(metrics_url("::1", port), timeout=30) as r:
+            assert "memfit_" in r.read().decode()
+    finally:
+        metrics.close()
 
 
 def test_grafana_dashboard_uses_only_metrics_we_serve():
