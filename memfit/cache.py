@@ -88,8 +88,12 @@ def drop_damaged(path: Path, what: str, error: Exception) -> None:
         pass
 
 
+_UNWRITABLE: set[Path] = set()
+
+
 def write_entry(root: Path | None, key: str, value: Any) -> None:
-    """Write ``value`` as entry ``key`` (atomically; skipped where the cache is off or cannot be written)."""
+    """Write ``value`` as entry ``key`` (atomically; skipped where the cache is off, and where it cannot be written,
+    which is said once per cache in one line on stderr)."""
     if root is None:
         return
     data = gzip.compress(json.dumps(value).encode(), compresslevel=3)
@@ -100,6 +104,10 @@ def write_entry(root: Path | None, key: str, value: Any) -> None:
             tmp = fh.name
             fh.write(data)
         os.replace(tmp, root / f"{key}.json.gz")
-    except OSError:
+    except OSError as e:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+        if root not in _UNWRITABLE:
+            _UNWRITABLE.add(root)
+            why = f"{type(e).__name__}: {e.strerror or e}"
+            print(f"memfit: the cache at {root} cannot be written ({why}); going on without it", file=sys.stderr)

@@ -124,6 +124,21 @@ def test_a_damaged_answer_is_said_in_one_line_and_searched_again(plans, capsys, 
     assert json.loads(gzip.decompress(entry.read_bytes()))["stdout"] == out  # rebuilt whole
 
 
+def test_a_cache_that_cannot_be_written_is_said_once_and_the_plan_still_answers(tmp_path, capsys, monkeypatch):
+    """``MEMFIT_PLAN_CACHE`` naming a file: every write failed in silence, so nothing was ever cached and nothing
+    said why."""
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("MEMFIT_PLAN_CACHE", str(tmp_path / "afile"))
+    monkeypatch.setattr("memfit.cache._UNWRITABLE", set())
+    said = []
+    for _ in range(2):
+        code, out, err = _ask(capsys)
+        assert code == 0 and out and NOTE not in err
+        said.append([line for line in err.splitlines() if "cannot be written" in line])
+    assert len(said[0]) == 1 and f"the cache at {tmp_path / 'afile'} cannot be written" in said[0][0]
+    assert said[1] == []  # once a process
+
+
 def test_cpu_plans_and_an_off_cache_keep_nothing(plans, capsys, monkeypatch):
     cpu = ["plan", "--model", "tiny", "--device", "cpu", "--mem", "8GiB", "--seq-len", "64", "--precision", "fp32"]
     assert main([*cpu, "--ac", "none"]) == 0
