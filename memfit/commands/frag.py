@@ -46,6 +46,18 @@ def open_snapshot(path: str, device: int | None) -> tuple[dict[str, Any], FragRe
     return snap, analyze(snap, device, where=path), Rebuilt(snap, device)
 
 
+def check_replay_options(ns) -> None:
+    """``--capacity``, ``--hip-version`` and ``--torch-version`` shape the ``--simulate`` replay: refused without it
+    (they were ignored in silence), and a capacity that is no size is refused before anything is read."""
+    keys = ("capacity", "hip_version", "torch_version")
+    given = [f"--{k.replace('_', '-')} {v}" for k in keys if (v := getattr(ns, k, None)) is not None]
+    if given and not ns.simulate:
+        these, them = ("these", "them") if len(given) > 1 else ("this", "it")
+        raise UserError(f"{', '.join(given)}: only --simulate reads {these}; add --simulate, or leave {them} out")
+    if getattr(ns, "capacity", None) is not None:
+        parse_memory(ns.capacity, "--capacity")
+
+
 def scenarios(snap: dict[str, Any], report: FragReport, rebuilt: Rebuilt, where: str, ns) -> Simulation:
     """``--simulate``: the trace replayed under every allocator scenario, with ``--capacity``, judged for
     ``--hip-version`` and ``--torch-version`` (default: this build)."""
@@ -60,6 +72,7 @@ def scenarios(snap: dict[str, Any], report: FragReport, rebuilt: Rebuilt, where:
 def run(ns) -> int:
     if ns.top < 0:
         raise UserError(f"--top must be >= 0 (got {ns.top})")
+    check_replay_options(ns)
     snap, report, rebuilt = open_snapshot(ns.snapshot, ns.device)
     device = report.device
     points = rebuilt.totals()

@@ -13,7 +13,7 @@ from typing import Any
 from rich.console import Console
 
 from memfit.allocator.whatif import as_trace, compare, replay_allocations
-from memfit.commands.frag import render_whatif
+from memfit.commands.frag import check_replay_options, render_whatif
 from memfit.commands.plan_cache import Answered
 from memfit.config.loader import load_config, read_utf8
 from memfit.config.schema import EMBEDDED_MODEL, LoraConfig
@@ -263,6 +263,7 @@ def run(ns, answered: Answered | None = None) -> int:
         raise UserError("--simulate replays a GPU's caching allocator; a --device cpu plan has none")
     if ns.simulate and ns.explain is None:
         raise UserError("--simulate replays one candidate's step: give --explain N too (N = its row in the table)")
+    check_replay_options(ns)
     if ns.gpus_per_node < 1 or ns.nodes < 1:
         raise UserError(f"--gpus-per-node and --nodes must be >= 1 (got {ns.gpus_per_node}, {ns.nodes})")
     if not 0 <= ns.headroom < 1:

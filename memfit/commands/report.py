@@ -61,9 +61,10 @@ def build(path: Path, kind: str, ns):
 
 
 def _snapshot(path: Path, ns):
-    from memfit.commands.frag import open_snapshot, scenarios
+    from memfit.commands.frag import check_replay_options, open_snapshot, scenarios
     from memfit.pages.snapshot import snapshot_page
 
+    check_replay_options(ns)
     snap, report, rebuilt = open_snapshot(str(path), ns.device)
     sim = scenarios(snap, report, rebuilt, str(path), ns) if ns.simulate else None
     return snapshot_page(snap, report.device, str(path), report, rebuilt, sim)

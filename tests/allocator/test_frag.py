@@ -116,6 +116,24 @@ def test_bad_files_are_one_line(tmp_path, capsys, content, message):
     assert message in err and "\n" not in err
 
 
+@pytest.mark.parametrize(
+    "command, extra, message",
+    [
+        ("frag", ["--capacity", "0"], "--capacity 0: only --simulate reads this; add --simulate"),
+        ("frag", ["--capacity", "0", "--simulate"], "--capacity must be more than 0 bytes (got '0')"),
+        ("report", ["--capacity", "8GiB", "--hip-version", "6.2"], "--capacity 8GiB, --hip-version 6.2: only"),
+    ],
+)
+def test_replay_options_without_the_replay_are_one_line_before_anything_is_written(
+    tmp_path, capsys, command, extra, message
+):
+    """They were ignored in silence (``frag --capacity 0`` wrote its plots and said nothing of the capacity)."""
+    p = _write(tmp_path, fragmented())
+    assert main([command, str(p), "--out", str(tmp_path / "o"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and not (tmp_path / "o").exists()
+
+
 def test_frag_command_writes_report_and_pngs(tmp_path, capsys):
     p = _write(tmp_path, fragmented())
     out = tmp_path / "plots"

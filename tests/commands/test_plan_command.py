@@ -55,6 +55,7 @@ def _plan(capsys, *args):
         (["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--explain", "0"], "--explain must be a row of"),
         (["--model", "tiny", "--gpu", "mi210", "--html", "/"], "--html / is a directory; give the path of the file"),
         (["--model", "tiny", "--gpu", "mi210", "--torch-version", "banana"], "--torch-version must look like 2.11"),
+        (["--model", "tiny", "--gpu", "mi210", "--hip-version", "6.2"], "--hip-version 6.2: only --simulate reads"),
     ],
 )
 def test_plan_errors_are_one_line(capsys, args, message):
