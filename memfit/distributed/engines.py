@@ -19,6 +19,7 @@ single-process loss of the same global batch (see ``StepRunner.step``).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass, replace
 
 import torch
@@ -94,7 +95,11 @@ def parallelize(
     if kind in ("ddp", "zero1"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+        # buffers are the same on every rank (rotary frequencies): synced once at init, never in each forward
+        # (torch >= 2.13 names that forward_sync_buffers and deprecates broadcast_buffers with a warning per rank)
+        named = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters else None
+        no_sync = {named or "broadcast_buffers": False}
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **no_sync)
         params = [p for p in model.parameters() if p.requires_grad]
         if kind == "ddp":
             optimizer = build_optimizer(params, opt, device)

@@ -110,6 +110,20 @@ def test_two_ranks_reproduce_the_single_process_loss_curve(runs, engine):
         assert _close([r["grad_norm"] for r in _steps(runs[engine])], want_norm, 1e-3)
 
 
+def test_low_bit_states_and_an_nf4_base_train_on_ddp_as_on_one_process(tmp_path, embedded_dir):
+    """8-bit AdamW states over LoRA adapters on an NF4 base, planned on DDP without ZeRO: the 2-rank run's losses
+    are the one-process run's on the same global batch (each rank steps the same averaged gradient; torch's
+    deprecated ``broadcast_buffers`` is not passed, so no rank warns)."""
+    levers = ("lora.enabled=true", "lora.quantize_base=nf4", "optimizer.name=adamw8bit")
+    _in_process(tmp_path / "one", *COMMON, *levers)
+    args = tiny_overrides(tmp_path / "two", *COMMON, *levers, "distributed.zero_stage=0")
+    code, _, err = _memfit(args, nproc=2)
+    assert code == 0, err[-3000:]
+    assert "broadcast_buffers" not in err and "FutureWarning" not in err, err[-3000:]
+    want, got = ([r["loss"] for r in _steps(tmp_path / d)] for d in ("one", "two"))
+    assert len(want) == STEPS and _close(got, want, 1e-4), f"{got} vs {want}"
+
+
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_each_rank_holds_its_share_of_the_model_states(runs, engine):
     single = _summary(runs["single"])
