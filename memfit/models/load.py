@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -24,6 +25,7 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
 )
+from transformers.utils import logging as hf_logging
 
 from memfit.cache import cache_dir
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
@@ -96,6 +98,10 @@ def resolve_source(source: str) -> ModelSource:
         path = Path(name).expanduser()
         config = path / "config.json" if path.is_dir() else path
         if not (config.is_file() and config.suffix == ".json"):
+            if "/" in name or name.endswith(".json"):  # meant as a file
+                what = "is a directory without a config.json" if path.is_dir() else "does not exist"
+                what = "is not a .json file" if path.is_file() else what
+                raise UserError(f"model.source: '{name}' {what}; give random:<preset> or random:<path to config.json>")
             preset_config(name)  # an unknown name: the presets, the closest named
         read_config(config, "model.source")  # validated now, one line if it is not a model config
         return ModelSource("preset", path=config)
@@ -241,20 +247,52 @@ def build_model(
             model = AutoModelForCausalLM.from_config(transformers_config(model_config(src, cfg)), dtype=dtype)
     else:
         check_weights(src.path)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its load report: what it says is said below, in one line
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                src.path, dtype=dtype, attn_implementation=cfg.attn_implementation
+            model, info = AutoModelForCausalLM.from_pretrained(
+                src.path, dtype=dtype, attn_implementation=cfg.attn_implementation, output_loading_info=True
             )
         except (OSError, ValueError, SafetensorError) as e:
             raise UserError(
                 f"model.source: the weights in '{src.path}' cannot be loaded ({first_line(e)}); re-download or "
                 "re-save the checkpoint"
             ) from None
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        check_loaded(src.path, info)
     model.config.use_cache = False
     decoder_layers(model)  # validates the architecture
     if trains_on_cpu and src.kind != "preset":
         copy_out_of_file(model)
     return model
+
+
+def check_loaded(path: Path, info: dict) -> None:
+    """Refuse a checkpoint that lacks weights of its own config: transformers initialises them at random and goes
+    on (a directory whose weights file held other tensors trained from noise and exited 0). Tensors the model does
+    not use are said on stderr and ignored, as transformers does.
+
+    Raises:
+        UserError: naming how many weights are missing, the first of them, and what the files held instead.
+    """
+    missing, unused = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    if missing:
+        held = f"; its files hold {some(unused)} instead" if unused else ""
+        raise UserError(
+            f"model.source: '{path}' lacks {len(missing)} of the weights its config.json describes ({some(missing)})"
+            f"{held}: not a checkpoint of that config; re-download or re-save it with save_pretrained"
+        )
+    if unused:
+        print(
+            f"memfit: model.source: '{path}' holds {len(unused)} tensors the model does not use ({some(unused)}); "
+            "ignored",
+            file=sys.stderr,
+        )
 
 
 @torch.no_grad()

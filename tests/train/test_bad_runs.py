@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from memfit.cli import main
 from memfit.config.loader import load_config
@@ -173,6 +174,12 @@ def tiny_checkpoint(tmp_path_factory, embedded_dir):
         ("garbage", r"model.safetensors' is damaged \(\d+ bytes, no safetensors header\)"),
         ("config-garbage", r"config.json' is not a usable model config \(.*not a valid JSON file"),
         ("config-unknown-type", r"config.json' is not a usable model config \(.*model type `nonsense`"),
+        # was: trained from random weights and exited 0, transformers' load report the only sign
+        (
+            "other-tensors",
+            r"lacks 21 of the weights its config.json describes \(lm_head.weight, .* and 18 more\); "
+            r"its files hold x instead",
+        ),
     ],
 )
 def test_a_bad_model_directory_is_one_line(tiny_cfg, tiny_checkpoint, tmp_path, damage, message):
@@ -187,6 +194,8 @@ def test_a_bad_model_directory_is_one_line(tiny_cfg, tiny_checkpoint, tmp_path, 
         weights.write_bytes(b"")
     elif damage == "garbage":
         weights.write_bytes(b"\xff" * 5000)
+    elif damage == "other-tensors":
+        save_file({"x": torch.zeros(1)}, weights)
     elif damage == "config-garbage":
         config.write_text("{not json")
     else:
@@ -196,6 +205,14 @@ def test_a_bad_model_directory_is_one_line(tiny_cfg, tiny_checkpoint, tmp_path, 
     assert "\n" not in str(e.value)
     if damage.startswith("config"):
         assert main(["plan", "--model", str(config), "--gpu", "mi210"]) == 2
+
+
+def test_tensors_a_checkpoint_holds_beyond_its_model_are_said_in_one_line_and_ignored(capsys):
+    from memfit.models.load import check_loaded
+
+    check_loaded(pathlib.Path("m"), {"missing_keys": set(), "unexpected_keys": {"a", "b", "c", "d", "e"}})
+    err = capsys.readouterr().err
+    assert err == "memfit: model.source: 'm' holds 5 tensors the model does not use (a, b, c and 2 more); ignored\n"
 
 
 @pytest.mark.parametrize(

@@ -56,3 +56,14 @@ def test_a_bad_config_is_one_line(tmp_path, text, needle):
 def test_an_unknown_name_still_names_the_closest_preset():
     with pytest.raises(UserError, match="llama2-7b"):
         resolve_source("random:llama2-7bb")
+
+
+def test_a_config_path_that_is_not_there_is_named_as_a_path_not_as_an_unknown_preset(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    for given, needle in [
+        (tmp_path / "none.json", "does not exist"),
+        (tmp_path, "is a directory without a config.json"),
+        (tmp_path / "notes.txt", "is not a .json file"),
+    ]:
+        with pytest.raises(UserError, match=f"'{given}' {needle}; give random:<preset> or random:<path to"):
+            resolve_source(f"random:{given}")
