@@ -325,6 +325,12 @@ def check(cfg: RunConfig) -> RunConfig:
         ("lora.rank", lo.rank),
     ):
         _need(value > 0, f"{name} must be > 0 (got {value})")
+    chunks = cfg.strategy.loss_chunks
+    _need(  # a chunk is at least one position: more would be said as chunks that are not there
+        chunks <= d.seq_len,
+        f"strategy.loss_chunks {chunks} is more than data.seq_len {d.seq_len} positions (a chunk holds one at "
+        f"least); use at most {d.seq_len}",
+    )
     for name, value in (("train.profile_step", t.profile_step), ("train.snapshot_at_step", t.snapshot_at_step)):
         _need(value is None or value > 0, f"{name} must be a step >= 1 or null (got {value})")
     _need(t.on_oom in ON_OOM, f"train.on_oom must be {' | '.join(ON_OOM)} (got {t.on_oom!r})")

@@ -234,6 +234,9 @@ def _check_pins(pins: Pins, w: Workload, c: Cluster) -> None:
             f"--optimizer-in-backward steps each parameter before its gradient is reduced: one GPU only "
             f"(got {c.world_size}); drop it or plan --gpus-per-node 1"
         )
+    chunks = pins.levers.get("loss_chunks", 0)
+    if chunks > w.seq_len:
+        raise UserError(f"--loss-chunks {chunks} is more than --seq-len {w.seq_len} positions; use at most {w.seq_len}")
     base = pins.levers.get("quantize_base", "none")
     if base != "none" and w.lora is None:
         raise UserError(f"--quantize-base {base} quantizes the frozen base of a LoRA run: add --lora")
@@ -341,6 +344,8 @@ def _choices(w: Workload, c: Cluster) -> dict[str, tuple]:
         "optimizer_name": OPTIMIZER_NAMES if c.world_size == 1 else ("adamw",),
         "quantize_base": QUANTIZED_BASES if c.world_size == 1 and w.lora is not None else ("none",),
         "optimizer_offload": (False, True),
+        # a chunk holds one position at least (train refuses more chunks than positions)
+        "loss_chunks": tuple(n for n in levers()["loss_chunks"].searched if n <= w.seq_len),
     }
     if c.gpu.is_cpu:  # host and device are one memory: offloading moves nothing
         choices.update(activation_offload=(False,), optimizer_offload=(False,))

@@ -123,6 +123,11 @@ class Trainer:
         ):
             if step is not None and step > t.max_steps:
                 self.notes.append(f"train.{key} {step} is after the last step (train.max_steps {t.max_steps}): {what}")
+        if cfg.optimizer.warmup_steps > t.max_steps:
+            self.notes.append(
+                f"optimizer.warmup_steps {cfg.optimizer.warmup_steps} reaches past train.max_steps {t.max_steps}: "
+                f"the learning rate never reaches optimizer.lr {cfg.optimizer.lr:g}"
+            )
         if t.resume and self.resume_from is None:
             self.notes.append(f"train.resume=true but {self.run.root} holds no checkpoint yet: starting at step 0")
         # may convert the embedded GGUF (with its progress bar): rank 0 first, the others then hit the cache

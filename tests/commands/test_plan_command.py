@@ -56,6 +56,10 @@ def _plan(capsys, *args):
         (["--model", "tiny", "--gpu", "mi210", "--html", "/"], "--html / is a directory; give the path of the file"),
         (["--model", "tiny", "--gpu", "mi210", "--torch-version", "banana"], "--torch-version must look like 2.11"),
         (["--model", "tiny", "--gpu", "mi210", "--hip-version", "6.2"], "--hip-version 6.2: only --simulate reads"),
+        (
+            ["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--loss-chunks", "100"],
+            "--loss-chunks 100 is more than --seq-len 64 positions; use at most 64",
+        ),
     ],
 )
 def test_plan_errors_are_one_line(capsys, args, message):

@@ -70,6 +70,7 @@ def test_unknown_section_gets_did_you_mean(tmp_path):
         ("train.profile_step=0", r"train.profile_step must be a step >= 1 or null \(got 0\)"),  # was: never profiled
         ("train.snapshot_at_step=-2", r"train.snapshot_at_step must be a step >= 1 or null \(got -2\)"),
         ("train.metrics_host=", r"train.metrics_host is empty: give an address"),  # was: "train.metrics_host :"
+        ("strategy.loss_chunks=100000", r"loss_chunks 100000 is more than data.seq_len 256 positions"),  # was: taken
     ],
 )
 def test_bad_values_name_the_field(override, message):

@@ -236,8 +236,13 @@ def test_data_that_is_not_utf8_text_is_one_line(tiny_cfg, tmp_path, name, conten
 
 
 def test_a_step_to_profile_or_snapshot_after_the_last_one_is_said(tiny_cfg):
-    trainer = Trainer(tiny_cfg("train.max_steps=2", "train.profile_step=5", "train.snapshot_at_step=3"))
+    settings = ("train.max_steps=2", "train.profile_step=5", "train.snapshot_at_step=3", "optimizer.warmup_steps=3")
+    trainer = Trainer(tiny_cfg(*settings))
     trainer.close()
+    assert any(
+        n.startswith("optimizer.warmup_steps 3 reaches past train.max_steps 2: the learning rate never")
+        for n in trainer.notes
+    )
     assert "train.profile_step 5 is after the last step (train.max_steps 2): no step is profiled" in trainer.notes
     assert (
         "train.snapshot_at_step 3 is after the last step (train.max_steps 2): no snapshot is written" in trainer.notes
