@@ -7,6 +7,7 @@ errors name the dotted field (``train.micro_batch_size must be an integer (got '
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,10 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
+HOME_PATHS = (("output", "dir"), ("data", "source"), ("model", "source"), ("distributed", "deepspeed_config"))
+"""Path settings whose leading ``~`` is the user's home (it made a directory named ``~`` in the working one)."""
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Build a validated RunConfig: defaults, then the YAML file, then ``key=value`` overrides.
 
@@ -148,6 +153,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for text in overrides:
         section, key, value = parse_override(text)
         _apply(cfg, {section: {key: value}}, "override")
+    for section, key in HOME_PATHS:  # "~/runs/x" in a YAML file is not expanded by any shell
+        value = getattr(getattr(cfg, section), key)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(getattr(cfg, section), key, os.path.expanduser(value))
     return check(cfg)
 
 

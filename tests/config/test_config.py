@@ -1,4 +1,5 @@
 import dataclasses
+import pathlib
 
 import pytest
 
@@ -129,3 +130,14 @@ def test_a_huge_echoed_value_is_cut_in_the_printed_line(tmp_path, capsys):
     assert main(["train", str(path), "--print-config"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and len(err) < 2200 and "more characters cut" in err
+
+
+def test_a_leading_tilde_in_a_path_setting_is_the_home_directory(tmp_path):
+    """``dir: ~/runs/x`` in a YAML file made a directory named ``~`` in the working directory."""
+    p = tmp_path / "c.yaml"
+    p.write_text("output:\n  dir: ~/runs/x\ndata:\n  source: ~/plays\n")
+    cfg = load_config(p, ["distributed.deepspeed_config=~/ds.json"])
+    home = pathlib.Path.home()
+    assert (cfg.output.dir, cfg.data.source) == (str(home / "runs/x"), str(home / "plays"))
+    assert cfg.distributed.deepspeed_config == str(home / "ds.json")
+    assert load_config(None, ["output.dir=runs/~x"]).output.dir == "runs/~x"  # only a leading one
