@@ -176,6 +176,7 @@ def launch(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides: list[
     Raises:
         RankFailedExit: a rank died (signal or crash); the message names it.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import get_args_parser, run
@@ -183,11 +184,16 @@ def launch(spec: LaunchSpec, cfg: RunConfig, config_path: Path, overrides: list[
     worker_env(cfg)  # first: checking DeepSpeed imports it, which on a CPU warns unless told the accelerator
     check_launch(spec, cfg)
     if "LOGLEVEL" not in os.environ:  # memfit reports failures itself, in one line; LOGLEVEL=INFO shows torchrun's
-        for name in ("torch.distributed.run", "torch.distributed.elastic"):
+        # torch's elastic loggers carry levels of their own (set when their modules are imported): each is quieted
+        names = [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]
+        for name in ("torch.distributed.run", "torch.distributed.elastic", *names):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     args = get_args_parser().parse_args(torchrun_args(spec, cfg, config_path, overrides))
     try:
         run(args)
+    except SignalException as e:  # SIGTERM / SIGINT to the launcher: torchrun has passed it on to the ranks and
+        # waited for them; each wrote its final checkpoint and rank 0 said so in one line, as one process does
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         failures = sorted(e.failures.items())
         codes = {f.exitcode for _, f in failures}

@@ -262,6 +262,34 @@ def test_a_dying_rank_ends_the_job_within_bounded_time(tmp_path, embedded_dir):
     assert all((p / "trainer_state.json").is_file() for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
 
 
+def test_sigterm_to_the_launcher_checkpoints_every_rank_in_one_line_and_the_job_resumes(tmp_path, embedded_dir):
+    """What a scheduler's preemption sends: torchrun passes it on to the ranks, each writes its part of a final
+    checkpoint and rank 0 says so in one line; the launcher exits 143, as one process does (it ended in torchrun's
+    SignalException traceback, exit 1)."""
+    args = tiny_overrides(tmp_path / "run", *COMMON, "train.max_steps=100000")
+    job = _memfit(args, nproc=2, popen=True)
+    _wait_for(
+        lambda: (
+            (tmp_path / "run" / "metrics.jsonl").is_file()
+            and sum(r["kind"] == "step" for r in read_metrics(tmp_path / "run" / "metrics.jsonl")) >= 2
+        ),
+        job,
+        180,
+    )
+    os.kill(job.pid, signal.SIGTERM)
+    _, err = job.communicate(timeout=90)
+    assert job.returncode == 143 and "Traceback" not in err, err[-3000:]
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("memfit: error:")]
+    assert line.startswith("memfit: error: interrupted by SIGTERM after step ") and "train.resume=true" in line
+    (last,) = (tmp_path / "run" / "checkpoints").glob("step_*")
+    step = int(last.name.split("_")[1])
+    assert f"step {step} of 100000" in line and (last / "manifest.json").is_file()
+    more = tiny_overrides(tmp_path / "run", *COMMON, f"train.max_steps={step + 1}", "train.resume=true")
+    code, _, err = _memfit(more, nproc=2)
+    assert code == 0, err[-3000:]
+    assert [r["step"] for r in _steps(tmp_path / "run")][-1] == step + 1
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
