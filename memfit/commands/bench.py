@@ -29,6 +29,7 @@ from memfit.telemetry.bench import (
 )
 from memfit.train.data import source_files
 from memfit.train.disk import check_creatable
+from memfit.train.run_dir import LOCK_NAME, hold, release
 from memfit.units import parse_memory
 
 
@@ -61,10 +62,24 @@ def run(ns) -> int:
         check_cell(config, c, global_batch, ns.set)
     mem_limit = parse_memory(ns.mem_limit, "--mem-limit") if ns.mem_limit else None
     out = Path(ns.out or f"runs/bench-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
-    if out.is_dir() and any(out.iterdir()):
-        raise UserError(f"--out '{out}' is not empty; choose a new directory")
+    _check_empty(out)
     check_creatable(out, "--out")
     out.mkdir(parents=True, exist_ok=True)
+    hold(out, "--out", "memfit bench")  # a second bench into it would run, and overwrite, the same cells
+    try:
+        _check_empty(out)  # filled between the check above and the lock
+        return _run_matrix(ns, config, cells, out, global_batch, mem_limit)
+    finally:
+        release(out)
+
+
+def _check_empty(out: Path) -> None:
+    """Refuse an ``--out`` that holds anything but a bench's lock (its holder is named by ``hold``)."""
+    if out.is_dir() and any(p.name != LOCK_NAME for p in out.iterdir()):
+        raise UserError(f"--out '{out}' is not empty; choose a new directory")
+
+
+def _run_matrix(ns, config: str, cells: list, out: Path, global_batch: int, mem_limit: int | None) -> int:
     console = Console(stderr=True)
     for i, cell in enumerate(cells, 1):
         run_cell(config, cell, out, ns.warmup, ns.steps, global_batch, ns.set, mem_limit)

@@ -132,12 +132,13 @@ dies) and the holder's pid, for the message another start gets."""
 _HELD: dict[Path, int] = {}  # run directories this process holds: its Trainers may take one in turn (tests, resumes)
 
 
-def hold(root: Path) -> None:
-    """Hold the run directory ``root`` (which exists) for this process until ``release``.
+def hold(root: Path, flag: str = "output.dir", what: str = "memfit run") -> None:
+    """Hold the directory ``root`` (which exists; a run's ``output.dir``, or ``memfit bench``'s ``--out``) for this
+    process until ``release``.
 
     Raises:
         UserError: another live process holds it (two starts into one ``output.dir`` would delete each other's
-            checkpoints in the making).
+            checkpoints in the making; two benches into one ``--out`` would run each other's cells).
     """
     root = root.resolve()
     if root in _HELD:
@@ -151,8 +152,7 @@ def hold(root: Path) -> None:
             pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise UserError(
-                f"output.dir '{root}' is in use by another memfit run (pid {pid}); wait for it to end or choose "
-                "another output.dir"
+                f"{flag} '{root}' is in use by another {what} (pid {pid}); wait for it to end or choose another {flag}"
             ) from None
         if path.exists() and path.stat().st_ino == os.fstat(fd).st_ino:
             break

@@ -121,6 +121,31 @@ def test_bench_refuses_a_cell_train_would_refuse_before_it_writes(tmp_path, caps
     assert needle in capsys.readouterr().err and not (tmp_path / "b").exists()
 
 
+def test_a_second_bench_into_an_out_in_use_is_one_line_and_touches_nothing(tmp_path, capsys):
+    """Two benches into one ``--out`` both ran, each cell failing in one of them on the other's lock, and both
+    exited 0 over one mixed results table; now ``--out`` is held (a ``flock``, as a run's ``output.dir`` is)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "b"
+    out.mkdir()
+    holder = (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(out / '.memfit.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'4242\\n'); print('held', flush=True); time.sleep(120)\n"
+    )
+    other = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        assert main(["bench", "tiny-cpu", "--ac", "none", "--lora", "true", "--out", str(out)]) == 2
+    finally:
+        other.kill()
+        other.wait()
+    err = capsys.readouterr().err
+    assert f"--out '{out}' is in use by another memfit bench (pid 4242)" in err
+    assert [p.name for p in out.iterdir()] == [".memfit.lock"]
+
+
 def test_bench_zero_cells_run_on_two_ranks(tmp_path, capsys, embedded_dir):
     out = tmp_path / "bench"
     code = main(
