@@ -45,7 +45,13 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         if value is None:
             return None
         (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _coerce(name, value, inner)
+        try:
+            return _coerce(name, value, inner)
+        except UserError as e:  # "must be true or false (got 'auto')": null is the field's default, and allowed
+            if " (got " not in str(e):
+                raise
+            head, got = str(e).split(" (got ", 1)
+            raise UserError(f"{head.replace('true or false', 'true, false')} or null (got {got}") from None
     if tp is CheckpointPolicy:
         if isinstance(value, str):
             return CheckpointPolicy.parse(value, name)

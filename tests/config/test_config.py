@@ -68,6 +68,8 @@ def test_unknown_section_gets_did_you_mean(tmp_path):
         ("allocator.memory_fraction=1.5", r"allocator.memory_fraction must be in \(0, 1\]"),
         ("train.device=tpu", r"train.device must be"),
         ("lora.enabled=maybe", r"lora.enabled must be true or false"),
+        ("data.packing=auto", r"data.packing must be true, false or null \(got 'auto'\)"),  # null: its default
+        ("train.threads=1.5", r"train.threads must be an integer or null \(got 1.5\)"),
         ("train.profile_step=0", r"train.profile_step must be a step >= 1 or null \(got 0\)"),  # was: never profiled
         ("train.snapshot_at_step=-2", r"train.snapshot_at_step must be a step >= 1 or null \(got -2\)"),
         ("train.metrics_host=", r"train.metrics_host is empty: give an address"),  # was: "train.metrics_host :"
