@@ -74,6 +74,7 @@ def empty_or_absent(path: Path) -> bool:
 
 
 PROBES: list[tuple[str, str, Callable[[Path], tuple[bool, str]]]] = []
+ITEMS: set[str] = set()
 
 
 def probe(item: str, name: str):
@@ -603,15 +604,200 @@ def _(tmp):
     return ok, f"exit {r.code}, {len(rows)} fitting row(s)" + (f": {r.err.strip().splitlines()[-1]}" if r.code else "")
 
 
+# -- 26: the twenty-sixth session's round ----------------------------------------------------------------------
+
+
+def _chat_file(tmp: Path, prompt_words: int, n: int = 10) -> Path:
+    path = tmp / "chat.jsonl"
+    record = json.dumps({"prompt": "x " * prompt_words, "response": "y " * 5})
+    path.write_text((record + "\n") * n)
+    return path
+
+
+@probe("26", "chat records whose prompts fill data.seq_len: one line, no run directory (trained on a loss of 0)")
+def _(tmp):
+    r = train(tmp, f"data.source={_chat_file(tmp, 500)}", "data.max_documents=null")
+    ok, line = one_error_line(r, "hold no token that takes a loss: every answer lies past data.seq_len")
+    return ok and empty_or_absent(tmp / "run"), line
+
+
+@probe("26", "resume with optimizer.offload turned on: resumes, the change said")
+def _(tmp):
+    train(tmp, "train.checkpoint_every=1")
+    r = train(tmp, "optimizer.offload=true", "train.max_steps=3", "train.resume=true")
+    return r.code == 0 and "changed on resume: optimizer.offload" in r.out, f"exit {r.code}: {r.err[-200:]}"
+
+
+for _args, _needle in [
+    (("--packing", "true"), "data.packing packs chat/instruction records"),
+    (("--set", "data.source=no/such.jsonl"), "data.source: 'no/such.jsonl' does not exist"),
+]:
+
+    @probe("26", f"bench {' '.join(_args)}: one line before --out (the cell ran and failed)")
+    def _(tmp, _args=_args, _needle=_needle):
+        r = memfit("bench", "tiny-cpu", "--ac", "none", "--lora", "true", *_args, "--out", "b", cwd=tmp)
+        ok, line = one_error_line(r, _needle)
+        return ok and not (tmp / "b").exists(), line
+
+
+@probe("26", "a second bench into an --out in use: one line (both ran one mixed table)")
+def _(tmp):
+    args = ("bench", "tiny-cpu", "--ac", "none,full", "--lora", "true", "--steps", "1", "--warmup", "0", "--out", "b")
+    first = subprocess.Popen(
+        [sys.executable, "-m", "memfit.cli", *args], cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.time() + 120
+        while not (tmp / "b" / ".memfit.lock").exists() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        ok, line = one_error_line(memfit(*args, cwd=tmp), "is in use by another memfit bench")
+    finally:
+        first.wait(timeout=600)
+    return ok and first.returncode == 0, line
+
+
+@probe("26", "plan --host-mem 1KiB --optimizer-offload true: the room is said as given, not as 0.00 GiB")
+def _(tmp):
+    r = memfit(
+        "plan",
+        "--model",
+        "llama2-7b",
+        "--gpu",
+        "a100-80g",
+        "--host-mem",
+        "1KiB",
+        "--optimizer-offload",
+        "true",
+        cwd=tmp,
+    )
+    ok, line = one_error_line(r, "> 1,024 bytes (--host-mem)")
+    return ok, line
+
+
+@probe("26", "exporter --host '' and train.metrics_host= : named as empty")
+def _(tmp):
+    ok1, line = one_error_line(memfit("exporter", "--host", "", cwd=tmp), "--host is empty")
+    ok2, _ = one_error_line(train(tmp, "train.metrics_host=", "train.metrics_port=0"), "train.metrics_host is empty")
+    return ok1 and ok2, line
+
+
+@probe("26", "MEMFIT_PLAN_CACHE naming a file: said once, the plan still answers")
+def _(tmp):
+    (tmp / "afile").write_text("x")
+    r = memfit(
+        "plan",
+        "--model",
+        "tiny",
+        "--gpu",
+        "mi210",
+        "--seq-len",
+        "64",
+        cwd=tmp,
+        env={"MEMFIT_PLAN_CACHE": str(tmp / "afile")},
+    )
+    said = [ln for ln in r.err.splitlines() if "cannot be written" in ln]
+    return r.code == 0 and len(said) == 1, (said or [f"exit {r.code}"])[0][:200]
+
+
+for _cmd, _args, _needle in [
+    ("frag", ("--capacity", "0"), "--capacity 0: only --simulate reads this"),
+    (
+        "plan",
+        ("--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--hip-version", "6.2"),
+        "--hip-version 6.2: only",
+    ),
+]:
+
+    @probe("26", f"{_cmd} {' '.join(_args)} without --simulate: one line (ignored in silence)")
+    def _(tmp, _cmd=_cmd, _args=_args, _needle=_needle):
+        target = (str(REPO / "tests" / "fixtures" / "h200-llama2-7b-lora-ffn-bf16pure-step3.pickle.gz"), "--out", "o")
+        r = memfit(_cmd, *(target if _cmd == "frag" else ()), *_args, cwd=tmp)
+        ok, line = one_error_line(r, _needle)
+        return ok and not (tmp / "o").exists(), line
+
+
+@probe("26", "SIGTERM to a 2-rank launcher: one line, exit 143, the job resumes (a torchrun traceback, exit 1)")
+def _(tmp):
+    cmd = [sys.executable, "-m", "memfit.cli", "train", "tiny-cpu", *TINY, "train.max_steps=100000"]
+    cmd += [f"output.dir={tmp / 'run'}", "--nproc-per-node", "2"]
+    job = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp / "run" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while job.poll() is None and time.time() < deadline:
+        if metrics.is_file() and metrics.read_text().count('"kind": "step"') >= 2:
+            break
+        time.sleep(0.2)
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=120)
+    ok, line = one_error_line(Result(job.returncode, "", err), "interrupted by SIGTERM after step", code=143)
+    step = int(line.split("after step ")[1].split()[0]) if ok else 0
+    more = train(tmp, f"train.max_steps={step + 1}", "train.resume=true", "--nproc-per-node", "2")
+    return ok and more.code == 0 and f"resuming from step_{step:07d}" in more.out, line
+
+
+@probe("26", "a checkpoint directory whose weights are other tensors: one line (trained from random weights)")
+def _(tmp):
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    model = tmp / "model"
+    model.mkdir()
+    AutoConfig.for_model(
+        "llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=256,
+    ).save_pretrained(model)
+    save_file({"x": torch.zeros(1)}, model / "model.safetensors")
+    cache = Path(os.environ.get("MEMFIT_CACHE") or Path.home() / ".cache" / "memfit") / "smollm2-135m-instruct"
+    for f in cache.glob("tokenizer*"):
+        (model / f.name).write_bytes(f.read_bytes())
+    ok, line = one_error_line(train(tmp, f"model.source={model}"), "lacks 21 of the weights its config.json describes")
+    return ok and empty_or_absent(tmp / "run"), line
+
+
+for _overrides, _needle in [
+    (("model.source=random:/no/such/config.json",), "'/no/such/config.json' does not exist; give random:<preset>"),
+    (("strategy.loss_chunks=1000",), "strategy.loss_chunks 1000 is more than data.seq_len 64 positions"),
+    (("data.packing=auto",), "data.packing must be true, false or null"),
+]:
+
+    @probe("26", f"train {' '.join(_overrides)}: one line that names it")
+    def _(tmp, _overrides=_overrides, _needle=_needle):
+        ok, line = one_error_line(train(tmp, *_overrides), _needle)
+        return ok and empty_or_absent(tmp / "run"), line
+
+
+@probe("26", "output.dir=~/x in a config file is the home directory (a directory named ~ was made)")
+def _(tmp):
+    home = tmp / "home"
+    home.mkdir()
+    (tmp / "c.yaml").write_text("output:\n  dir: ~/x\n")
+    r = memfit("train", str(tmp / "c.yaml"), *TINY, cwd=tmp, env={"HOME": str(home)})
+    return r.code == 0 and (home / "x" / "config.yaml").is_file() and not (tmp / "~").exists(), f"exit {r.code}"
+
+
+@probe("26", "a 2-rank DDP run: no FutureWarning from torch (broadcast_buffers)")
+def _(tmp):
+    r = train(tmp, "distributed.zero_stage=0", "--nproc-per-node", "2")
+    return r.code == 0 and "FutureWarning" not in r.err, f"exit {r.code}: {r.err.strip()[-200:]}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="run the probes whose name contains this, or of this item (e.g. 23)")
     ap.add_argument("--json", help="write the results here")
     ns = ap.parse_args()
+    ITEMS.update(item for item, _, _ in PROBES)
     rows = []
     for item, name, fn in PROBES:
-        if ns.only and ns.only not in name and ns.only != item:
-            continue
+        if ns.only and (ns.only != item if ns.only in ITEMS else ns.only not in name):
+            continue  # an item's probes by its id ("25" is not "256 KiB"), else the names holding the text
         with tempfile.TemporaryDirectory() as d:
             start = time.perf_counter()
             try:
