@@ -21,6 +21,7 @@ import warnings
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
+from torch._subclasses.fake_tensor import is_fake
 
 from memfit.config.schema import LoraConfig
 from memfit.errors import UserError, did_you_mean, first_line
@@ -96,7 +97,39 @@ def quantize_base(model: torch.nn.Module, kind: str) -> int:
                 continue
             blocks = weight.numel() // NF4_BLOCK
             scaler_block = next(b for b in NF4_SCALER_BLOCKS if blocks % b == 0)
-            nf4 = to_nf4(weight.detach(), NF4_BLOCK, scaler_block)
+            nf4 = _fake_nf4(weight) if is_fake(weight) else None
+            if nf4 is None:
+                nf4 = to_nf4(weight.detach(), NF4_BLOCK, scaler_block)
+                _remember_layout(weight, nf4)
             module.weight = torch.nn.Parameter(nf4, requires_grad=False)
             count += 1
     return count
+
+
+_NF4_LAYOUTS: dict[tuple, tuple] = {}
+"""What ``to_nf4`` builds from a weight of one shape, stride and dtype: the NF4 tensor's class, its flatten context,
+and each inner tensor's size, stride and dtype (every inner tensor has a storage of its own, at offset 0)."""
+
+
+def _layout_key(weight: torch.Tensor) -> tuple:
+    return tuple(weight.shape), weight.stride(), weight.dtype
+
+
+def _remember_layout(weight: torch.Tensor, nf4: torch.Tensor) -> None:
+    if is_fake(weight):
+        names, ctx = nf4.__tensor_flatten__()
+        inner = {n: (getattr(nf4, n).shape, getattr(nf4, n).stride(), getattr(nf4, n).dtype) for n in names}
+        _NF4_LAYOUTS[_layout_key(weight)] = (type(nf4), ctx, inner, nf4.shape, nf4.stride())
+
+
+def _fake_nf4(weight: torch.Tensor) -> torch.Tensor | None:
+    """The NF4 tensor of a fake ``weight`` (a planner's trace), built from fresh inner tensors of the sizes its first
+    weight of that shape quantized to (None until one has): the same storages, without running torchao's quantizer
+    op by op on fake tensors again (over a hundred chunked passes per weight: 70% of a cold 70B QLoRA search, by
+    cProfile)."""
+    layout = _NF4_LAYOUTS.get(_layout_key(weight))
+    if layout is None:
+        return None
+    cls, ctx, inner, size, stride = layout
+    tensors = {n: torch.empty_strided(s, st, dtype=dt, device=weight.device) for n, (s, st, dt) in inner.items()}
+    return cls.__tensor_unflatten__(tensors, ctx, size, stride)

@@ -45,6 +45,27 @@ def test_the_planner_predicts_a_qlora_step_as_the_profiler_measures_it(precision
     assert measured[Category.PARAMS] < 0.6 * plain[Category.PARAMS]
 
 
+def test_an_nf4_base_built_from_remembered_layouts_traces_as_quantizing_every_weight(monkeypatch):
+    """In a trace, each weight shape's first NF4 tensor is torchao's; the rest are built from fresh inner tensors of
+    its sizes (``lora._fake_nf4``). The step's timeline, op by op and byte by byte, is that of quantizing every
+    weight, and the shortcut did run."""
+    from memfit.planner.trace import steady_timeline
+    from memfit.strategies import lora
+
+    spec = StepSpec(wide_tiny_config(3), 64, Strategy(precision="bf16-mixed", quantize_base="nf4"), LORA)
+    built = []
+    monkeypatch.setattr(lora, "_NF4_LAYOUTS", {})
+    fake_nf4 = lora._fake_nf4
+    monkeypatch.setattr(lora, "_fake_nf4", lambda w: built.append(fake_nf4(w)) or built[-1])
+    fast = steady_timeline(spec, 3)
+    assert sum(t is not None for t in built) >= 12  # 3 layers x 7 weights, one of each shape quantized
+    monkeypatch.setattr(lora, "_fake_nf4", lambda w: None)
+    slow = steady_timeline(spec, 3)
+    assert fast.phases == slow.phases and [tuple(map(int, r)) for r in fast.rows] == [
+        tuple(map(int, r)) for r in slow.rows
+    ]
+
+
 def test_nf4_stores_half_a_byte_per_weight_and_its_block_scales():
     """Every decoder Linear of the tiny preset (its 64 x 32 K/V projections too: the scaler block shrinks to
     divide their 32 code blocks) becomes an NF4Tensor of 4-bit codes plus an int8 absmax per 64 values and
