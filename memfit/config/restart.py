@@ -34,6 +34,11 @@ class RestartCondition:
         reading = re.fullmatch(r"(fragmentation|retries)\s*>\s*([0-9.]+)", t)
         every = re.fullmatch(r"every:\s*([0-9.]+)\s*(s|m|h|steps)", t)
         try:
+            if reading and reading.group(1) == "fragmentation" and float(reading.group(2)) >= 1:
+                raise UserError(  # the ratio is 1 - largest free block / free bytes: it never reaches 1
+                    f"{where} {text!r} never restarts: the fragmentation ratio is below 1; give a threshold in "
+                    "[0, 1), e.g. fragmentation>0.5"
+                )
             if reading:
                 return cls(reading.group(1), float(reading.group(2)))
             if every and float(every.group(1)) > 0:

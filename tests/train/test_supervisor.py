@@ -156,6 +156,8 @@ def test_restart_conditions_say_why_and_bad_ones_are_one_line():
             _cfg(f"train.restart_on={bad}")
     with pytest.raises(UserError, match="train.keep_checkpoints must be > 0"):
         _cfg("train.restart_on=every:2h", "train.keep_checkpoints=0")
+    with pytest.raises(UserError, match=r"'fragmentation>2' never restarts: the fragmentation ratio is below 1"):
+        _cfg("train.restart_on=fragmentation>2")  # was taken, and never due
 
 
 @pytest.mark.integration
