@@ -133,22 +133,51 @@ def pack_text(files: list[Path], tokenizer, seq_len: int) -> TokenDataset:
     return TokenDataset(tokens, tokens.clone())
 
 
+def _text_content(content: object) -> str | None:
+    """A message's content as text: a string, or OpenAI-style parts that are all ``{"type": "text", "text": ...}``
+    (joined); None for anything else (an image part, a number)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    return None
+
+
 def _record_messages(record: object, where: str) -> list[dict]:
+    """A record's conversation: ``{"messages": [...]}`` (content a string or text parts), ``{"prompt", "response"}``
+    or Alpaca's ``{"instruction", "input", "output"}`` (the input, where not empty, after the instruction)."""
     if not isinstance(record, dict):
         raise UserError(f"{where}: a record must be a JSON object (got {type(record).__name__})")
     if "messages" in record:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
             raise UserError(f"{where}: 'messages' must be a non-empty list")
+        out = []
         for m in messages:
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise UserError(f"{where}: each message needs string 'role' and 'content' (got {m!r:.80})")
-        if messages[-1]["role"] != "assistant":
-            raise UserError(f"{where}: the last message must have role 'assistant' (got '{messages[-1]['role']}')")
-        return messages
+            text = _text_content(m.get("content")) if isinstance(m, dict) else None
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and text is not None):
+                raise UserError(
+                    f"{where}: each message needs a string 'role' and a 'content' of text (a string, or parts of "
+                    f"type 'text') (got {m!r:.80})"
+                )
+            out.append({**m, "content": text})
+        if out[-1]["role"] != "assistant":
+            raise UserError(f"{where}: the last message must have role 'assistant' (got '{out[-1]['role']}')")
+        return out
     if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
         return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
-    raise UserError(f"{where}: need 'messages' or string 'prompt' and 'response' (keys: {', '.join(record) or 'none'})")
+    if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
+        extra = record.get("input", "")
+        if not isinstance(extra, str):
+            raise UserError(f"{where}: 'input' must be a string (got {extra!r:.80})")
+        prompt = record["instruction"] + (f"\n\n{extra}" if extra.strip() else "")
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+    raise UserError(
+        f"{where}: need 'messages', string 'prompt' and 'response', or string 'instruction' and 'output' "
+        f"(keys: {', '.join(record) or 'none'})"
+    )
 
 
 def _chat_ids(tokenizer, messages: list[dict], **kw) -> list[int]:

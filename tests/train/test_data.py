@@ -71,13 +71,49 @@ def test_chat_records_mask_the_prompt(tmp_path, tokenizer):
     assert (lab[: len(prompt)] == IGNORE_INDEX).all() and row[: len(prompt)].tolist() == prompt
 
 
+def test_text_parts_and_alpaca_records_are_the_conversations_they_spell(tmp_path, tokenizer):
+    """OpenAI-style content parts and Alpaca's instruction/input/output records (both refused before) render as the
+    same conversation written with string contents and prompt/response."""
+    records = [
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Who wrote "}, {"type": "text", "text": "Hamlet?"}],
+                },
+                {"role": "assistant", "content": [{"type": "text", "text": "Shakespeare."}]},
+            ]
+        },
+        {"instruction": "Name a play.", "input": "By Shakespeare.", "output": "Macbeth."},
+        {"instruction": "Name a poet.", "input": "", "output": "Marlowe."},
+    ]
+    plain = [
+        {"prompt": "Who wrote Hamlet?", "response": "Shakespeare."},
+        {"prompt": "Name a play.\n\nBy Shakespeare.", "response": "Macbeth."},
+        {"prompt": "Name a poet.", "response": "Marlowe."},
+    ]
+    got, want = (
+        load_dataset(
+            DataConfig(source=_write_jsonl(tmp_path / f"{n}.jsonl", map(json.dumps, r)), seq_len=64, packing=False),
+            tokenizer,
+        )
+        for n, r in (("spelled", records), ("plain", plain))
+    )
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.labels, want.labels)
+
+
 @pytest.mark.parametrize(
     "line, reason",
     [
         ("{not json", "not valid JSON"),
         ('{"messages": []}', "'messages' must be a non-empty list"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', "last message must have role 'assistant'"),
-        ('{"text": "hi"}', "need 'messages' or string 'prompt' and 'response'"),
+        ('{"text": "hi"}', "need 'messages', string 'prompt' and 'response', or string 'instruction' and 'output'"),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}, '
+            '{"role": "assistant", "content": "a"}]}',
+            "a 'content' of text",
+        ),
         ("[1, 2]", "a record must be a JSON object"),
     ],
 )
