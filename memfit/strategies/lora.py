@@ -108,7 +108,8 @@ def quantize_base(model: torch.nn.Module, kind: str) -> int:
 
 _NF4_LAYOUTS: dict[tuple, tuple] = {}
 """What ``to_nf4`` builds from a weight of one shape, stride and dtype: the NF4 tensor's class, its flatten context,
-and each inner tensor's size, stride and dtype (every inner tensor has a storage of its own, at offset 0)."""
+and each inner tensor's size, stride, storage offset, dtype and storage bytes (every inner tensor has a storage of its
+own; the quantization factor of a small weight is a strided view of a larger one)."""
 
 
 def _layout_key(weight: torch.Tensor) -> tuple:
@@ -118,7 +119,10 @@ def _layout_key(weight: torch.Tensor) -> tuple:
 def _remember_layout(weight: torch.Tensor, nf4: torch.Tensor) -> None:
     if is_fake(weight):
         names, ctx = nf4.__tensor_flatten__()
-        inner = {n: (getattr(nf4, n).shape, getattr(nf4, n).stride(), getattr(nf4, n).dtype) for n in names}
+        inner = {}
+        for n in names:
+            t = getattr(nf4, n)
+            inner[n] = (t.shape, t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes())
         _NF4_LAYOUTS[_layout_key(weight)] = (type(nf4), ctx, inner, nf4.shape, nf4.stride())
 
 
@@ -131,5 +135,8 @@ def _fake_nf4(weight: torch.Tensor) -> torch.Tensor | None:
     if layout is None:
         return None
     cls, ctx, inner, size, stride = layout
-    tensors = {n: torch.empty_strided(s, st, dtype=dt, device=weight.device) for n, (s, st, dt) in inner.items()}
+    tensors = {}
+    for n, (shape, strides, offset, dtype, nbytes) in inner.items():
+        storage = torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=weight.device)
+        tensors[n] = storage.as_strided(shape, strides, offset)  # a view where torchao's is one (a strided factor)
     return cls.__tensor_unflatten__(tensors, ctx, size, stride)
