@@ -739,20 +739,12 @@ def _(tmp):
 def _(tmp):
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig
+
+    from memfit.models.presets import preset_config
 
     model = tmp / "model"
     model.mkdir()
-    AutoConfig.for_model(
-        "llama",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=49152,
-        max_position_embeddings=256,
-    ).save_pretrained(model)
+    preset_config("tiny").save_pretrained(model)
     save_file({"x": torch.zeros(1)}, model / "model.safetensors")
     cache = Path(os.environ.get("MEMFIT_CACHE") or Path.home() / ".cache" / "memfit") / "smollm2-135m-instruct"
     for f in cache.glob("tokenizer*"):

@@ -32,10 +32,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MEMFIT_CACHE") or Path.home() / ".cache" / "memfit")  # set but empty: the default
 
 
+def _reason(error: OSError) -> str:
+    return f"{type(error).__name__}: {error.strerror or error}"
+
+
 def cache_write_error(error: OSError, where: Path, what: str) -> UserError:
     """The one line for ``what`` that could not be written into the cache directory ``where``."""
-    why = f"{type(error).__name__}: {error.strerror or error}"
-    return UserError(f"cannot write {what} into '{where}' ({why}); set MEMFIT_CACHE to a writable directory with room")
+    return UserError(
+        f"cannot write {what} into '{where}' ({_reason(error)}); set MEMFIT_CACHE to a writable directory with room"
+    )
 
 
 def make_cache_dir(where: Path, what: str) -> Path:
@@ -130,5 +135,4 @@ def write_entry(root: Path | None, key: str, value: Any) -> None:
             Path(tmp).unlink(missing_ok=True)
         if root not in _UNWRITABLE:
             _UNWRITABLE.add(root)
-            why = f"{type(e).__name__}: {e.strerror or e}"
-            print(f"memfit: the cache at {root} cannot be written ({why}); going on without it", file=sys.stderr)
+            print(f"memfit: the cache at {root} cannot be written ({_reason(e)}); going on without it", file=sys.stderr)

@@ -275,6 +275,23 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     _need(value in choices, f"{name} must be one of {' | '.join(choices)} (got '{value}'){hint}")
 
 
+def past_the_last_step(cfg: RunConfig) -> list[str]:
+    """Notes for settings that are valid but take effect after ``train.max_steps``, so never in this run."""
+    t, out = cfg.train, []
+    for key, step, what in (
+        ("profile_step", t.profile_step, "no step is profiled"),
+        ("snapshot_at_step", t.snapshot_at_step, "no snapshot is written"),
+    ):
+        if step is not None and step > t.max_steps:
+            out.append(f"train.{key} {step} is after the last step (train.max_steps {t.max_steps}): {what}")
+    if cfg.optimizer.warmup_steps > t.max_steps:
+        out.append(
+            f"optimizer.warmup_steps {cfg.optimizer.warmup_steps} reaches past train.max_steps {t.max_steps}: "
+            f"the learning rate never reaches optimizer.lr {cfg.optimizer.lr:g}"
+        )
+    return out
+
+
 def check(cfg: RunConfig) -> RunConfig:
     """Validate value ranges and cross-field rules that do not need the filesystem or a device.
 

@@ -20,7 +20,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from memfit.config.restart import RestartCondition
-from memfit.config.schema import RunConfig, grad_accum_steps
+from memfit.config.schema import RunConfig, grad_accum_steps, past_the_last_step
 from memfit.device import device_name, resolve_device
 from memfit.distributed.deepspeed_engine import (
     ds_reader,
@@ -117,17 +117,7 @@ class Trainer:
         self.notes: list[str] = list(run_notes)
         if d.deepspeed_config is not None and self.kind != "deepspeed":
             self.notes.append(f"distributed.deepspeed_config is not read: this run's engine is {self.kind}")
-        for key, step, what in (
-            ("profile_step", t.profile_step, "no step is profiled"),
-            ("snapshot_at_step", t.snapshot_at_step, "no snapshot is written"),
-        ):
-            if step is not None and step > t.max_steps:
-                self.notes.append(f"train.{key} {step} is after the last step (train.max_steps {t.max_steps}): {what}")
-        if cfg.optimizer.warmup_steps > t.max_steps:
-            self.notes.append(
-                f"optimizer.warmup_steps {cfg.optimizer.warmup_steps} reaches past train.max_steps {t.max_steps}: "
-                f"the learning rate never reaches optimizer.lr {cfg.optimizer.lr:g}"
-            )
+        self.notes += past_the_last_step(cfg)
         if t.resume and self.resume_from is None:
             self.notes.append(f"train.resume=true but {self.run.root} holds no checkpoint yet: starting at step 0")
         # may convert the embedded GGUF (with its progress bar): rank 0 first, the others then hit the cache

@@ -231,14 +231,7 @@ def test_a_dying_rank_ends_the_job_within_bounded_time(tmp_path, embedded_dir):
         tmp_path / "run", *COMMON, "train.max_steps=100000", "train.checkpoint_every=3", f"train.metrics_port={port}"
     )
     job = _memfit(args, nproc=2, popen=True)
-    _wait_for(
-        lambda: (
-            (tmp_path / "run" / "metrics.jsonl").is_file()
-            and sum(r["kind"] == "step" for r in read_metrics(tmp_path / "run" / "metrics.jsonl")) >= 2
-        ),
-        job,
-        180,
-    )
+    _wait_for_steps(tmp_path / "run", job, 2)
     workers = _victim_pids(job.pid)
     assert set(workers) == {0, 1}, workers
     # each local rank serves its own endpoint on port + local rank, bound to loopback
@@ -268,14 +261,7 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_in_one_line_and_the_job_
     SignalException traceback, exit 1)."""
     args = tiny_overrides(tmp_path / "run", *COMMON, "train.max_steps=100000")
     job = _memfit(args, nproc=2, popen=True)
-    _wait_for(
-        lambda: (
-            (tmp_path / "run" / "metrics.jsonl").is_file()
-            and sum(r["kind"] == "step" for r in read_metrics(tmp_path / "run" / "metrics.jsonl")) >= 2
-        ),
-        job,
-        180,
-    )
+    _wait_for_steps(tmp_path / "run", job, 2)
     os.kill(job.pid, signal.SIGTERM)
     _, err = job.communicate(timeout=90)
     assert job.returncode == 143 and "Traceback" not in err, err[-3000:]
@@ -288,6 +274,12 @@ def test_sigterm_to_the_launcher_checkpoints_every_rank_in_one_line_and_the_job_
     code, _, err = _memfit(more, nproc=2)
     assert code == 0, err[-3000:]
     assert [r["step"] for r in _steps(tmp_path / "run")][-1] == step + 1
+
+
+def _wait_for_steps(run_dir: Path, job, steps: int) -> None:
+    """Until ``run_dir``'s running ``job`` has logged ``steps`` steps."""
+    metrics = run_dir / "metrics.jsonl"
+    _wait_for(lambda: metrics.is_file() and sum(r["kind"] == "step" for r in read_metrics(metrics)) >= steps, job, 180)
 
 
 def _free_port() -> int:
