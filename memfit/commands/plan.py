@@ -25,6 +25,7 @@ from memfit.models.presets import PRESETS
 from memfit.planner.auto import this_cpu
 from memfit.planner.hardware import custom_gpu, gpu_preset
 from memfit.planner.limits import Limit, max_micro_batches, max_seq_lens
+from memfit.planner.predict import trace_workers
 from memfit.planner.report import (
     closest,
     plan_dict,
@@ -294,12 +295,13 @@ def run(ns, answered: Answered | None = None) -> int:
         raise UserError(f"--seq-len and --global-batch must be > 0 (got {seq_len}, {req.global_batch})")
     workload = Workload(config_for_planning(req.model), req.model, seq_len, req.global_batch, req.lora)
     pins = Pins(pinned, req.engine, req.offload_params)
-    result = search(workload, cluster, pins, ns.headroom)
+    with trace_workers():  # the search's trace workers serve the limits' probes too
+        result = search(workload, cluster, pins, ns.headroom)
+        limits = _limits(result, ns)
     if answered is not None and not gpu.is_cpu:  # a CPU plan reads the memory available now: never kept
         model_file = planning_config_file(req.model)
         config = resolve_config_path(ns.config) if ns.config else None
         answered.inputs = [str(Path(p).resolve()) for p in (config, ns.deepspeed, model_file) if p]
-    limits = _limits(result, ns)
     # tables stay whole in logs and pipes; with --json, stdout holds the JSON alone and the rest goes to stderr
     stream = sys.stderr if ns.json else sys.stdout
     console = Console(file=stream) if stream.isatty() else Console(file=stream, width=190)

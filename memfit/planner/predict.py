@@ -14,11 +14,13 @@ traces of one to four layers, and the moments are combined once per set of lever
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
+from typing import Any
 
 from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.errors import UserError
@@ -206,12 +208,9 @@ class Predictor:
         workers = min(workers or plan_workers(), len(jobs))
         if workers < 2:
             return
-        # fork: the children inherit the imported torch/transformers and the tracing machinery (a fresh interpreter, or
-        # each child importing it, costs seconds)
-        import memfit.planner.trace  # noqa: F401
-
-        with multiprocessing.get_context("fork").Pool(workers, initializer=torch_single_thread) as pool:
-            items = [(specs, n, min(n, self.depth)) for specs, n in jobs.values()]
+        # the longest first (deeper, and forward and backward before the update alone), so no worker is left with one
+        items = sorted(((specs, n, min(n, self.depth)) for specs, n in jobs.values()), key=_trace_cost, reverse=True)
+        with _pool(workers) as pool:
             for (specs, layers), timelines in pool.imap_unordered(_trace_job, items):
                 self._keep(specs, layers, timelines)
 
@@ -344,6 +343,58 @@ def plan_workers() -> int:
             raise UserError(f"MEMFIT_PLAN_WORKERS must be a whole number of processes (got {env!r})")
         return max(1, int(env))
     return min(8, len(os.sched_getaffinity(0)))
+
+
+_SHARED: dict[str, Any] = {"depth": 0, "pool": None}
+"""``trace_workers``' pool: how many blocks are open, and the pool their prefetches share (made at the first)."""
+
+
+@contextlib.contextmanager
+def trace_workers() -> Iterator[None]:
+    """Every ``prefetch`` inside the block traces in one pool of worker processes, made at the first that needs
+    one and closed when the block ends (a block inside another shares the outer one's).
+
+    A worker keeps what it learned between traces: the fake-tensor dispatch cache and the NF4 layouts of
+    ``strategies.lora`` (a first NF4 trace in a fresh worker costs about 1 s more than the next). A pool per
+    ``prefetch`` paid that in each of the ten or so ``search`` makes for its fallbacks; a cold 70B QLoRA search
+    on 2 cores took longer with two workers than with one.
+    """
+    _SHARED["depth"] += 1
+    try:
+        yield
+    finally:
+        _SHARED["depth"] -= 1
+        if not _SHARED["depth"] and _SHARED["pool"] is not None:
+            pool, _SHARED["pool"] = _SHARED["pool"], None
+            pool.terminate()  # idle: every prefetch has taken its results
+            pool.join()
+
+
+@contextlib.contextmanager
+def _pool(workers: int) -> Iterator[Any]:
+    """``trace_workers``' pool (made with ``workers`` processes if none is yet), else one for this prefetch alone."""
+    shared = _SHARED["depth"] > 0
+    if shared and _SHARED["pool"] is not None:
+        yield _SHARED["pool"]
+        return
+    if shared:
+        workers = plan_workers()  # later prefetches may have more to trace than this one
+    # fork: the children inherit the imported torch/transformers and the tracing machinery (a fresh interpreter, or
+    # each child importing it, costs seconds)
+    import memfit.planner.trace  # noqa: F401
+
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=torch_single_thread)
+    if shared:
+        _SHARED["pool"] = pool
+        yield pool
+        return
+    with pool:
+        yield pool
+
+
+def _trace_cost(item: tuple[tuple[StepSpec, ...], int, int]) -> tuple[bool, int]:
+    specs, _, depth = item
+    return specs[0].part != "update", depth
 
 
 def torch_single_thread() -> None:

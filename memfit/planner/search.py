@@ -46,7 +46,7 @@ from memfit.planner.cost import (
     step_time_s,
 )
 from memfit.planner.hardware import Gpu
-from memfit.planner.predict import Predictor
+from memfit.planner.predict import Predictor, trace_workers
 from memfit.planner.sharding import ShardingSpec, comm_bytes_per_step, validate
 from memfit.planner.spec import StepSpec
 from memfit.units import GIB, size_text
@@ -352,6 +352,7 @@ def _choices(w: Workload, c: Cluster) -> dict[str, tuple]:
     return choices
 
 
+@trace_workers()  # one pool of trace workers for the first candidates and every round of fallbacks
 def search(
     w: Workload, c: Cluster, pins: Pins = Pins(), headroom: float = 0.05, predictor: Predictor | None = None
 ) -> PlanResult:

@@ -2,6 +2,8 @@
 full traces, sharding vs the ZeRO paper, and the search/CLI behaviour."""
 
 import copy
+import multiprocessing
+import multiprocessing.context
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from memfit.models.presets import preset_config
 from memfit.planner.categories import Category
 from memfit.planner.hardware import gpu_preset
 from memfit.planner.measure import measured_steady_step
-from memfit.planner.predict import Predictor
+from memfit.planner.predict import Predictor, trace_workers
 from memfit.planner.search import Cluster, Pins, Workload, search, time_bucket
 from memfit.planner.sharding import ShardingSpec, per_rank
 from memfit.planner.trace import StepSpec, extrapolated_step, trace_step
@@ -291,6 +293,33 @@ def test_parallel_traces_give_the_same_plan_as_serial(monkeypatch):
         # at 2 layers, chunked and not, without checkpointing (the unchunked one is also AC none's shallow trace)
         assert r.traces == 4 * 4 + 2 + 2
     assert plans[0] == plans[1]
+
+
+def test_prefetches_in_one_block_share_one_pool_of_workers_closed_at_its_end(monkeypatch):
+    monkeypatch.setenv("MEMFIT_PLAN_WORKERS", "2")
+    made = []
+    fork_pool = multiprocessing.context.ForkContext.Pool
+
+    def counted(self, *args, **kwargs):
+        made.append(fork_pool(self, *args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(multiprocessing.context.ForkContext, "Pool", counted)
+    spec = StepSpec(preset_config("tiny"), 64)
+    strategies = [Strategy(activation_checkpointing=CheckpointPolicy(p)) for p in ("none", "full", "ffn")]
+    with trace_workers():
+        predictor = Predictor(spec)
+        with trace_workers():  # a block inside another: the outer one's pool
+            predictor.prefetch(strategies[:1])
+        predictor.prefetch(strategies[1:])
+        traced = predictor.traces
+        assert len(made) == 1
+        workers = list(made[0]._pool)
+    assert len(workers) == 2 and not any(w.is_alive() for w in workers)
+    predictor.prefetch(strategies)  # all traced: no pool
+    assert len(made) == 1
+    assert [predictor.predict(s) for s in strategies] == [Predictor(spec).predict(s) for s in strategies]
+    assert predictor.traces == traced  # predicting traced nothing more
 
 
 def test_pins_restrict_the_search():
