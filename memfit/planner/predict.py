@@ -377,8 +377,8 @@ def _pool(workers: int) -> Iterator[Any]:
     if shared and _SHARED["pool"] is not None:
         yield _SHARED["pool"]
         return
-    if shared:
-        workers = plan_workers()  # later prefetches may have more to trace than this one
+    if shared:  # later prefetches may have more to trace than this one: as many as the cores, if asked for
+        workers = min(plan_workers(), max(workers, len(os.sched_getaffinity(0))))
     # fork: the children inherit the imported torch/transformers and the tracing machinery (a fresh interpreter, or
     # each child importing it, costs seconds)
     import memfit.planner.trace  # noqa: F401
