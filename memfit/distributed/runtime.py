@@ -133,3 +133,27 @@ def on_main(ctx: DistContext, fn: Callable[[], T]) -> T:
     if message is not None:
         raise ReportedByRankZero(message)
     return result
+
+
+def on_every_rank(ctx: DistContext, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on every rank, for what each reads from the same inputs (the config, the data): a ``UserError``
+    any rank raises ends every rank, printed once, by rank 0 (with the rank's number where rank 0's own ``fn``
+    did not raise it: another node's files can differ). ``fn`` returns on every rank, so all reach the gather."""
+    if not ctx.distributed:
+        return fn()
+    result, error = None, None
+    try:
+        result = fn()
+    except UserError as e:
+        error = e
+    messages: list[str | None] = [None] * ctx.world_size
+    dist.all_gather_object(messages, None if error is None else str(error))
+    failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
+    if not failed:
+        return result
+    if not ctx.is_main:
+        raise ReportedByRankZero(failed[0][1])
+    if error is not None:
+        raise error
+    rank, message = failed[0]
+    raise UserError(f"rank {rank}: {message}")

@@ -31,9 +31,9 @@ from memfit.distributed.deepspeed_engine import (
     resolve_ds_path,
 )
 from memfit.distributed.engines import Parallel, parallelize
-from memfit.distributed.runtime import init_distributed, on_main, shutdown
+from memfit.distributed.runtime import init_distributed, on_every_rank, on_main, shutdown
 from memfit.errors import Interrupted, OutOfMemoryExit, RestartExit, UserError
-from memfit.models.load import build_model, load_tokenizer, model_config, resolve_source
+from memfit.models.load import build_model, resolve_source
 from memfit.step.loss import ChunkedLoss, batch_loss_sum, supervised_tokens
 from memfit.step.runner import DeepSpeedRunner, StepEngine, StepRunner
 from memfit.strategies.allocator import (
@@ -58,10 +58,11 @@ from memfit.telemetry.prometheus import TrainerMetrics, listen_error, metrics_ur
 from memfit.telemetry.readings import memory_record, reset_peaks, state_bytes
 from memfit.telemetry.summary import RunSummary, summarize
 from memfit.train.checkpoint import TrainerState, checkpoint_dir, load_checkpoint, save_checkpoint
-from memfit.train.data import check_enough_rows, eval_batches, load_dataset, split, train_loader
+from memfit.train.data import train_loader
 from memfit.train.disk import guarded_write
 from memfit.train.export import export_model
 from memfit.train.fit_check import planned_step, restart_allocator
+from memfit.train.inputs import training_inputs
 from memfit.train.levers import engine_kind, run_levers
 from memfit.train.profiled_step import profiled_train_step
 from memfit.train.run_dir import prepare_run_dir, release, write_config
@@ -125,31 +126,11 @@ class Trainer:
         if not ctx.is_main:
             source = resolve_source(cfg.model.source)
         hf_logging.disable_progress_bar()  # loading/saving bars would tear the training display
-        mconf = model_config(source, cfg.model)
-        if cfg.data.seq_len > mconf.max_position_embeddings:
-            raise UserError(
-                f"data.seq_len {cfg.data.seq_len} exceeds the model's max_position_embeddings "
-                f"{mconf.max_position_embeddings}; lower data.seq_len"
-            )
-        self.tokenizer = load_tokenizer(source)
-        dataset = load_dataset(cfg.data, self.tokenizer)
-        self.notes += dataset.notes()
-        if len(self.tokenizer) > mconf.vocab_size:
-            if source.kind != "preset":
-                raise UserError(
-                    f"model.source: the tokenizer has {len(self.tokenizer)} tokens but the model only "
-                    f"{mconf.vocab_size} embeddings; use a checkpoint directory with its own tokenizer"
-                )
-            dataset = dataset.folded(mconf.vocab_size)  # random weights: only shapes matter
-            self.notes.append(
-                f"random weights with {mconf.vocab_size} embeddings: the {len(self.tokenizer)}-token "
-                f"tokenizer's ids are folded into them (id mod {mconf.vocab_size})"
-            )
+        inputs = on_every_rank(ctx, lambda: training_inputs(cfg, source, ctx.world_size, self.accum))
+        self.tokenizer, self.train_ds, self.eval = inputs.tokenizer, inputs.train, inputs.eval
+        self.notes += inputs.notes
+        mconf = inputs.model_config
         self.source, self.mconf = source, mconf
-        train_ds, eval_ds = split(dataset, cfg.data.eval_fraction)
-        dataset.check_supervised(train_ds)
-        check_enough_rows(len(train_ds), t.micro_batch_size, ctx.world_size, self.accum)  # before a file is written
-        self.train_ds, self.eval = train_ds, eval_batches(eval_ds, t.micro_batch_size, t.eval_batches)
 
         self.predicted = self.predicted_step_s = self.replayed = None  # replayed: the allocator model's (one GPU)
         if t.plan_check:

@@ -4,6 +4,7 @@ rendezvous on localhost."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -253,6 +254,17 @@ def test_a_dying_rank_ends_the_job_within_bounded_time(tmp_path, embedded_dir):
     for pid in workers.values():
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
     assert all((p / "trainer_state.json").is_file() for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+
+
+def test_a_data_error_every_rank_finds_is_said_once(tmp_path, embedded_dir):
+    """Each rank reads the data; rank 0 alone prints what they found wrong (it printed twice, once as rank 1's)."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text((json.dumps({"prompt": "x " * 500, "response": "y " * 5}) + "\n") * 10)
+    args = tiny_overrides(tmp_path / "run", *COMMON, f"data.source={data}", "data.max_documents=null")
+    code, _, err = _memfit(args, nproc=2)
+    assert code == 2, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("memfit: error:")]
+    assert len(lines) == 1 and "hold no token that takes a loss: every answer lies past" in lines[0], err[-3000:]
 
 
 def test_sigterm_to_the_launcher_checkpoints_every_rank_in_one_line_and_the_job_resumes(tmp_path, embedded_dir):
