@@ -20,6 +20,7 @@ from memfit.telemetry.bench import (
     BENCH_AXES,
     cells_summary,
     check_cell,
+    check_mem_limit,
     flag_losses,
     matrix,
     rows,
@@ -61,6 +62,8 @@ def run(ns) -> int:
             )
         check_cell(config, c, global_batch, ns.set)
     mem_limit = parse_memory(ns.mem_limit, "--mem-limit") if ns.mem_limit else None
+    if mem_limit:
+        check_mem_limit(mem_limit)
     out = Path(ns.out or f"runs/bench-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
     _check_empty(out)
     check_creatable(out, "--out")

@@ -10,7 +10,8 @@ ZeRO stage (``--zero 0,2``) run on ``--nproc-per-node`` ranks through torchrun (
 memory is the worst rank's and the prediction the planner's per-rank one. The global batch
 is the same in every cell (micro-batch x gradient accumulation), so cells of one precision must reach
 the same loss: a cell that does not is flagged. A cell that runs out of memory (exit code 3) is reported
-as OOM with the bytes its failed allocation asked for.
+as OOM with the bytes its failed allocation asked for; one that ``--mem-limit``'s cap stopped before its
+training step (a signal, a refused import or model build) is OOM too, named by what stopped it.
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ from memfit.config.loader import load_config
 from memfit.config.strategy import ENGINE_OF_STAGE, Strategy, levers
 from memfit.errors import EXIT_OUT_OF_MEMORY, UserError
 from memfit.telemetry.metrics_file import read_metrics
-from memfit.units import GIB
+from memfit.units import GIB, size_text, statm_bytes
 
 LOSS_TOLERANCE = {"fp32": 1e-3}  # relative; others (bf16/fp16) use DEFAULT_TOLERANCE
 DEFAULT_TOLERANCE = 3e-2
+CAP_REFUSALS = ("MemoryError", "failed to map segment", "Cannot allocate memory", "std::bad_alloc")
+"""What a cell's last line says when ``--mem-limit``'s address-space cap refused a mapping outside the training
+step (which exits 3 with the size it asked for): in an import, the tokenizer, building the model."""
 
 
 BENCH_AXES = {
@@ -200,6 +204,34 @@ def _cell_command(config: str, cell: Cell, out: Path, steps: int, global_batch: 
     return [sys.executable, "-m", "memfit.cli", "train", config, *overrides, *launch]
 
 
+def check_mem_limit(mem_limit: int) -> None:
+    """Refuse a ``--mem-limit`` no cell can start under: a cell is a Python that imports torch, as this process
+    has, and the address space this process maps already exceeds the cap (``/proc/self/statm``; Linux).
+
+    Raises:
+        UserError: naming both sizes.
+    """
+    try:
+        mapped = statm_bytes()[0]
+    except OSError:  # no /proc: the cells say it themselves
+        return
+    if mem_limit < mapped:
+        raise UserError(
+            f"--mem-limit {size_text(mem_limit)} is below the {size_text(mapped)} of address space this process "
+            "maps with torch imported, as every cell must before its first step; raise --mem-limit above that"
+        )
+
+
+def exit_text(returncode: int, stderr: str) -> str:
+    """A failed cell's note: the signal that killed it, else its last line on stderr, else its exit code."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name} (signal {-returncode})"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return (stderr.strip().splitlines() or [f"exit code {returncode}"])[-1]
+
+
 def run_cell(
     config: str,
     cell: Cell,
@@ -225,8 +257,11 @@ def run_cell(
         cell.message = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
         return cell
     if proc.returncode != 0:
-        cell.status = "failed"
-        cell.message = (proc.stderr.strip().splitlines() or ["exit code %d" % proc.returncode])[-1]
+        cell.message = exit_text(proc.returncode, proc.stderr)
+        refused = mem_limit and (proc.returncode < 0 or any(s in cell.message for s in CAP_REFUSALS))
+        cell.status = "oom" if refused else "failed"
+        if refused:
+            cell.message += f" under --mem-limit {size_text(mem_limit)}, before the training step; raise --mem-limit"
         return cell
     records = read_metrics(metrics)
     measured = [r for r in records if r["kind"] == "step" and warmup < r["step"] <= warmup + steps]

@@ -42,3 +42,41 @@ def test_a_cell_read_back_from_results_json_is_the_cell_written():
     cell = Cell(strategy, False, nproc=2, status="oom", oom_request_bytes=3 << 30, loss_flag="differs")
     again = Cell.from_dict(json.loads(json.dumps(cell.as_dict())))
     assert again.strategy == strategy and again.as_dict() == cell.as_dict()
+
+
+def _run_under(monkeypatch, tmp_path, code: str, mem_limit):
+    """``run_cell`` with the cell's ``memfit train`` swapped for a Python that does ``code`` (a real child, under
+    the real cap)."""
+    import sys
+
+    from memfit.config.strategy import Strategy
+    from memfit.telemetry import bench
+
+    monkeypatch.setattr(bench, "_cell_command", lambda *a: [sys.executable, "-c", code])
+    return bench.run_cell("tiny-cpu", bench.Cell(Strategy(), True), tmp_path, 0, 1, 2, [], mem_limit)
+
+
+def test_a_cell_the_cap_refuses_before_its_step_is_oom_named_by_what_stopped_it(monkeypatch, tmp_path):
+    """Under ``--mem-limit`` a cell that died before its training step (a MemoryError in an import, a SIGSEGV where
+    a library did not check its allocation) read as "failed: exit code -11"; it is the cap's OOM, and says so."""
+    cell = _run_under(monkeypatch, tmp_path, "bytearray(1 << 40)", 1 << 30)
+    assert cell.status == "oom" and cell.oom_request_bytes is None
+    assert cell.message == "MemoryError under --mem-limit 1.00 GiB, before the training step; raise --mem-limit"
+    cell = _run_under(monkeypatch, tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", 1 << 30)
+    assert (cell.status, cell.message.split(" under")[0]) == ("oom", "killed by SIGSEGV (signal 11)")
+
+
+def test_without_a_cap_a_killed_cell_is_failed_and_names_its_signal(monkeypatch, tmp_path):
+    cell = _run_under(monkeypatch, tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", None)
+    assert (cell.status, cell.message) == ("failed", "killed by SIGSEGV (signal 11)")
+    cell = _run_under(monkeypatch, tmp_path, "raise SystemExit('no such thing')", None)
+    assert (cell.status, cell.message) == ("failed", "no such thing")
+
+
+def test_a_cap_below_what_this_process_maps_is_refused_in_one_line(tmp_path, capsys):
+    from memfit.cli import main
+
+    assert main(["bench", "tiny-cpu", "--ac", "none", "--mem-limit", "1KiB", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("memfit: error: --mem-limit 1,024 bytes is below the ")
+    assert not (tmp_path / "b").exists()
