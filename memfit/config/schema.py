@@ -381,6 +381,8 @@ def check(cfg: RunConfig) -> RunConfig:
         ("lora.alpha", lo.alpha),
     ):
         _need(math.isfinite(value), f"{name} must be a finite number (got {value})")
+    _need(o.eps > 0, f"optimizer.eps must be > 0: it keeps AdamW's update finite where a moment is 0 (got {o.eps})")
+    _need(lo.alpha > 0, f"lora.alpha must be > 0: the adapters' scale is alpha / rank (got {lo.alpha})")
     _need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optimizer.beta1/beta2 must be in [0, 1) (got {o.beta1}, {o.beta2})")
     _need(0 <= o.min_lr_ratio <= 1, f"optimizer.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
     _need(0 <= lo.dropout < 1, f"lora.dropout must be in [0, 1) (got {lo.dropout})")

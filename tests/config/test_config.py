@@ -74,6 +74,8 @@ def test_unknown_section_gets_did_you_mean(tmp_path):
         ("train.snapshot_at_step=-2", r"train.snapshot_at_step must be a step >= 1 or null \(got -2\)"),
         ("train.metrics_host=", r"train.metrics_host is empty: give an address"),  # was: "train.metrics_host :"
         ("strategy.loss_chunks=100000", r"loss_chunks 100000 is more than data.seq_len 256 positions"),  # was: taken
+        ("optimizer.eps=0", r"optimizer.eps must be > 0: it keeps AdamW's update finite .* \(got 0.0\)"),  # was: NaN
+        ("lora.alpha=-2", r"lora.alpha must be > 0: the adapters' scale is alpha / rank \(got -2.0\)"),  # was: taken
     ],
 )
 def test_bad_values_name_the_field(override, message):
