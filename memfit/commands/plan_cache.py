@@ -139,12 +139,12 @@ def replay(entry: dict[str, Any]) -> int | None:
             return None
     sys.stdout.write(entry["stdout"])
     sys.stdout.flush()
-    sys.stderr.write(entry["stderr"])
-    print(
+    print(  # before the kept lines: a kept "nothing fits" stays the last line, as the search printed it
         f"memfit: answered from the plan cache (searched {entry['written_at']} in {entry['seconds']:.1f} s); "
         "MEMFIT_PLAN_CACHE=off searches again",
         file=sys.stderr,
     )
+    sys.stderr.write(entry["stderr"])
     return entry["rc"]
 
 
