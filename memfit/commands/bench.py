@@ -50,7 +50,9 @@ def run(ns) -> int:
         raise UserError(f"--nproc-per-node must be >= 2 for the --zero cells (got {ns.nproc_per_node})")
     if ns.steps < 1 or ns.warmup < 0:
         raise UserError(f"--steps must be >= 1 and --warmup >= 0 (got {ns.steps}, {ns.warmup})")
-    cells = matrix(axes(ns, base), loras, zeros, ns.nproc_per_node)
+    cells, skipped = matrix(axes(ns, base), loras, zeros, ns.nproc_per_node)
+    for line in skipped:
+        print(f"memfit bench: left out {line}", file=sys.stderr)
     micro = [c.strategy.micro_batch_size for c in cells]
     global_batch = ns.global_batch or max(micro) * max(c.nproc for c in cells)
     for c in cells:  # every cell checked before anything is written

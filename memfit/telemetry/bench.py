@@ -117,33 +117,39 @@ class Cell:
         return self.peak_allocated_bytes if self.peak_allocated_bytes is not None else self.peak_rss_bytes
 
 
-def matrix(axes: dict[str, list], loras: list[bool], zeros: list[int | None] = (None,), nproc: int = 2) -> list[Cell]:
+def matrix(
+    axes: dict[str, list], loras: list[bool], zeros: list[int | None] = (None,), nproc: int = 2
+) -> tuple[list[Cell], list[str]]:
     """Every combination of the ``axes`` (``Strategy`` lever name to values, in lever order), LoRA and ZeRO
-    stage; cells with a ZeRO stage (not None) run on ``nproc`` ranks through torchrun.
+    stage; cells with a ZeRO stage (not None) run on ``nproc`` ranks through torchrun. A combination that cannot
+    run is left out, as the planner's search space leaves it: levers that do not combine on the cell's ranks and
+    engine (``Strategy.conflict``, the rule ``memfit train`` refuses by), an NF4 base without LoRA.
+
+    Returns:
+        the cells, and one "<cell>: <why>" for each combination left out.
 
     Raises:
-        UserError: when every combination is one that cannot run (the first such reason, by flag).
+        UserError: when every combination is left out (the first one's reason).
     """
     names = [n for n in levers() if n in axes]
     cells, skipped = [], []
     for values in itertools.product(*(axes[n] for n in names)):
         for lora, zero in itertools.product(loras, zeros):
-            if not lora and dict(zip(names, values)).get("quantize_base", "none") != "none":
-                skipped.append("--quantize-base nf4 quantizes a LoRA run's frozen base: add true to --lora")
-                continue  # an NF4 base is a LoRA run's: a full fine-tune trains every weight
-            if dict(zip(names, values)).get("optimizer_offload") and zero in (0, 1):
-                skipped.append(
-                    f"--optimizer-offload true on several ranks is FSDP2's CPUOffloadPolicy: give --zero 2 or 3, "
-                    f"or none for one process (got {zero})"
-                )
-                continue  # offloaded by FSDP2 (ZeRO-2/3) on several ranks, not by DDP
             strategy = Strategy(**dict(zip(names, values)), zero_stage=zero or 0)
             if strategy.optimizer_name != "adamw" and "optimizer" not in names:  # auto: low-bit steps one by one
                 strategy = strategy.replace(optimizer="for-loop")
-            cells.append(Cell(strategy, lora, 1 if zero is None else nproc, tuple(names)))
+            cell = Cell(strategy, lora, 1 if zero is None else nproc, tuple(names))
+            engine = "single" if zero is None else ENGINE_OF_STAGE[zero]
+            why = strategy.conflict(world_size=cell.nproc, engine=engine)
+            if not lora and strategy.quantize_base != "none":
+                why = "--quantize-base nf4 quantizes a LoRA run's frozen base: add true to --lora"
+            if why:
+                skipped.append(f"{cell.name}: {why}")
+            else:
+                cells.append(cell)
     if not cells and skipped:
         raise UserError(f"no bench cell can run: {skipped[0]}")
-    return cells
+    return cells, skipped
 
 
 def profiled(cell: Cell) -> bool:

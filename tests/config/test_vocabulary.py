@@ -82,7 +82,7 @@ def test_planner_candidates_and_bench_cells_are_strategies():
     space = search_space(w, Cluster(gpu_preset("h100"), 2), Pins({"optimizer": "fused"}))
     assert all(isinstance(s, Strategy) and s.micro_batch_size * s.grad_accum_steps * 2 == 8 for s in space)
     assert {s.zero_stage for s in space} == {0, 1, 2, 3}
-    cells = matrix(
+    cells, _ = matrix(
         {"activation_checkpointing": [CheckpointPolicy("ffn")], "precision": ["fp32"], "micro_batch_size": [2]},
         [False],
         [None, 3],

@@ -244,7 +244,7 @@ def test_results_json_is_rewritten_after_each_cell(tmp_path):
     """An interrupted bench keeps the cells it finished: results.json holds them, the rest pending."""
     from memfit.telemetry.bench import matrix, write_progress
 
-    cells = matrix(
+    cells, _ = matrix(
         {
             "activation_checkpointing": [CheckpointPolicy("none"), CheckpointPolicy("full")],
             "precision": ["fp32"],

@@ -44,8 +44,8 @@ def test_a_run_that_goes_non_finite_stops_before_checkpointing_or_exporting_it(t
         (["--zero", "5"], "--zero must be comma-separated stages 0-3 or none (got '5')"),
         (["--zero", "two"], "--zero must be comma-separated stages 0-3 or none (got 'two')"),
         (["--zero", "2", "--nproc-per-node", "1"], "--nproc-per-node must be >= 2 for the --zero cells (got 1)"),
-        (["--quantize-base", "nf4", "--lora", "false"], "no bench cell can run: --quantize-base nf4 quantizes"),
-        (["--optimizer-offload", "true", "--zero", "1"], "no bench cell can run: --optimizer-offload true on several"),
+        (["--quantize-base", "nf4", "--lora", "false"], "can run: ac-none_fp32_nf4_mb2_full: --quantize-base nf4"),
+        (["--optimizer-offload", "true", "--zero", "1"], "ac-none_fp32_opthost_mb2_lora_zero1x2: optimizer.offload"),
         (["--optimizer-name", "adamw8bit", "--zero", "2"], "runs on one process or DDP without ZeRO (got fsdp2"),
     ],
 )
@@ -288,6 +288,24 @@ def test_an_output_dir_on_a_read_only_mount_is_one_line(tiny_cfg, tmp_path):
         subprocess.run(["umount", "-l", str(ro)], check=True)
 
 
+def test_a_bench_matrix_leaves_out_the_combinations_that_cannot_run_and_names_each():
+    """``--optimizer-name adamw,adamw8bit --zero none,2`` refused the whole bench for its adamw8bit x ZeRO-2 cell
+    while ``--optimizer-offload`` x ZeRO-1 was dropped without a word: both are left out now, each named with
+    ``Strategy.conflict``'s reason, as the planner's search space leaves them out."""
+    from memfit.cli import build_parser
+    from memfit.commands.bench import axes
+    from memfit.config.loader import load_config
+    from memfit.config.shipped import resolve_config_path
+    from memfit.telemetry.bench import matrix
+
+    argv = ["bench", "tiny-cpu", "--ac", "none", "--optimizer-name", "adamw,adamw8bit", "--zero", "none,2"]
+    ns = build_parser().parse_args(argv)
+    cells, skipped = matrix(axes(ns, load_config(str(resolve_config_path("tiny-cpu")))), [True], [None, 2])
+    assert [(c.strategy.optimizer_name, c.nproc) for c in cells] == [("adamw", 1), ("adamw", 2), ("adamw8bit", 1)]
+    assert len(skipped) == 1 and skipped[0].startswith("ac-none_fp32_adamw8bit_mb2_lora_zero2x2: optimizer.name")
+    assert "runs on one process or DDP without ZeRO (got fsdp2, ZeRO-2)" in skipped[0]
+
+
 def test_a_value_given_twice_on_a_bench_axis_is_one_cell():
     """``--micro-batch 2,2`` ran two cells of one name into one directory, the second overwriting the first."""
     from memfit.cli import build_parser
@@ -297,7 +315,7 @@ def test_a_value_given_twice_on_a_bench_axis_is_one_cell():
     from memfit.telemetry.bench import matrix
 
     ns = build_parser().parse_args(["bench", "tiny-cpu", "--micro-batch", "2,2", "--ac", "full,none,full"])
-    cells = matrix(axes(ns, load_config(str(resolve_config_path("tiny-cpu")))), [True])
+    cells, _ = matrix(axes(ns, load_config(str(resolve_config_path("tiny-cpu")))), [True])
     names = [c.name for c in cells]
     assert len(names) == len(set(names)) == 2 and names[0].startswith("ac-full")
 
