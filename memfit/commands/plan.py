@@ -148,7 +148,8 @@ def plan_request(ns) -> PlanRequest:
     if ns.engine != "fsdp2":
         req.engine = ns.engine
     if ns.lora:
-        lora = LoraConfig(enabled=True, rank=ns.lora_rank, alpha=2.0 * ns.lora_rank)
+        rank = 16 if ns.lora_rank is None else ns.lora_rank
+        lora = LoraConfig(enabled=True, rank=rank, alpha=2.0 * rank)
         if ns.lora_alpha is not None:
             lora.alpha = ns.lora_alpha
         if ns.lora_targets is not None:
@@ -159,11 +160,21 @@ def plan_request(ns) -> PlanRequest:
             raise UserError(
                 f"--lora-targets must name at least one module, e.g. q_proj,v_proj (got '{ns.lora_targets}')"
             )
-        if not math.isfinite(lora.alpha):
-            raise UserError(f"--lora-alpha must be a finite number (got {lora.alpha})")
+        if not (math.isfinite(lora.alpha) and lora.alpha > 0):
+            raise UserError(
+                f"--lora-alpha must be a finite number > 0: the adapters' scale is alpha / rank (got {lora.alpha})"
+            )
         req.lora = lora
-    elif ns.lora_targets is not None or ns.lora_alpha is not None:
-        raise UserError("--lora-targets and --lora-alpha describe LoRA adapters: give --lora too")
+    else:
+        given = [
+            f
+            for f in ("--lora-rank", "--lora-targets", "--lora-alpha")
+            if getattr(ns, f[2:].replace("-", "_")) is not None
+        ]
+        if given:
+            raise UserError(
+                f"{', '.join(given)} describe{'s' if len(given) == 1 else ''} LoRA adapters: give --lora too"
+            )
     if req.model is None:
         raise UserError("memfit plan needs --model (a preset such as llama2-7b, a checkpoint directory) or --config")
     req.typed_pins()  # every pin checked before any model is read

@@ -241,7 +241,10 @@ def test_plan_takes_lora_targets_and_alpha_and_shows_them(capsys, tmp_path):
             "--lora-targets must name at least one module, e.g. q_proj,v_proj (got ',')",
         ),
         (["--lora", "--lora-rank", "0"], "--lora-rank must be >= 1 (got 0)"),
-        (["--lora", "--lora-alpha", "nan"], "--lora-alpha must be a finite number (got nan)"),
+        (["--lora", "--lora-alpha", "nan"], "--lora-alpha must be a finite number > 0: the adapters' scale is"),
+        (["--lora", "--lora-alpha", "-1"], "--lora-alpha must be a finite number > 0: the adapters' scale is"),  # taken
+        (["--lora-rank", "0"], "--lora-rank describes LoRA adapters: give --lora too"),  # was: ignored in silence
+        (["--lora-rank", "8", "--lora-alpha", "16"], "--lora-rank, --lora-alpha describe LoRA adapters: give --lora"),
         (["--lora", "--lora-targets", "qq_proj"], "'qq_proj' is not a Linear module of this model"),
     ],
 )
