@@ -124,6 +124,9 @@ def pack_text(files: list[Path], tokenizer, seq_len: int) -> TokenDataset:
         stream.append(tokenizer.eos_token_id)
     row = seq_len + 1
     n = len(stream) // row
+    if len(stream) == len(files):  # an EOS after each file, and nothing else
+        what = f"'{files[0]}' is" if len(files) == 1 else f"the {len(files)} .txt files in '{files[0].parent}' are"
+        raise UserError(f"data.source: {what} empty (no text to tokenize); give a file with text in it")
     if n < 2:
         raise UserError(
             f"data.source: only {len(stream)} tokens, fewer than two rows of data.seq_len+1 = {row}; "

@@ -129,6 +129,16 @@ def test_missing_data_source():
         load_dataset(DataConfig(source="nope.txt"), tokenizer=None)
 
 
+def test_empty_text_is_named_as_empty(tmp_path, tokenizer):
+    """An empty .txt was "only 1 tokens, fewer than two rows" (the 1 was the EOS memfit appends)."""
+    (tmp_path / "a.txt").write_text("")
+    with pytest.raises(UserError, match=rf"data.source: '{tmp_path / 'a.txt'}' is empty \(no text to tokenize\)"):
+        load_dataset(DataConfig(source=str(tmp_path / "a.txt"), seq_len=16), tokenizer)
+    (tmp_path / "b.txt").write_text("")
+    with pytest.raises(UserError, match=rf"the 2 .txt files in '{tmp_path}' are empty"):
+        load_dataset(DataConfig(source=str(tmp_path), seq_len=16), tokenizer)
+
+
 def test_sampler_resumes_at_any_batch():
     full = EpochBatchSampler(10, 3, seed=5)
     it = iter(full)
