@@ -72,15 +72,15 @@ class ChunkedLoss:
         # for each chunk, in forward and in the recomputation in backward; targets are hidden meanwhile
         held, self._targets = self._targets, None
         try:
-            # a chunk of the sequence is a strided view; contiguous, its matmul is one (B*T/N, C) x (C, V) mm in
-            # forward and in the recomputation alike (a strided one may be a batched matmul that saves an expanded
-            # weight, and whether it is depends on the layout, which offloading's copies do not keep)
-            logits = self.head(hidden.contiguous())  # (B, T/N, V)
+            # a chunk of the sequence is a strided view; as rows, its matmul is one (B*T/N, C) x (C, V) mm in
+            # forward and in the recomputation alike. A 3-D input is folded into rows only where its strides allow
+            # it (or its weight is trained), and offloading's copies do not keep the layout: at micro-batch 1 a
+            # chunk is "contiguous" with a stride no copy keeps, so forward ran a batched matmul (saving an expanded
+            # frozen weight) and the recomputation an mm, which checkpointing refused (CheckpointError)
+            logits = self.head(hidden.reshape(-1, hidden.shape[-1]))  # (B*T/N, V)
         finally:
             self._targets = held
-        return F.cross_entropy(
-            logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        return F.cross_entropy(logits.float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def token_loss_sum(

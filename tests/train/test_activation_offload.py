@@ -62,6 +62,29 @@ def test_offload_copies_each_saved_tensor_once_and_gives_back_equal_values():
     assert len({id(p) for p in offloaded}) < len(offloaded)  # x, saved by mul twice, has one host copy
 
 
+@pytest.mark.parametrize("micro_batch", [1, 2])
+def test_a_chunked_loss_over_a_frozen_head_recomputes_from_offloaded_copies(micro_batch):
+    """LoRA leaves the output projection frozen. At micro-batch 1 a chunk of the sequence counts as contiguous
+    with a stride no host copy keeps, and a frozen weight's matmul folds a 3-D input into rows only where its
+    strides allow: forward took a batched matmul and the recomputation from the offloaded copy an mm, and
+    checkpointing refused the step (on Llama-2-7B at 512 tokens, where a chunk passes the offload threshold)."""
+    from memfit.step.loss import ChunkedLoss
+
+    torch.manual_seed(0)
+    body = torch.nn.Linear(16, 64)
+    head = torch.nn.Linear(64, 100, bias=False).requires_grad_(False)
+    x, y = torch.randn(micro_batch, 32, 16), torch.randint(0, 100, (micro_batch, 32))
+    plain = torch.nn.functional.cross_entropy(head(body(x)).flatten(0, 1), y.flatten(), reduction="sum")
+    plain.backward()
+    expected, body.weight.grad = body.weight.grad, None
+    chunked = ChunkedLoss(head, 4)
+    with ActivationOffload(torch.device("cpu"), copies_back=True, min_bytes=0), chunked.targets(y):
+        loss = head(body(x))  # the summed loss, chunk by chunk
+    loss.backward()
+    assert loss.item() == pytest.approx(plain.item(), rel=1e-6)
+    torch.testing.assert_close(body.weight.grad, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "ac, precision, lora",
     [("none", "fp32", False), ("ffn", "bf16-mixed", True), ("every_k:2", "bf16-pure", False), ("full", "fp32", True)],
