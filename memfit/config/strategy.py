@@ -121,6 +121,11 @@ class Lever:
             32-bit AdamW) does not fit (unless pinned).
         last_resort: a fallback whose traces cost several times a plain candidate's: tried only when no
             candidate without it fits (unless pinned).
+        forward_changes: the memory categories (``planner.categories.Category`` values) whose bytes its values may
+            change in the forward pass (None: not declared). Two candidates that differ only in levers that declare
+            them hold every other category alike in forward, so either's prediction bounds the other's peak from
+            below: the planner leaves a fallback untraced where that bound alone does not fit.
+        sharded_changes: what it may change besides on several ranks (an engine's offload of parameter shards).
     """
 
     config_key: str
@@ -132,6 +137,8 @@ class Lever:
     config_parse: Callable[[Any, str], Any] | None = None
     fallback: bool = False
     last_resort: bool = False
+    forward_changes: tuple[str, ...] | None = None
+    sharded_changes: tuple[str, ...] = ()
 
 
 def _lever(
@@ -207,6 +214,7 @@ class Strategy:
         QUANTIZED_BASES,
         _choice(QUANTIZED_BASES),
         fallback=True,
+        forward_changes=("params", "temporaries"),  # 4-bit weights, each dequantized for its matmul
     )
     loss_chunks: int = _lever(
         0,
@@ -228,6 +236,7 @@ class Strategy:
         "checkpoint boundaries move",
         fallback=True,
         last_resort=True,
+        forward_changes=("activations", "temporaries"),  # saved tensors copied out, buffers for the copies
     )
     optimizer: str = _lever(
         "foreach",
@@ -235,6 +244,7 @@ class Strategy:
         "--optimizer",
         OPTIMIZER_IMPLEMENTATIONS,
         _choice(OPTIMIZER_IMPLEMENTATIONS),
+        forward_changes=(),  # the update's temporaries only
     )
     optimizer_name: str = _lever(
         "adamw",
@@ -243,6 +253,7 @@ class Strategy:
         OPTIMIZER_NAMES,
         _choice(OPTIMIZER_NAMES),
         fallback=True,
+        forward_changes=("optimizer",),  # smaller states, whole in every steady forward pass
     )
     optimizer_in_backward: bool = _lever(
         False,
@@ -251,6 +262,7 @@ class Strategy:
         (False, True),
         _flag,
         fallback=True,
+        forward_changes=("grads",),  # none without accumulation, which the step in backward cannot do
     )
     optimizer_offload: bool = _lever(
         False,
@@ -259,6 +271,8 @@ class Strategy:
         (False, True),
         _flag,
         fallback=True,
+        forward_changes=("grads", "optimizer"),  # on one GPU a host master copy: the device weights stay
+        sharded_changes=("params",),  # FSDP2's CPUOffloadPolicy and DeepSpeed's offload_param move their shards
     )
     packing: bool = _lever(
         False,

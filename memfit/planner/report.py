@@ -216,8 +216,8 @@ def render_table(r: PlanResult, console: Console, top: int, limits: Limits | Non
         + (f", {r.cached_traces} of them from the trace cache" if r.cached_traces else "")
         + (
             f"; {r.untried} with a fallback (offloading, the step in backward, low-bit AdamW states, an NF4 base) "
-            "not tried: each only where no candidate as fast fits without it, activation offloading only where no "
-            "other does"
+            "not tried: each only where no candidate as fast fits without it and no predicted relative shows it "
+            "cannot fit, activation offloading only where no other does"
             if r.untried
             else ""
         )

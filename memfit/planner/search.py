@@ -45,6 +45,7 @@ from memfit.planner.cost import (
     step_flops,
     step_time_s,
 )
+from memfit.planner.floor import Relatives, family
 from memfit.planner.hardware import Gpu
 from memfit.planner.predict import Predictor, trace_workers
 from memfit.planner.sharding import ShardingSpec, comm_bytes_per_step, validate
@@ -376,6 +377,14 @@ def search(
     first = [s for s in strategies if not fallbacks(s, pins.levers)]
     predictor.prefetch(first)
     done = {s: _candidate(s, w, c, pins, predictor, usable) for s in first}
+    relatives = Relatives(sharded=c.world_size > 1)
+    for s, cand in done.items():
+        relatives.add(s, cand.memory)
+
+    def bounded_out(s: Strategy) -> bool:
+        """Whether a predicted relative (``floor.Relatives``) alone shows ``s`` cannot fit: left untraced."""
+        return reserved_estimate(relatives.floor_bytes(s), c) > usable
+
     # a fallback lever (offloading, the step in backward) is as fast as its twin at best: tried where the twin
     # does not fit and would be at least as fast as the fastest candidate that fits, and no faster fallback fits
     fastest = min((time_bucket(c.step_time_s) for c in done.values() if c.fits), default=None)
@@ -390,17 +399,7 @@ def search(
         if anything_fits and any(getattr(s, n) for n in last_resorts):
             return False
         twin = twin_of(s)
-        # offloading and the step in backward touch neither the parameters nor the optimizer state (low-bit
-        # states and an NF4 base do): what the twin holds of them at every moment is a floor no fallback goes under
-        kept = [Category.PARAMS, Category.OPTIMIZER]
-        if s.optimizer_name != twin.strategy.optimizer_name:
-            kept.remove(Category.OPTIMIZER)
-        if s.quantize_base != twin.strategy.quantize_base:
-            kept.remove(Category.PARAMS)
-        if s.optimizer_offload and Category.OPTIMIZER in kept:
-            kept.remove(Category.OPTIMIZER)  # the state is host memory
-        floor = min(sum(b[k] for k in kept) for b in twin.memory.phase_peaks.values())
-        could_fit = reserved_estimate(floor, c) <= usable
+        could_fit = not bounded_out(s)  # by what the twin holds in forward, less what the fallbacks change
         return not twin.fits and could_fit and (fastest is None or time_bucket(twin.step_time_s) <= fastest)
 
     def twin_bucket(s: Strategy) -> int:
@@ -420,13 +419,19 @@ def search(
         for bucket, group in itertools.groupby(tier, key=twin_bucket):
             if fastest is not None and fastest <= bucket:
                 break
-            # within a bucket the twins tie: in the ranking's order of preference, a few at a time, until one fits
-            group = sorted(group, key=lambda s: _rank_key(twin_of(s))[1:])
-            for i in range(0, len(group), FALLBACKS_AT_ONCE):
-                chunk = group[i : i + FALLBACKS_AT_ONCE]
+            # within a bucket the twins tie: fewer fallbacks first (each trades time or accuracy), then in the
+            # ranking's order of preference, a few at a time, until one fits; each round's predictions may bound
+            # the rest out
+            group = sorted(group, key=lambda s: (len(fallbacks(s, pins.levers)), _rank_key(twin_of(s))[1:]))
+            while group:
+                chunk, group = _next_round([s for s in group if not bounded_out(s)])
+                if not chunk:
+                    break
                 predictor.prefetch(chunk)
                 tried = {s: _candidate(s, w, c, pins, predictor, usable) for s in chunk}
                 done.update(tried)
+                for s, cand in tried.items():
+                    relatives.add(s, cand.memory)
                 fits = [time_bucket(cand.step_time_s) for cand in tried.values() if cand.fits]
                 if fits:
                     fastest = min(fits) if fastest is None else min(fastest, *fits)
@@ -438,6 +443,18 @@ def search(
     result.pruned.sort(key=lambda k: (k.shortfall_bytes, k.reserved_bytes))
     result.traces, result.cached_traces = predictor.traces, predictor.cached
     return result
+
+
+def _next_round(group: list[Strategy]) -> tuple[list[Strategy], list[Strategy]]:
+    """The next ``FALLBACKS_AT_ONCE`` of ``group`` to trace, one per family (``floor.family``: a predicted candidate
+    may bound its relatives out), and the rest, in their order."""
+    chunk: list[Strategy] = []
+    families = set()
+    for s in group:
+        if len(chunk) < FALLBACKS_AT_ONCE and family(s) not in families:
+            chunk.append(s)
+            families.add(family(s))
+    return chunk, [s for s in group if s not in chunk]
 
 
 def evaluate(strategy: Strategy, result: PlanResult, predictor: Predictor) -> Candidate:
@@ -551,47 +568,3 @@ def step_allocations(
         events = trace_allocations(spec, steps=2)
         trace_cache.store_allocations(key, events)
     return events
-
-
-def check_host_fits(step: StepMemory, ranks_on_node: int, available_bytes: int | None) -> None:
-    """Refuse a run whose ranks on this node are predicted to hold more host memory (offloaded activations and
-    optimizer state) than the node has available now (``MemAvailable``; None: not known, not checked).
-
-    Raises:
-        UserError: naming both sizes and the way out.
-    """
-    need = step.host_peak_bytes * ranks_on_node
-    if available_bytes is not None and need > available_bytes:
-        raise UserError(
-            f"predicted to hold {need / GIB:.2f} GiB of host memory ({ranks_on_node} rank(s) x "
-            f"{step.host_peak_bytes / GIB:.2f} GiB offloaded) but this node has {available_bytes / GIB:.2f} GiB "
-            "available; offload less (optimizer.offload, strategy.activation_offload), free host memory, or set "
-            "train.plan_check=false to try anyway"
-        )
-
-
-def check_fits(step: StepMemory, capacity_bytes: int, device_label: str, replayed=None) -> None:
-    """Refuse a single-device run predicted not to fit ``capacity_bytes``, or one whose replay through
-    the allocator model (``replayed``, a ``whatif.Replay``) runs out of memory.
-
-    Raises:
-        UserError: naming the predicted need, the capacity and the two ways out.
-    """
-    need = reserved_estimate(step.peak_bytes)
-    ways_out = (
-        f"run `memfit plan --config <this config> --gpu-mem {capacity_bytes / GIB:.0f}GiB` for one that fits, "
-        "or set train.plan_check=false to try anyway"
-    )
-    if need > capacity_bytes:
-        raise UserError(
-            f"predicted to need {need / GIB:.2f} GiB (peak {step.peak_bytes / GIB:.2f} GiB in {step.peak_phase}) but "
-            f"{device_label} offers {capacity_bytes / GIB:.2f} GiB; {ways_out}"
-        )
-    if replayed is not None and replayed.oom:
-        raise UserError(
-            f"the caching-allocator model runs out of memory replaying this run's first two steps under "
-            f"{replayed.settings.label()} settings on {device_label} (peak reserved "
-            f"{replayed.peak_reserved_bytes / GIB:.2f} "
-            f"GiB, {replayed.alloc_retries} cache releases and retries); {ways_out}, or try other allocator settings "
-            "(`memfit plan --explain 1 --simulate`)"
-        )

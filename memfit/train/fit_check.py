@@ -20,21 +20,21 @@ from memfit.config.schema import RunConfig
 from memfit.config.strategy import Strategy
 from memfit.device import device_name, supports_bf16
 from memfit.distributed.runtime import DistContext
+from memfit.errors import UserError
 from memfit.planner.categories import StepMemory
 from memfit.planner.hardware import cpu_device, device_preset
 from memfit.planner.search import (
     CONTEXT_BYTES,
     Cluster,
     Workload,
-    check_fits,
-    check_host_fits,
     modelled_step_time_s,
     predict_run,
+    reserved_estimate,
     step_allocations,
 )
 from memfit.planner.sharding import ShardingSpec
 from memfit.strategies.allocator import conf_in_effect
-from memfit.units import meminfo
+from memfit.units import GIB, meminfo
 
 
 def planned_step(
@@ -122,3 +122,47 @@ def restart_allocator(
         results, _ = compare(_planned_trace(cfg, strategy, mconf), capacity, hip, torch_version=version)
         advice, replayed = restart_advice(results, now, hip, version), "the planned first two steps"
     return {"allocator": {**advice, "replayed": replayed}} if advice else {}
+
+
+def check_host_fits(step: StepMemory, ranks_on_node: int, available_bytes: int | None) -> None:
+    """Refuse a run whose ranks on this node are predicted to hold more host memory (offloaded activations and
+    optimizer state) than the node has available now (``MemAvailable``; None: not known, not checked).
+
+    Raises:
+        UserError: naming both sizes and the way out.
+    """
+    need = step.host_peak_bytes * ranks_on_node
+    if available_bytes is not None and need > available_bytes:
+        raise UserError(
+            f"predicted to hold {need / GIB:.2f} GiB of host memory ({ranks_on_node} rank(s) x "
+            f"{step.host_peak_bytes / GIB:.2f} GiB offloaded) but this node has {available_bytes / GIB:.2f} GiB "
+            "available; offload less (optimizer.offload, strategy.activation_offload), free host memory, or set "
+            "train.plan_check=false to try anyway"
+        )
+
+
+def check_fits(step: StepMemory, capacity_bytes: int, device_label: str, replayed=None) -> None:
+    """Refuse a single-device run predicted not to fit ``capacity_bytes``, or one whose replay through
+    the allocator model (``replayed``, a ``whatif.Replay``) runs out of memory.
+
+    Raises:
+        UserError: naming the predicted need, the capacity and the two ways out.
+    """
+    need = reserved_estimate(step.peak_bytes)
+    ways_out = (
+        f"run `memfit plan --config <this config> --gpu-mem {capacity_bytes / GIB:.0f}GiB` for one that fits, "
+        "or set train.plan_check=false to try anyway"
+    )
+    if need > capacity_bytes:
+        raise UserError(
+            f"predicted to need {need / GIB:.2f} GiB (peak {step.peak_bytes / GIB:.2f} GiB in {step.peak_phase}) but "
+            f"{device_label} offers {capacity_bytes / GIB:.2f} GiB; {ways_out}"
+        )
+    if replayed is not None and replayed.oom:
+        raise UserError(
+            f"the caching-allocator model runs out of memory replaying this run's first two steps under "
+            f"{replayed.settings.label()} settings on {device_label} (peak reserved "
+            f"{replayed.peak_reserved_bytes / GIB:.2f} "
+            f"GiB, {replayed.alloc_retries} cache releases and retries); {ways_out}, or try other allocator settings "
+            "(`memfit plan --explain 1 --simulate`)"
+        )

@@ -390,7 +390,8 @@ def test_planner_matches_profiler_on_real_smollm2(embedded_dir, ac, precision, l
 def test_trainer_plan_check_refuses_what_does_not_fit():
     """The decision the trainer makes on a GPU before allocating (capacity given, as a GPU would)."""
     from memfit.errors import UserError
-    from memfit.planner.search import check_fits, predict_run, reserved_estimate
+    from memfit.planner.search import predict_run, reserved_estimate
+    from memfit.train.fit_check import check_fits
 
     step = predict_run(
         preset_config("tiny"),
@@ -407,7 +408,8 @@ def test_trainer_plan_check_refuses_what_does_not_fit():
 def test_trainer_check_refuses_a_run_the_allocator_model_sees_run_out_of_memory():
     """The margin says it fits; replayed in less memory than the step needs, the model runs out."""
     from memfit.allocator.whatif import as_trace, replay, settings_from_conf
-    from memfit.planner.search import check_fits, predict_run, reserved_estimate, step_allocations
+    from memfit.planner.search import predict_run, reserved_estimate, step_allocations
+    from memfit.train.fit_check import check_fits
 
     cfg = preset_config("tiny")
     strategy = Strategy(precision="fp32", optimizer="foreach", micro_batch_size=2)

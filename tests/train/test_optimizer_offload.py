@@ -261,7 +261,7 @@ def test_planned_for_a_gpu_the_pinned_copies_are_rounded_as_pytorchs_pinned_allo
 def test_the_trainers_fit_check_refuses_host_memory_the_node_has_not_got():
     """On a GPU the fit check sums the node's ranks' predicted host peaks against the memory available now."""
     from memfit.planner.categories import Breakdown, StepMemory
-    from memfit.planner.search import check_host_fits
+    from memfit.train.fit_check import check_host_fits
 
     step = StepMemory(Breakdown({}), {"optimizer": Breakdown({})}, "optimizer", host_peak_bytes=3 << 30)
     check_host_fits(step, 1, 5 << 30)
