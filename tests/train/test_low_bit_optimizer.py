@@ -185,8 +185,9 @@ def test_impossible_combinations_are_one_line(tiny_cfg, monkeypatch):
 def test_the_search_tries_low_bit_states_only_where_32_bit_adamw_does_not_fit():
     """A full fine-tune of a 12-layer wide tiny model (its embedding a tenth of its weights) on a GPU without
     bf16 (fp16-mixed: fp32 master weights and moments), micro-batch 1 under full checkpointing: with room for
-    32-bit AdamW no low-bit candidate is traced; with room for the 8-bit step but not the 32-bit one, only
-    low-bit candidates fit, 8-bit first (the safer of the two at the same speed)."""
+    32-bit AdamW no low-bit candidate is traced; with room for the 8-bit step but not the 32-bit one, 8-bit
+    states fit (the safer of the two at the same speed: 4-bit, their relative, is then not traced); with room
+    for the 4-bit step only, 4-bit states fit."""
     w = Workload(wide_tiny_config(12), "wide-tiny", 128, 2)
     pins = {"activation_checkpointing": CheckpointPolicy("full"), "loss_chunks": 0, "micro_batch_size": 1}
     pins["optimizer_offload"] = False  # the optimizer in host memory, the other fallback for the state, aside
@@ -201,5 +202,7 @@ def test_the_search_tries_low_bit_states_only_where_32_bit_adamw_does_not_fit():
     need["adamw"] = min(c.reserved_bytes for c in roomy.fitting)
     assert need["adamw4bit"] < need["adamw8bit"] < need["adamw"]
     tight = plan(need["adamw"] - 1)
-    assert tight.fitting and {c.strategy.optimizer_name for c in tight.fitting} == set(CODE_BITS)
-    assert tight.best.strategy.optimizer_name == "adamw8bit"
+    assert tight.fitting and {c.strategy.optimizer_name for c in tight.fitting} == {"adamw8bit"}
+    tighter = plan(need["adamw8bit"] - 1)
+    assert tighter.fitting and {c.strategy.optimizer_name for c in tighter.fitting} == {"adamw4bit"}
+    assert "adamw8bit" in {c.strategy.optimizer_name for c in tighter.pruned}
