@@ -114,7 +114,11 @@ def test_a_plan_where_nothing_fits_is_replayed_with_its_one_line_status_and_page
     assert page.read_text() == first
 
 
-@pytest.mark.parametrize("damage", [b"", b"not gzip", gzip.compress(b"{not json"), gzip.compress(b'{"rc": "x"}')])
+@pytest.mark.parametrize(
+    "damage",
+    [b"", b"not gzip", gzip.compress(b"{not json", mtime=0), gzip.compress(b'{"rc": "x"}', mtime=0)],
+    ids=["empty", "not-gzip", "gzip-not-json", "gzip-json-without-an-answer"],
+)
 def test_a_damaged_answer_is_said_in_one_line_and_searched_again(plans, capsys, damage):
     code, out, _ = _ask(capsys)
     (entry,) = plans.glob("*.json.gz")
