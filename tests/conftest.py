@@ -16,6 +16,12 @@ from support.tiny import tiny_config
 from memfit.models.load import embedded_checkpoint_dir
 from memfit.planner import trace_cache
 
+# under pytest-xdist (make test), each worker's torch runs one thread, and so do the processes its tests start: two
+# workers of two threads each, and their subprocesses, oversubscribed the 2-core VM (40 min of CPU for 28 serially)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 # the plan and config caches are off unless a test turns them on: a test that patches a module constant an answer
 # depends on must never read one made without the patch (subprocesses inherit this)
 os.environ["MEMFIT_PLAN_CACHE"] = "off"
