@@ -87,20 +87,57 @@ def _agree(ds: dict, dotted: str, ours: Any, our_name: str, path: Path) -> None:
         )
 
 
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")  # DeepSpeed's OffloadDeviceEnum
+DEPRECATED_OFFLOAD = {"offload_optimizer": "cpu_offload", "offload_param": "cpu_offload_param"}
+"""The booleans DeepSpeed still reads in place of each offload section (device cpu where true)."""
+
+
 def offloaded(ds: dict, where: str) -> tuple[bool, bool]:
     """Whether a DeepSpeed config offloads (the optimizer state, the parameters) to host memory:
-    ``zero_optimization.offload_optimizer.device`` / ``offload_param.device`` ``cpu``.
+    ``zero_optimization.offload_optimizer.device`` / ``offload_param.device`` ``cpu``, or the deprecated
+    ``cpu_offload`` / ``cpu_offload_param`` true, as DeepSpeed reads them.
 
     Raises:
-        UserError: for NVMe offloading, which memfit neither plans nor measures.
+        UserError: for NVMe offloading, which memfit neither plans nor measures; a device DeepSpeed does not know;
+            a deprecated boolean beside its section (DeepSpeed refuses the pair); a partial optimizer offload
+            (``ratio`` below 1), which memfit plans as whole.
     """
     out = []
-    for key in ("offload_optimizer", "offload_param"):
-        device = setting(ds, f"zero_optimization.{key}.device")
+    for key, old in DEPRECATED_OFFLOAD.items():
+        legacy = setting(ds, f"zero_optimization.{old}")
+        if legacy is not None and setting(ds, f"zero_optimization.{key}") is not None:
+            raise UserError(
+                f"{where}: zero_optimization.{old} (deprecated) and zero_optimization.{key} together, which "
+                f"DeepSpeed refuses; keep {key} alone"
+            )
+        if legacy is not None and not isinstance(legacy, bool):
+            raise UserError(f"{where}: zero_optimization.{old} must be true or false (got {json.dumps(legacy)})")
+        device = ("cpu" if legacy else "none") if legacy is not None else setting(ds, f"zero_optimization.{key}.device")
+        if device is not None and device not in OFFLOAD_DEVICES:
+            raise UserError(
+                f"{where}: zero_optimization.{key}.device is {json.dumps(device)}; DeepSpeed takes "
+                + " | ".join(OFFLOAD_DEVICES)
+                + " (memfit plans cpu)"
+            )
         if device == "nvme":
             raise UserError(f"{where}: zero_optimization.{key}.device nvme: memfit plans host memory only; use cpu")
         out.append(device == "cpu")
+    ratio = setting(ds, "zero_optimization.offload_optimizer.ratio")
+    if out[0] and ratio is not None and ratio != 1:
+        raise UserError(
+            f"{where}: zero_optimization.offload_optimizer.ratio {json.dumps(ratio)}: memfit plans and measures the "
+            "whole optimizer state offloaded; set it to 1.0 or remove it"
+        )
     return out[0], out[1]
+
+
+def modern_offload_keys(ds: dict) -> None:
+    """Each deprecated offload boolean in ``ds`` replaced by the section DeepSpeed reads it as (after ``offloaded``
+    has checked them), so that memfit can fill the section in without DeepSpeed refusing the pair."""
+    zero = ds.get("zero_optimization")
+    for key, old in DEPRECATED_OFFLOAD.items():
+        if isinstance(zero, dict) and zero.pop(old, None):
+            zero[key] = {"device": "cpu"}
 
 
 OBJECT_KEYS = (
@@ -165,6 +202,8 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
     """
     ds = copy.deepcopy(read_ds(path))
     t, o = cfg.train, cfg.optimizer
+    offloaded(ds, str(path))  # refused here where memfit cannot run it
+    modern_offload_keys(ds)
     if o.offload and not offloaded(ds, str(path))[0]:
         _agree(ds, "zero_optimization.offload_optimizer.device", "cpu", "optimizer.offload (true)", path)
     _agree(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size", path)

@@ -291,3 +291,76 @@ def test_the_search_tries_the_host_optimizer_only_where_the_state_on_the_device_
     tight = plan(min(c.reserved_bytes for c in roomy.fitting) - 1)
     assert tight.fitting and all(c.strategy.optimizer_offload for c in tight.fitting)
     assert tight.best.memory.peak[Category.OPTIMIZER] == 0 and tight.best.host_node_bytes > 0
+
+
+@pytest.mark.parametrize(
+    "zero, want",
+    [
+        ({"cpu_offload": True}, (True, False)),  # deprecated booleans, read as DeepSpeed reads them
+        ({"cpu_offload": False, "cpu_offload_param": True}, (False, True)),
+        ({"offload_optimizer": {"device": "none"}, "offload_param": {}}, (False, False)),
+        ({"offload_optimizer": {"device": "cpu", "ratio": 1.0}}, (True, False)),
+    ],
+)
+def test_deepspeeds_offload_keys_are_read_as_deepspeed_reads_them(zero, want):
+    from memfit.distributed.deepspeed_engine import modern_offload_keys, offloaded
+
+    ds = {"zero_optimization": {"stage": 3, **zero}}
+    assert offloaded(ds, "ds.json") == want
+    modern_offload_keys(ds)
+    assert not {"cpu_offload", "cpu_offload_param"} & ds["zero_optimization"].keys()
+    assert offloaded(ds, "ds.json") == want  # the sections they stand for say the same
+
+
+@pytest.mark.parametrize(
+    "zero, needle",
+    [
+        ({"offload_optimizer": {"device": "CPU"}}, 'offload_optimizer.device is "CPU"; DeepSpeed takes none | cpu'),
+        ({"offload_param": {"device": "nvme"}}, "offload_param.device nvme: memfit plans host memory only"),
+        ({"cpu_offload": True, "offload_optimizer": {"device": "cpu"}}, "cpu_offload (deprecated) and zero_opt"),
+        ({"cpu_offload_param": "yes"}, 'cpu_offload_param must be true or false (got "yes")'),
+        ({"offload_optimizer": {"device": "cpu", "ratio": 0.3}}, "offload_optimizer.ratio 0.3: memfit plans"),
+    ],
+)
+def test_deepspeed_offloads_memfit_cannot_plan_are_one_line_in_plan_and_train(tmp_path, capsys, zero, needle):
+    import json
+
+    from support.tiny import tiny_config
+
+    from memfit.cli import main
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, **zero}}))
+    args = ["plan", "--model", "tiny", "--gpu", "h100", "--gpus-per-node", "2", "--seq-len", "64", "--deepspeed"]
+    assert main([*args, str(ds)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and needle in err, err
+    cfg = tiny_config(
+        tmp_path / "run",
+        "distributed.engine=deepspeed",
+        "distributed.zero_stage=3",
+        f"distributed.deepspeed_config={ds}",
+    )
+    from memfit.train.levers import run_levers
+
+    with pytest.raises(UserError, match="ds.json: zero_optimization"):
+        run_levers(cfg, CPU, 2)
+
+
+def test_a_deprecated_cpu_offload_is_filled_in_as_its_section_and_agrees_with_optimizer_offload(tmp_path):
+    """The JSON DeepSpeed is given: ``cpu_offload`` false beside optimizer.offload=true became both keys, which
+    DeepSpeed refuses; now the section alone, offloading, as memfit's config asks."""
+    import json
+
+    from support.tiny import tiny_config
+
+    from memfit.distributed.deepspeed_engine import reconcile
+    from memfit.strategies.precision import precision_policy
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "cpu_offload": False}}))
+    cfg = tiny_config(
+        tmp_path / "run", "distributed.engine=deepspeed", "distributed.zero_stage=2", "optimizer.offload=true"
+    )
+    got = reconcile(ds, cfg, precision_policy("fp32"), 2, 1)["zero_optimization"]
+    assert "cpu_offload" not in got and got["offload_optimizer"] == {"device": "cpu"}
