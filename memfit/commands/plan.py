@@ -227,6 +227,17 @@ def _simulate(
         )
 
 
+def _with_pinning_files(message: str, pins: dict[str, tuple[Any, str]]) -> str:
+    """``message`` with the ``--config``/``--deepspeed`` file that pinned each config key it names: a refusal of
+    pins that do not combine says which file to edit, not only the key."""
+    named = [
+        where
+        for _, where in pins.values()
+        if where.startswith(("--config ", "--deepspeed ")) and where.rsplit(": ", 1)[-1] in message
+    ]
+    return message + (f" (pinned by {'; '.join(named)})" if named else "")
+
+
 def _cpu_cluster(ns) -> Cluster:
     """This machine's CPU as ``--device cpu`` plans for it: ``--mem`` or the memory available now, and the
     resident memory of this process (torch and transformers imported) as the runtime's share.
@@ -307,7 +318,10 @@ def run(ns, answered: Answered | None = None) -> int:
     workload = Workload(config_for_planning(req.model), req.model, seq_len, req.global_batch, req.lora)
     pins = Pins(pinned, req.engine, req.offload_params)
     with trace_workers():  # the search's trace workers serve the limits' probes too
-        result = search(workload, cluster, pins, ns.headroom)
+        try:
+            result = search(workload, cluster, pins, ns.headroom)
+        except UserError as e:
+            raise UserError(_with_pinning_files(str(e), req.pins)) from None
         limits = _limits(result, ns)
     if answered is not None and not gpu.is_cpu:  # a CPU plan reads the memory available now: never kept
         model_file = planning_config_file(req.model)

@@ -67,6 +67,23 @@ def test_plan_errors_are_one_line(capsys, args, message):
     assert code == 2 and message in err and "\n" not in err
 
 
+def test_a_refusal_of_pins_names_the_file_that_pinned_the_key(capsys, tmp_path):
+    """The shipped MI210 config pins the fused AdamW; 4-bit states from the command line step one parameter at a
+    time: the refusal names the config file as well as its key, so the user knows what to edit."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model:\n  source: random:tiny\ndata:\n  seq_len: 64\noptimizer:\n  implementation: fused\n")
+    code, _, err = _plan(capsys, "--config", str(cfg), "--gpu", "mi210", "--optimizer-name", "adamw4bit")
+    assert code == 2 and "\n" not in err
+    assert err.endswith(
+        f"set optimizer.implementation auto or for-loop (got fused) (pinned by --config {cfg}: "
+        "optimizer.implementation)"
+    ), err
+    code, _, err = _plan(
+        capsys, "--config", str(cfg), "--gpu", "mi210", "--optimizer-name", "adamw4bit", "--optimizer", "for-loop"
+    )
+    assert code == 0, err
+
+
 def test_plan_reads_train_config_and_deepspeed_json(capsys, tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(
