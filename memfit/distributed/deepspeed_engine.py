@@ -296,12 +296,40 @@ def ds_writer(engine):
     return write
 
 
+@contextlib.contextmanager
+def weights_only_loads(engine):
+    """DeepSpeed's checkpoint engine, while a checkpoint is read, loading each file weights-only (its own loader
+    unpickles with ``weights_only=False``: any code a file carries would run), with ``DS_CHECKPOINT_GLOBALS``."""
+    from memfit.train.safe_files import DS_CHECKPOINT_GLOBALS, read_torch
+
+    allowed = []
+    for dotted in DS_CHECKPOINT_GLOBALS:
+        module, name = dotted.rsplit(".", 1)
+        allowed.append(getattr(importlib.import_module(module), name))
+    checkpoint_engine = engine.checkpoint_engine
+    unsafe, own = checkpoint_engine.load, "load" in vars(checkpoint_engine)
+
+    def load(path, map_location=None):
+        with torch.serialization.safe_globals(allowed):
+            return read_torch(Path(path), map_location=map_location)
+
+    checkpoint_engine.load = load
+    try:
+        yield
+    finally:
+        if own:
+            checkpoint_engine.load = unsafe
+        else:  # the class's method again
+            del checkpoint_engine.load
+
+
 def ds_reader(engine):
     def read(path: Path) -> None:
-        # DeepSpeed reads its own files (written by this run) with its own loader
-        loaded, _ = engine.load_checkpoint(
-            str(path), tag="deepspeed", load_optimizer_states=True, load_lr_scheduler_states=False
-        )
+        # DeepSpeed reads its own files with its own loader, each file weights-only
+        with weights_only_loads(engine):
+            loaded, _ = engine.load_checkpoint(
+                str(path), tag="deepspeed", load_optimizer_states=True, load_lr_scheduler_states=False
+            )
         if loaded is None:
             raise UserError(f"checkpoint {path}: DeepSpeed could not load its files; the directory is damaged")
 

@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from memfit.errors import UserError
+from memfit.train.safe_files import read_torch, refusal
 
 _WRAPPED = "_checkpoint_wrapped_module."
 _TMP_PREFIX = ".tmp-"
@@ -251,7 +253,10 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 def load_checkpoint(path: Path, model, optimizer, scheduler, device: torch.device) -> TrainerState:
     """Restore model weights, optimizer, scheduler and RNG from ``path`` (no pickle code execution)."""
-    tensors = load_file(path / "trainable.safetensors")
+    try:
+        tensors = load_file(path / "trainable.safetensors")
+    except (SafetensorError, OSError) as e:
+        raise refusal(path / "trainable.safetensors", e) from None
     params = {clean_name(n): p for n, p in model.named_parameters() if p.requires_grad}
     missing = set(params) - set(tensors)
     if missing:
@@ -264,8 +269,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, device: torch.devic
             p.copy_(tensors[name])
     # an offloaded optimizer's state goes straight to the host: never whole on the device it was moved off
     where = getattr(optimizer, "state_device", device)
-    opt = torch.load(path / "optimizer.pt", map_location=where, weights_only=True)
+    opt = read_torch(path / "optimizer.pt", map_location=where)
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
-    set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    set_rng_state(read_torch(path / "rng.pt"))
     return TrainerState.read(path)

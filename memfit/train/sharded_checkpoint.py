@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from memfit.distributed.engines import Parallel
-from memfit.distributed.runtime import DistContext
+from memfit.distributed.runtime import DistContext, on_every_rank
 from memfit.errors import UserError
 from memfit.train.checkpoint import (
     TrainerState,
@@ -42,6 +42,7 @@ from memfit.train.checkpoint import (
     set_rng_state,
     temp_dir_for,
 )
+from memfit.train.safe_files import DS_CHECKPOINT_GLOBALS, load_dcp, read_torch, vet_checkpoint
 
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 
@@ -89,14 +90,16 @@ def check_compatible(path: Path, world_size: int, engine: str) -> TrainerState:
 
 
 def load_distributed(ctx: DistContext, path: Path, scheduler, read_shards: Callable[[Path], None]) -> None:
-    """Restore what ``save_distributed`` wrote (``read_shards(path)`` is the engine's collective load)."""
+    """Restore what ``save_distributed`` wrote (``read_shards(path)`` is the engine's collective load), once every
+    rank has found nothing in its files that would run code (``safe_files.vet_checkpoint``)."""
+    on_every_rank(ctx, lambda: vet_checkpoint(path, DS_CHECKPOINT_GLOBALS if (path / "deepspeed").is_dir() else ()))
     read_shards(path)
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True)["scheduler"])
+    scheduler.load_state_dict(read_torch(path / "scheduler.pt")["scheduler"])
     # ZeroRedundancyOptimizer keeps its own param_groups (the local optimizer's were loaded): put the
     # schedule's current LR back into whatever groups the optimizer steps with
     for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
-    set_rng_state(torch.load(path / f"rng_rank{ctx.rank}.pt", weights_only=True))
+    set_rng_state(read_torch(path / f"rng_rank{ctx.rank}.pt"))
 
 
 def dcp_writer(ctx: DistContext, par: Parallel) -> Callable[[Path], None]:
@@ -117,15 +120,13 @@ def dcp_reader(ctx: DistContext, par: Parallel) -> Callable[[Path], None]:
     def read(path: Path) -> None:
         if par.kind == "zero1":
             sd = {"model": get_model_state_dict(par.model, options=_TRAINABLE)}
-            dcp.load(sd, checkpoint_id=path)
+            load_dcp(sd, path)
             set_model_state_dict(par.model, sd["model"], options=_TRAINABLE)
-            par.local_optimizer().load_state_dict(
-                torch.load(path / f"optim_rank{ctx.rank}.pt", map_location="cpu", weights_only=True)
-            )
+            par.local_optimizer().load_state_dict(read_torch(path / f"optim_rank{ctx.rank}.pt", map_location="cpu"))
             return
         model_sd, optim_sd = get_state_dict(par.model, par.optimizer, options=_TRAINABLE)
         sd = {"model": model_sd, "optim": optim_sd}
-        dcp.load(sd, checkpoint_id=path)
+        load_dcp(sd, path)
         set_state_dict(
             par.model, par.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=_TRAINABLE
         )

@@ -360,7 +360,11 @@ def test_a_deprecated_cpu_offload_is_filled_in_as_its_section_and_agrees_with_op
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "cpu_offload": False}}))
     cfg = tiny_config(
-        tmp_path / "run", "distributed.engine=deepspeed", "distributed.zero_stage=2", "optimizer.offload=true"
+        tmp_path / "run",
+        "distributed.engine=deepspeed",
+        "distributed.zero_stage=2",
+        "optimizer.offload=true",
+        f"distributed.deepspeed_config={ds}",
     )
     got = reconcile(ds, cfg, precision_policy("fp32"), 2, 1)["zero_optimization"]
     assert "cpu_offload" not in got and got["offload_optimizer"] == {"device": "cpu"}
