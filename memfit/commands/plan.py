@@ -59,6 +59,7 @@ class PlanRequest:
     grad_accum: int | None = None  # only sizes the default global batch; the search derives its own
     engine: str = "fsdp2"
     offload_params: bool = False  # a DeepSpeed JSON's offload_param
+    data_source: str | None = None  # a train config's data.source, for --write-config
     pins: dict[str, tuple[Any, str]] = field(default_factory=dict)
 
     def typed_pins(self) -> dict[str, Any]:
@@ -72,6 +73,7 @@ def _from_train_config(path: str, req: PlanRequest) -> None:
     req.seq_len = cfg.data.seq_len
     req.lora = cfg.lora if cfg.lora.enabled else None
     req.grad_accum = cfg.train.grad_accum_steps
+    req.data_source = cfg.data.source
     where = f"--config {path}: "
     req.pins["activation_checkpointing"] = (
         cfg.strategy.activation_checkpointing,
@@ -370,7 +372,13 @@ def run(ns, answered: Answered | None = None) -> int:
             _simulate(events, chosen, gpu, ns.hip_version, console, ns.torch_version or torch.__version__)
     if ns.write_config:
         write_train_config(
-            result.best, result, _train_source(req.model), Path(ns.write_config), ns.engine, ns.write_deepspeed
+            result.best,
+            result,
+            _train_source(req.model),
+            Path(ns.write_config),
+            ns.engine,
+            ns.write_deepspeed,
+            req.data_source,
         )
         console.print(f"wrote {ns.write_config}", highlight=False)
     if ns.write_deepspeed:

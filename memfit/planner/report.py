@@ -282,13 +282,30 @@ def render_explain(c: Candidate, console: Console, replayed: tuple[int, int] | N
         )
 
 
+PACKED_DATA = "shakespeare-chat"
+"""What a written config packs where the plan had no data of its own (``memfit.train.plays``)."""
+
+
 def write_train_config(
-    c: Candidate, r: PlanResult, source: str, path: Path, engine: str = "fsdp2", deepspeed_json: str | None = None
+    c: Candidate,
+    r: PlanResult,
+    source: str,
+    path: Path,
+    engine: str = "fsdp2",
+    deepspeed_json: str | None = None,
+    data_source: str | None = None,
 ) -> None:
+    """The winner as a ``memfit train`` YAML. ``data_source``: the ``--config``'s data; without one, train's default
+    (text blocks), or for packed rows, which pack chat records, memfit's offline chat set, said in the header."""
     w, s = r.workload, c.strategy
+    data = data_source or (PACKED_DATA if s.packing else None)
     cfg: dict = {
         "model": {"source": source},
-        "data": {"seq_len": w.seq_len, **({"packing": True} if s.packing else {})},
+        "data": {
+            **({"source": data} if data else {}),
+            "seq_len": w.seq_len,
+            **({"packing": True} if s.packing else {}),
+        },
         "strategy": {  # every lever of the strategy section, as the vocabulary lists them
             lever.config_key.split(".")[1]: s.as_dict()[name]
             for name, lever in levers().items()
@@ -312,6 +329,10 @@ def write_train_config(
         f"# written by memfit plan: {c.strategy.label()}\n# predicted per-rank peak {_g(c.memory.peak_bytes)} GiB, "
         f"reserved {_g(c.reserved_bytes)} GiB of {_g(c.usable_bytes)} GiB usable on {r.cluster.gpu.name}\n"
     )
+    if s.packing and not data_source:
+        header += (
+            f"# packed rows pack chat records: data.source {PACKED_DATA} is memfit's offline set; give your .jsonl\n"
+        )
     if r.cluster.world_size > 1:
         cfg["distributed"] = {"engine": engine, "zero_stage": s.zero_stage}
         if engine == "deepspeed":

@@ -370,3 +370,40 @@ def test_plan_takes_a_shipped_config_by_name_as_train_does(capsys):
     code, out, _ = _plan(capsys, "--config", "tiny-cpu", "--gpu", "h100", "--json")
     plan = json.loads(out)
     assert code == 0 and plan["model"] == "random:tiny" and plan["seq_len"] == 64 and plan["fitting"]
+
+
+def test_a_written_config_carries_the_data_it_was_planned_for(capsys, tmp_path):
+    """--write-config keeps a --config's data.source; a plan of packed rows without one writes memfit's offline chat
+    set (packing packs chat records: train refused the text default it wrote before) and says so in its header."""
+    import yaml
+
+    from memfit.config.loader import load_config
+
+    packed = tmp_path / "packed.yaml"
+    code, _, err = _plan(
+        capsys,
+        "--model",
+        "tiny",
+        "--gpu",
+        "h100",
+        "--seq-len",
+        "64",
+        "--packing",
+        "true",
+        "--write-config",
+        str(packed),
+    )
+    assert code == 0, err
+    assert yaml.safe_load(packed.read_text())["data"] == {"source": "shakespeare-chat", "seq_len": 64, "packing": True}
+    assert "# packed rows pack chat records: data.source shakespeare-chat" in packed.read_text()
+    assert load_config(packed).data.packs()  # a config train accepts as it is
+    records = tmp_path / "chat.jsonl"
+    records.write_text('{"prompt": "a", "response": "b"}\n' * 4)
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"model:\n  source: random:tiny\ndata:\n  source: {records}\n  seq_len: 64\n")
+    again = tmp_path / "again.yaml"
+    code, _, err = _plan(capsys, "--config", str(mine), "--gpu", "h100", "--write-config", str(again))
+    assert code == 0, err
+    written = yaml.safe_load(again.read_text())["data"]
+    assert written["source"] == str(records) and written["packing"] is True  # chat data packs by default
+    assert "offline set" not in again.read_text()
