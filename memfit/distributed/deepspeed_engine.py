@@ -300,7 +300,7 @@ def ds_writer(engine):
 def weights_only_loads(engine):
     """DeepSpeed's checkpoint engine, while a checkpoint is read, loading each file weights-only (its own loader
     unpickles with ``weights_only=False``: any code a file carries would run), with ``DS_CHECKPOINT_GLOBALS``."""
-    from memfit.train.safe_files import DS_CHECKPOINT_GLOBALS, read_torch
+    from memfit.safe_files import DS_CHECKPOINT_GLOBALS, read_torch
 
     allowed = []
     for dotted in DS_CHECKPOINT_GLOBALS:

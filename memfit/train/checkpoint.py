@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from memfit.errors import UserError
-from memfit.train.safe_files import read_torch, refusal
+from memfit.safe_files import read_torch, refusal
 
 _WRAPPED = "_checkpoint_wrapped_module."
 _TMP_PREFIX = ".tmp-"

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from memfit.distributed.engines import Parallel
 from memfit.distributed.runtime import DistContext, on_every_rank
 from memfit.errors import UserError
+from memfit.safe_files import DS_CHECKPOINT_GLOBALS, load_dcp, read_torch, vet_checkpoint
 from memfit.train.checkpoint import (
     TrainerState,
     begin_atomic,
@@ -42,7 +43,6 @@ from memfit.train.checkpoint import (
     set_rng_state,
     temp_dir_for,
 )
-from memfit.train.safe_files import DS_CHECKPOINT_GLOBALS, load_dcp, read_torch, vet_checkpoint
 
 _TRAINABLE = StateDictOptions(ignore_frozen_params=True)
 

@@ -1,5 +1,5 @@
 """Resuming never runs code from a checkpoint: every pickle a resume reads goes through a restricted loader
-(memfit/train/safe_files.py, deepspeed_engine.weights_only_loads). Each hostile file here would create a marker file
+(memfit/safe_files.py, deepspeed_engine.weights_only_loads). Each hostile file here would create a marker file
 if it were unpickled without restriction; each test checks that it is refused in one line and the marker is absent."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from memfit.errors import UserError
-from memfit.train.safe_files import load_dcp, read_torch
+from memfit.safe_files import load_dcp, read_torch
 
 
 class Hostile:
@@ -144,7 +144,7 @@ def test_vetting_a_checkpoint_scans_every_pickle_under_it_and_loads_none(tmp_pat
     pytest.importorskip("deepspeed")
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
 
-    from memfit.train.safe_files import DS_CHECKPOINT_GLOBALS, vet_checkpoint
+    from memfit.safe_files import DS_CHECKPOINT_GLOBALS, vet_checkpoint
 
     ckpt = tmp_path / "step_0000006"
     _dcp_save({"w": torch.ones(3), "lr": 0.1}, ckpt)
