@@ -25,7 +25,7 @@ demo: $(VENV)/.installed
 
 # everything: unit, integration (real model, subprocess CLI, 2-rank gloo) and gpu (skipped without one), in
 # TEST_WORKERS pytest-xdist workers, a file at a time each (a module's fixtures are made once), each worker's torch on
-# one thread (tests/conftest.py): 15.6 min on the 2-core VM against 22.9 serially (benchmarks/RESULTS.md)
+# one thread (tests/conftest.py): 15.7 min on the 2-core VM against 22.9 serially (benchmarks/RESULTS.md)
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -m "" -n $(TEST_WORKERS) --dist loadfile tests

@@ -131,7 +131,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, each non-tensor entry first read weights-only: DCP unpickles them with
     ``weights_only=False``."""
 
-    checkpoint: Path = Path(".")
+    def __init__(self, checkpoint: Path) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint  # named in a refusal
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         data = value.read()
@@ -149,10 +151,8 @@ def load_dcp(state: dict[str, Any], checkpoint: Path) -> None:
         UserError: a file or an entry that cannot be read safely (DCP wraps it in its CheckpointException).
     """
     check_dcp_metadata(checkpoint)
-    planner = SafeLoadPlanner()
-    planner.checkpoint = checkpoint
     try:
-        dcp.load(state, checkpoint_id=checkpoint, planner=planner)
+        dcp.load(state, checkpoint_id=checkpoint, planner=SafeLoadPlanner(checkpoint))
     except CheckpointException as e:
         for failure in e.failures.values():
             cause = failure[0] if isinstance(failure, tuple) else failure

@@ -17,7 +17,7 @@ from memfit.models.load import embedded_checkpoint_dir
 from memfit.planner import trace_cache
 
 # under pytest-xdist (make test), each worker's torch runs one thread, and so do the processes its tests start: two
-# workers of two threads each, and their subprocesses, oversubscribed the 2-core VM (40 min of CPU for 28 serially)
+# workers of two threads each, and their subprocesses, oversubscribed the 2-core Intel VM (40 min CPU for 28 serially)
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)

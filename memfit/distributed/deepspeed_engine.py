@@ -202,9 +202,9 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
     """
     ds = copy.deepcopy(read_ds(path))
     t, o = cfg.train, cfg.optimizer
-    offloaded(ds, str(path))  # refused here where memfit cannot run it
+    optimizer_off, _ = offloaded(ds, str(path))  # and refused here where memfit cannot run it
     modern_offload_keys(ds)
-    if o.offload and not offloaded(ds, str(path))[0]:
+    if o.offload and not optimizer_off:
         _agree(ds, "zero_optimization.offload_optimizer.device", "cpu", "optimizer.offload (true)", path)
     _agree(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size", path)
     _agree(ds, "gradient_accumulation_steps", accum, "train.grad_accum_steps (derived)", path)
