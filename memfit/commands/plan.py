@@ -336,6 +336,11 @@ def run(ns, answered: Answered | None = None) -> int:
         print(json.dumps(plan_dict(result, limits)))
     else:
         render_table(result, console, ns.top, limits)
+    below3 = sorted({c.strategy.zero_stage for c in result.fitting + result.pruned if c.strategy.zero_stage < 3})
+    if req.offload_params and below3:
+        from memfit.distributed.deepspeed_engine import param_offload_ignored
+
+        console.print(f"note: --deepspeed {ns.deepspeed}: {param_offload_ignored(below3)}", highlight=False)
     if ns.html:  # written before a "nothing fits" error too: the closest candidates are what to look at then
         from memfit.pages.html import write_page
         from memfit.pages.plan import plan_page

@@ -131,6 +131,16 @@ def offloaded(ds: dict, where: str) -> tuple[bool, bool]:
     return out[0], out[1]
 
 
+def param_offload_ignored(stages: list[int]) -> str:
+    """What a JSON's ``offload_param`` does below ZeRO-3 (at ``stages``): nothing (DeepSpeed hands it to stage 3's
+    optimizer only), said where a plan or a run reads it, since the user asked for it."""
+    where = f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages[:-1]))} and {stages[-1]}"
+    return (
+        f"zero_optimization.offload_param moves parameters at ZeRO-3 only; at {where} DeepSpeed ignores it and "
+        "the parameters stay on the device (planned so)"
+    )
+
+
 def modern_offload_keys(ds: dict) -> None:
     """Each deprecated offload boolean in ``ds`` replaced by the section DeepSpeed reads it as (after ``offloaded``
     has checked them), so that memfit can fill the section in without DeepSpeed refusing the pair."""

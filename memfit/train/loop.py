@@ -27,6 +27,7 @@ from memfit.distributed.deepspeed_engine import (
     ds_writer,
     gathered,
     initialize,
+    param_offload_ignored,
     reconcile,
     resolve_ds_path,
 )
@@ -118,6 +119,8 @@ class Trainer:
         self.notes: list[str] = list(run_notes)
         if d.deepspeed_config is not None and self.kind != "deepspeed":
             self.notes.append(f"distributed.deepspeed_config is not read: this run's engine is {self.kind}")
+        if self.offload_params and d.zero_stage < 3:
+            self.notes.append(param_offload_ignored([d.zero_stage]))
         self.notes += past_the_last_step(cfg)
         if t.resume and self.resume_from is None:
             self.notes.append(f"train.resume=true but {self.run.root} holds no checkpoint yet: starting at step 0")

@@ -368,3 +368,22 @@ def test_a_deprecated_cpu_offload_is_filled_in_as_its_section_and_agrees_with_op
     )
     got = reconcile(ds, cfg, precision_policy("fp32"), 2, 1)["zero_optimization"]
     assert "cpu_offload" not in got and got["offload_optimizer"] == {"device": "cpu"}
+
+
+def test_a_plan_says_deepspeed_ignores_offload_param_below_zero3_and_plans_it_so(tmp_path, capsys):
+    import json
+
+    from memfit.cli import main
+
+    args = ["plan", "--model", "tiny", "--gpu", "h100", "--gpus-per-node", "2", "--seq-len", "64", "--json"]
+    peaks = {}
+    for name, zero in (("plain", {"stage": 2}), ("param", {"stage": 2, "offload_param": {"device": "cpu"}})):
+        ds = tmp_path / f"{name}.json"
+        ds.write_text(json.dumps({"zero_optimization": zero}))
+        assert main([*args, "--deepspeed", str(ds)]) == 0
+        out, err = capsys.readouterr()
+        peaks[name] = json.loads(out)["fitting"]
+        assert ("offload_param moves parameters at ZeRO-3 only; at stage 2 DeepSpeed ignores it" in err) == (
+            name == "param"
+        )
+    assert peaks["param"] == peaks["plain"]

@@ -89,6 +89,12 @@ def test_a_hostile_value_inside_a_dcp_checkpoint_is_refused_before_dcp_unpickles
     with pytest.raises(UserError, match=r"^checkpoint step_0000005: entry lr cannot be read safely \("):
         _dcp_load({"w": torch.zeros(3), "lr": 0.0}, ckpt)
     assert not marker.exists()
+    # and before any collective load, each rank's scan reads it from its .distcp file the same way
+    from memfit.safe_files import vet_checkpoint
+
+    with pytest.raises(UserError, match=r"^checkpoint step_0000005: __0_0.distcp/entry lr cannot be read safely \("):
+        vet_checkpoint(ckpt)
+    assert not marker.exists()
 
 
 def test_deepspeeds_checkpoint_engine_loads_weights_only_while_memfit_resumes(tmp_path):
