@@ -340,7 +340,9 @@ def run(ns, answered: Answered | None = None) -> int:
     if req.offload_params and below3:
         from memfit.distributed.deepspeed_engine import param_offload_ignored
 
-        console.print(f"note: --deepspeed {ns.deepspeed}: {param_offload_ignored(below3)}", highlight=False)
+        console.print(
+            f"note: --deepspeed {ns.deepspeed}: {param_offload_ignored(below3)}", highlight=False, soft_wrap=True
+        )
     if ns.html:  # written before a "nothing fits" error too: the closest candidates are what to look at then
         from memfit.pages.html import write_page
         from memfit.pages.plan import plan_page
