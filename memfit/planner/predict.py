@@ -345,8 +345,9 @@ def plan_workers() -> int:
     return min(8, len(os.sched_getaffinity(0)))
 
 
-_SHARED: dict[str, Any] = {"depth": 0, "pool": None}
-"""``trace_workers``' pool: how many blocks are open, and the pool their prefetches share (made at the first)."""
+_SHARED: dict[str, Any] = {"depth": 0, "pool": None, "fork_unsafe": False}
+"""``trace_workers``' pool: how many blocks are open, the pool their prefetches share (made at the first), and
+whether this process's forked children were found unable to run autograd (``_new_pool``)."""
 
 
 @contextlib.contextmanager
@@ -379,11 +380,7 @@ def _pool(workers: int) -> Iterator[Any]:
         return
     if shared:  # later prefetches may have more to trace than this one: as many as the cores, if asked for
         workers = min(plan_workers(), max(workers, len(os.sched_getaffinity(0))))
-    # fork: the children inherit the imported torch/transformers and the tracing machinery (a fresh interpreter, or
-    # each child importing it, costs seconds)
-    import memfit.planner.trace  # noqa: F401
-
-    pool = multiprocessing.get_context("fork").Pool(workers, initializer=torch_single_thread)
+    pool = _new_pool(workers)
     if shared:
         _SHARED["pool"] = pool
         yield pool
@@ -392,9 +389,45 @@ def _pool(workers: int) -> Iterator[Any]:
         yield pool
 
 
+def _new_pool(workers: int) -> Any:
+    """``workers`` processes forked from this one, or from a fresh server process where a forked child cannot run
+    autograd.
+
+    Forked, the children inherit the imported torch/transformers and the tracing machinery (a fresh interpreter, or
+    each child importing it, costs seconds). But PyTorch refuses a backward in a forked child once the parent's
+    autograd engine has started its device threads, which a build with CUDA or ROCm does at its first backward, with
+    a device or not (the CPU build starts none): a plan made after training in the same process (``train.on_oom``,
+    ``memfit bench``'s cells, a test) failed in every worker. So a new forked pool first runs a one-element backward
+    in a worker; where that is refused, this process's pools are forked from then on from a server process that
+    imported the tracing machinery and never ran autograd (``forkserver``, a few seconds once)."""
+    import memfit.planner.trace  # noqa: F401
+
+    if not _SHARED["fork_unsafe"]:
+        pool = multiprocessing.get_context("fork").Pool(workers, initializer=torch_single_thread)
+        if pool.apply(_backward_runs):
+            return pool
+        pool.terminate()
+        pool.join()
+        _SHARED["fork_unsafe"] = True
+    server = multiprocessing.get_context("forkserver")
+    server.set_forkserver_preload(["memfit.planner.trace"])
+    return server.Pool(workers, initializer=torch_single_thread)
+
+
 def _trace_cost(item: tuple[tuple[StepSpec, ...], int, int]) -> tuple[bool, int]:
     specs, _, depth = item
     return specs[0].part != "update", depth
+
+
+def _backward_runs() -> bool:
+    """Whether autograd runs in this (forked) process."""
+    import torch
+
+    try:
+        torch.ones(1, requires_grad=True).sum().backward()
+    except RuntimeError:  # "Unable to handle autograd's threading in combination with fork-based multiprocessing"
+        return False
+    return True
 
 
 def torch_single_thread() -> None:

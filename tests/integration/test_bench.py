@@ -77,6 +77,8 @@ def test_bench_reports_an_oom_cell(tmp_path, embedded_dir):
     import subprocess
     import sys
 
+    from support.address_space import address_space_cap
+
     out = tmp_path / "bench"
     proc = subprocess.run(
         [
@@ -96,7 +98,7 @@ def test_bench_reports_an_oom_cell(tmp_path, embedded_dir):
             "--warmup",
             "0",
             "--mem-limit",
-            "3GiB",
+            f"{address_space_cap(3 << 30) >> 20}MiB",
             "--out",
             str(out),
             "--set",

@@ -110,8 +110,12 @@ def test_out_of_memory_exits_3_with_one_line_and_keeps_the_run_dir(tmp_path, emb
     """A memory cap on the subprocess (RLIMIT_AS) makes the CPU allocator fail mid-run."""
     import resource
 
+    from support.address_space import address_space_cap
+
+    limit = address_space_cap(3 << 30)
+
     def cap():
-        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
     out = tmp_path / "run"
     proc = subprocess.run(

@@ -2,8 +2,6 @@
 full traces, sharding vs the ZeRO paper, and the search/CLI behaviour."""
 
 import copy
-import multiprocessing
-import multiprocessing.context
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ from memfit.config.schema import LoraConfig
 from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.errors import UserError
 from memfit.models.presets import preset_config
+from memfit.planner import predict
 from memfit.planner.categories import Category
 from memfit.planner.hardware import gpu_preset
 from memfit.planner.measure import measured_steady_step
@@ -295,16 +294,21 @@ def test_parallel_traces_give_the_same_plan_as_serial(monkeypatch):
     assert plans[0] == plans[1]
 
 
-def test_prefetches_in_one_block_share_one_pool_of_workers_closed_at_its_end(monkeypatch):
-    monkeypatch.setenv("MEMFIT_PLAN_WORKERS", "2")
-    made = []
-    fork_pool = multiprocessing.context.ForkContext.Pool
+def _pools_made(monkeypatch) -> list:
+    """The trace pools made from now on, in order."""
+    made, new_pool = [], predict._new_pool
 
-    def counted(self, *args, **kwargs):
-        made.append(fork_pool(self, *args, **kwargs))
+    def kept(workers):
+        made.append(new_pool(workers))
         return made[-1]
 
-    monkeypatch.setattr(multiprocessing.context.ForkContext, "Pool", counted)
+    monkeypatch.setattr(predict, "_new_pool", kept)
+    return made
+
+
+def test_prefetches_in_one_block_share_one_pool_of_workers_closed_at_its_end(monkeypatch):
+    monkeypatch.setenv("MEMFIT_PLAN_WORKERS", "2")
+    made = _pools_made(monkeypatch)
     spec = StepSpec(preset_config("tiny"), 64)
     strategies = [Strategy(activation_checkpointing=CheckpointPolicy(p)) for p in ("none", "full", "ffn")]
     with trace_workers():
@@ -320,6 +324,31 @@ def test_prefetches_in_one_block_share_one_pool_of_workers_closed_at_its_end(mon
     assert len(made) == 1
     assert [predictor.predict(s) for s in strategies] == [Predictor(spec).predict(s) for s in strategies]
     assert predictor.traces == traced  # predicting traced nothing more
+
+
+def _refused() -> bool:
+    """The probe's answer on a build whose forked children cannot run autograd (run in the forked worker)."""
+    return False
+
+
+def test_where_a_forked_child_cannot_run_autograd_the_workers_come_from_a_fresh_server(monkeypatch):
+    """A CUDA or ROCm build refuses a backward in a forked child once the parent has run one: a plan after training
+    in one process failed in every worker. Told so by its probe (the CPU build never refuses), the pool is forked
+    from a server that never ran autograd, and the plan is the one traced in this process."""
+    monkeypatch.setenv("MEMFIT_PLAN_WORKERS", "2")
+    monkeypatch.setitem(predict._SHARED, "fork_unsafe", False)
+    monkeypatch.setattr(predict, "_backward_runs", _refused)
+    probed = _pools_made(monkeypatch)
+    spec = StepSpec(preset_config("tiny"), 64)
+    strategies = [Strategy(activation_checkpointing=CheckpointPolicy(p)) for p in ("none", "full")]
+    parallel = Predictor(spec)
+    parallel.prefetch(strategies)
+    assert predict._SHARED["fork_unsafe"] and len(probed) == 1
+    assert probed[0]._ctx.get_start_method() == "forkserver"
+    traced = parallel.traces
+    serial = Predictor(spec)
+    assert [parallel.predict(s) for s in strategies] == [serial.predict(s) for s in strategies]
+    assert parallel.traces == traced > 0  # every trace came from the workers
 
 
 def test_pins_restrict_the_search():

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import yaml
+from support.address_space import address_space_cap
 from support.tiny import tiny_config, tiny_overrides
 
 from memfit.config.loader import load_config
@@ -104,7 +105,7 @@ def test_an_oom_restarts_from_the_checkpoint_down_the_ladder_with_the_same_losse
         *tiny_overrides(run, *common, "train.micro_batch_size=16", "train.max_steps=4"),
         "train.resume=true",
         "train.on_oom=next",
-        cap_bytes=1900 << 20,
+        cap_bytes=address_space_cap(1900 << 20),
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     records = read_metrics(run / "metrics.jsonl")
