@@ -20,9 +20,11 @@ $PY -c "from memfit.train.data import shakespeare_files as s; print('\n'.join(ma
   while read -r f; do cp "$f" .gpu_carry/data/; done
 # chat records for the packing part (data.source=shakespeare-chat is built from the plays, which are not there)
 head -n 4000 "$($PY -c "from memfit.train.plays import plays_chat_file as f; print(f())")" > .gpu_carry/shakespeare-chat.jsonl
-# torchao (optimizer.name adamw8bit/adamw4bit, lora.quantize_base nf4) is one pure-Python wheel, no deps
+# torchao (optimizer.name adamw8bit/adamw4bit, lora.quantize_base nf4): one abi3 wheel, no deps; memfit uses its
+# Python (NF4, low-bit AdamW), not its C++ kernels. Pinned to the release the whole suite passed with on the GPU
+# machine's torch (2.11.0+cu130, on CPU, benchmarks/RESULTS.md): a newer one may need a newer torch
 mkdir -p .gpu_carry/wheels
-$PY -m pip download --no-deps --only-binary=:all: -d .gpu_carry/wheels "torchao>=0.18" >/dev/null
+$PY -m pip download --no-deps --only-binary=:all: -d .gpu_carry/wheels "torchao==0.18.0" >/dev/null
 # accelerate: HF Trainer's dependency, for train_throughput.py's three-way comparison (pure Python, no deps taken)
 $PY -m pip download --no-deps --only-binary=:all: -d .gpu_carry/wheels accelerate >/dev/null
 du -sh .gpu_carry
