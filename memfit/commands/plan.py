@@ -229,6 +229,17 @@ def _simulate(
         )
 
 
+def _say_param_offload_ignored(result, deepspeed: str, console) -> None:
+    """The note for a ``--deepspeed`` JSON's ``offload_param`` where candidates below ZeRO-3 ignore it."""
+    below3 = sorted({c.strategy.zero_stage for c in result.fitting + result.pruned if c.strategy.zero_stage < 3})
+    if below3:
+        from memfit.distributed.deepspeed_engine import param_offload_ignored
+
+        console.print(
+            f"note: --deepspeed {deepspeed}: {param_offload_ignored(below3)}", highlight=False, soft_wrap=True
+        )
+
+
 def _with_pinning_files(message: str, pins: dict[str, tuple[Any, str]]) -> str:
     """``message`` with the ``--config``/``--deepspeed`` file that pinned each config key it names: a refusal of
     pins that do not combine says which file to edit, not only the key."""
@@ -336,13 +347,8 @@ def run(ns, answered: Answered | None = None) -> int:
         print(json.dumps(plan_dict(result, limits)))
     else:
         render_table(result, console, ns.top, limits)
-    below3 = sorted({c.strategy.zero_stage for c in result.fitting + result.pruned if c.strategy.zero_stage < 3})
-    if req.offload_params and below3:
-        from memfit.distributed.deepspeed_engine import param_offload_ignored
-
-        console.print(
-            f"note: --deepspeed {ns.deepspeed}: {param_offload_ignored(below3)}", highlight=False, soft_wrap=True
-        )
+    if req.offload_params:
+        _say_param_offload_ignored(result, ns.deepspeed, console)
     if ns.html:  # written before a "nothing fits" error too: the closest candidates are what to look at then
         from memfit.pages.html import write_page
         from memfit.pages.plan import plan_page
