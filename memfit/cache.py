@@ -2,9 +2,11 @@
 written and read back. Imports nothing heavy, so a cached answer is read without importing torch.
 
 Every cache lives under ``$MEMFIT_CACHE`` (default ``~/.cache/memfit``) unless its own variable points elsewhere;
-that variable set to ``off`` turns the cache off. Entries are gzipped JSON named by a SHA-256. Writers write a
-temporary file in the same directory and rename it into place (atomic on POSIX), so concurrent writers never
-leave half an entry and the last one wins; an entry that cannot be read is said in one line on stderr and removed.
+that variable set to ``off`` (or ``0``, ``false``, ``no``) turns the cache off, and set to ``on`` (or ``1``,
+``true``, ``yes``) keeps it where it would be unset: a switch's word is never taken for a directory in the working
+one, and a leading ``~`` is the home directory. Entries are gzipped JSON named by a SHA-256. Writers write a temporary
+file in the same directory and rename it into place (atomic on POSIX), so concurrent writers never leave half an
+entry and the last one wins; an entry that cannot be read is said in one line on stderr and removed.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from typing import Any
 from memfit.errors import UserError
 
 OFF = ("off", "0", "false", "no", "")
+ON = ("on", "1", "true", "yes")
 LIBRARIES = ("torch", "transformers", "peft", "torchao")
 """The libraries whose versions change what memfit traces and predicts."""
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MEMFIT_CACHE") or Path.home() / ".cache" / "memfit")  # set but empty: the default
+    setting = os.environ.get("MEMFIT_CACHE")
+    return Path(setting).expanduser() if setting else Path.home() / ".cache" / "memfit"  # set but empty: the default
 
 
 def _reason(error: OSError) -> str:
@@ -59,9 +63,10 @@ def make_cache_dir(where: Path, what: str) -> Path:
 def cache_root(variable: str, default: str) -> Path | None:
     """The directory a cache's entries live in: ``$variable``, else ``<memfit cache>/default``; None when off."""
     setting = os.environ.get(variable)
-    if setting is not None and setting.strip().lower() in OFF:
+    word = None if setting is None else setting.strip().lower()
+    if word is not None and word in OFF:
         return None
-    return Path(setting) if setting else cache_dir() / default
+    return cache_dir() / default if word is None or word in ON else Path(setting).expanduser()
 
 
 @functools.cache

@@ -124,6 +124,28 @@ def test_an_empty_cache_setting_is_the_default_and_bad_worker_counts_are_one_lin
         plan_workers()
 
 
+def test_a_switch_word_is_never_a_directory_and_a_leading_tilde_is_home(tmp_path, monkeypatch):
+    """``MEMFIT_PLAN_CACHE=1`` made a directory named ``1`` in the working one, ``MEMFIT_CACHE='~/c'`` one named
+    ``~``."""
+    from memfit.cache import cache_dir, cache_root
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path / "home-cache"))
+    for word in ("on", "1", " TRUE ", "yes"):
+        monkeypatch.setenv("MEMFIT_PLAN_CACHE", word)
+        assert cache_root("MEMFIT_PLAN_CACHE", "plans") == tmp_path / "home-cache" / "plans"
+    for word in ("off", "0", "False", "no", ""):
+        monkeypatch.setenv("MEMFIT_PLAN_CACHE", word)
+        assert cache_root("MEMFIT_PLAN_CACHE", "plans") is None
+    monkeypatch.setenv("MEMFIT_PLAN_CACHE", "~/plans")
+    assert cache_root("MEMFIT_PLAN_CACHE", "plans") == Path.home() / "plans"
+    monkeypatch.setenv("MEMFIT_PLAN_CACHE", "2")  # a relative directory is still a directory
+    assert cache_root("MEMFIT_PLAN_CACHE", "plans") == Path("2")
+    monkeypatch.setenv("MEMFIT_CACHE", "~/c")
+    assert cache_dir() == Path.home() / "c"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_preset_as_plain_data_traces_as_its_transformers_config_and_the_trainer_names_it_as_plan_does():
     """``memfit plan`` reads a preset as a ``Preset`` (no transformers import); its trace is its ``LlamaConfig``'s,
     and the trainer's fit check, planning a ``random:`` preset, asks the trace cache for the same entries."""
