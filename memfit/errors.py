@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -99,15 +100,30 @@ def first_line(e: Exception, limit: int = 300) -> str:
     return text.splitlines()[0][:limit] if text else type(e).__name__
 
 
+def check_output(path: Path, fix: str = "choose another path") -> None:
+    """Refuse a file the user asked for that could not be written, before any work is spent on it.
+
+    Raises:
+        UserError: ``path`` is a directory, or its directory does not exist or cannot be written in.
+    """
+    if not path.name or path.is_dir():
+        raise UserError(f"cannot write '{path}': it is a directory; {fix}")
+    if not path.parent.is_dir():
+        raise UserError(f"cannot write '{path}': its directory '{path.parent}' does not exist; {fix}")
+    try:  # a nameless file made and closed at once: what root may write is not what os.access says
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as e:
+        raise UserError(f"cannot write '{path}': its directory refuses files ({e.strerror}); {fix}") from None
+
+
 def write_output(path: Path, text: str, fix: str = "choose another path") -> None:
     """Write a file the user asked for (a page, a config) whole or not at all: through a hidden temporary file
     beside it, renamed into place.
 
     Raises:
-        UserError: its directory does not exist or cannot be written (nothing is left behind).
+        UserError: it is a directory, or its directory does not exist or cannot be written (nothing is left behind).
     """
-    if not path.parent.is_dir():
-        raise UserError(f"cannot write '{path}': its directory '{path.parent}' does not exist; {fix}")
+    check_output(path, fix)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         tmp.write_text(text, encoding="utf-8")

@@ -19,7 +19,7 @@ from memfit.config.loader import load_config, read_utf8
 from memfit.config.schema import EMBEDDED_MODEL, LoraConfig
 from memfit.config.shipped import resolve_config_path
 from memfit.config.strategy import Strategy, levers
-from memfit.errors import UserError
+from memfit.errors import UserError, check_output
 from memfit.models.planning import config_for_planning, planning_config_file
 from memfit.models.presets import PRESETS
 from memfit.planner.auto import this_cpu
@@ -276,8 +276,6 @@ def _with_more_host_memory(pruned: list[Candidate]) -> str:
 
 def _limits(result, ns) -> dict[Strategy, dict[str, Limit]]:
     """``--max-seq-len`` / ``--max-micro-batch`` for the rows the table shows (and the closest that do not fit)."""
-    if ns.top < 0:
-        raise UserError(f"--top must be >= 0 (got {ns.top})")
     out: dict[Strategy, dict[str, Limit]] = {}
     shown = [row.first for row in table_rows(result.fitting)[: ns.top]]
     if ns.max_micro_batch and shown:
@@ -300,16 +298,18 @@ def run(ns, answered: Answered | None = None) -> int:
     if ns.simulate and ns.explain is None:
         raise UserError("--simulate replays one candidate's step: give --explain N too (N = its row in the table)")
     check_replay_options(ns)
+    if ns.top < 0:  # this and the rest are said before the search, not after it
+        raise UserError(f"--top must be >= 0 (got {ns.top})")
+    if ns.explain is not None and ns.explain < 1:
+        raise UserError(f"--explain must be a row of the table, 1 or more (got {ns.explain})")
     if ns.gpus_per_node < 1 or ns.nodes < 1:
         raise UserError(f"--gpus-per-node and --nodes must be >= 1 (got {ns.gpus_per_node}, {ns.nodes})")
     if not 0 <= ns.headroom < 1:
         raise UserError(f"--headroom must be in [0, 1) (got {ns.headroom})")
     outputs = {"--html": ns.html, "--write-config": ns.write_config, "--write-deepspeed": ns.write_deepspeed}
-    for flag, path in outputs.items():  # said before the search, not after it
-        if path and Path(path).is_dir():
-            raise UserError(f"{flag} {path} is a directory; give the path of the file to write")
-        if path and not Path(path).parent.is_dir():
-            raise UserError(f"{flag} {path}: the directory '{Path(path).parent}' does not exist; create it first")
+    for flag, path in outputs.items():
+        if path:
+            check_output(Path(path), f"give another {flag}")
     if ns.device == "cpu":
         cluster = _cpu_cluster(ns)
     else:

@@ -50,10 +50,10 @@ def _plan(capsys, *args):
         (["--model", "tiny", "--gpu-mem", "0"], "--gpu-mem must be more than 0 bytes (got '0')"),
         (
             ["--model", "tiny", "--gpu", "mi210", "--write-config", "/no/such/dir/run.yaml"],
-            "--write-config /no/such/dir/run.yaml: the directory '/no/such/dir' does not exist",
+            "cannot write '/no/such/dir/run.yaml': its directory '/no/such/dir' does not exist; give another",
         ),
         (["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--explain", "0"], "--explain must be a row of"),
-        (["--model", "tiny", "--gpu", "mi210", "--html", "/"], "--html / is a directory; give the path of the file"),
+        (["--model", "tiny", "--gpu", "mi210", "--html", "/"], "cannot write '/': it is a directory; give another --html"),
         (["--model", "tiny", "--gpu", "mi210", "--torch-version", "banana"], "--torch-version must look like 2.11"),
         (["--model", "tiny", "--gpu", "mi210", "--hip-version", "6.2"], "--hip-version 6.2: only --simulate reads"),
         (
@@ -65,6 +65,22 @@ def _plan(capsys, *args):
 def test_plan_errors_are_one_line(capsys, args, message):
     code, _, err = _plan(capsys, *args)
     assert code == 2 and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        (["--explain", "0"], "--explain must be a row of the table, 1 or more (got 0)"),
+        (["--top", "-1"], "--top must be >= 0 (got -1)"),
+        (["--html", "/proc/memfit-plan.html"], "cannot write '/proc/memfit-plan.html': its directory refuses files"),
+    ],
+)
+def test_an_option_no_table_can_satisfy_is_refused_before_the_search(capsys, flag, message):
+    """--seq-len 5000 is past tiny's 1024 positions, which only the search finds: these options are refused first
+    (they were refused after a search of seconds; a 70B search takes minutes)."""
+    code, _, err = _plan(capsys, "--model", "tiny", "--gpu", "mi210", "--seq-len", "5000", *flag)
+    assert code == 2 and message in err and "\n" not in err
+
 
 
 def test_a_refusal_of_pins_names_the_file_that_pinned_the_key(capsys, tmp_path):

@@ -208,8 +208,15 @@ def test_snapshot_flags_on_another_kind_and_an_unwritable_out_are_one_line(tmp_p
     out = bench_dir(tmp_path)
     assert report(str(out), "--simulate") == 2
     assert report(str(out), "--out", str(tmp_path / "no" / "such" / "dir.html")) == 2
+    assert report(str(out), "--out", ".") == 2  # was a ValueError from pathlib ("'.' has an empty name")
+    assert report(str(out), "--out", str(tmp_path)) == 2
+    assert report(str(out), "--out", "/proc/memfit-report.html") == 2  # a directory that refuses files, root too
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 2 and "read a snapshot" in lines[0] and "does not exist" in lines[1]
+    assert len(lines) == 5 and "read a snapshot" in lines[0] and "does not exist" in lines[1]
+    assert lines[2].endswith("cannot write '.': it is a directory; choose another path for the page")
+    assert lines[3].endswith(f"cannot write '{tmp_path}': it is a directory; choose another path for the page")
+    assert "cannot write '/proc/memfit-report.html': its directory refuses files" in lines[4]
+    assert sorted(p.name for p in out.iterdir()) == ["results.json", "results.md"]  # nothing half-written
 
 
 def test_segments_of_a_hand_built_snapshot_are_drawn_to_scale(tmp_path):
