@@ -53,7 +53,10 @@ def _plan(capsys, *args):
             "cannot write '/no/such/dir/run.yaml': its directory '/no/such/dir' does not exist; give another",
         ),
         (["--model", "tiny", "--gpu", "mi210", "--seq-len", "64", "--explain", "0"], "--explain must be a row of"),
-        (["--model", "tiny", "--gpu", "mi210", "--html", "/"], "cannot write '/': it is a directory; give another --html"),
+        (
+            ["--model", "tiny", "--gpu", "mi210", "--html", "/"],
+            "cannot write '/': it is a directory; give another --html",
+        ),
         (["--model", "tiny", "--gpu", "mi210", "--torch-version", "banana"], "--torch-version must look like 2.11"),
         (["--model", "tiny", "--gpu", "mi210", "--hip-version", "6.2"], "--hip-version 6.2: only --simulate reads"),
         (
@@ -80,7 +83,6 @@ def test_an_option_no_table_can_satisfy_is_refused_before_the_search(capsys, fla
     (they were refused after a search of seconds; a 70B search takes minutes)."""
     code, _, err = _plan(capsys, "--model", "tiny", "--gpu", "mi210", "--seq-len", "5000", *flag)
     assert code == 2 and message in err and "\n" not in err
-
 
 
 def test_a_refusal_of_pins_names_the_file_that_pinned_the_key(capsys, tmp_path):
