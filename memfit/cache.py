@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
+from memfit.units import switch
 
-OFF = ("off", "0", "false", "no", "")
-ON = ("on", "1", "true", "yes")
 LIBRARIES = ("torch", "transformers", "peft", "torchao")
 """The libraries whose versions change what memfit traces and predicts."""
 
@@ -63,10 +62,10 @@ def make_cache_dir(where: Path, what: str) -> Path:
 def cache_root(variable: str, default: str) -> Path | None:
     """The directory a cache's entries live in: ``$variable``, else ``<memfit cache>/default``; None when off."""
     setting = os.environ.get(variable)
-    word = None if setting is None else setting.strip().lower()
-    if word is not None and word in OFF:
+    on = None if setting is None else switch(setting)
+    if on is False or (setting is not None and not setting.strip()):  # set but empty: off
         return None
-    return cache_dir() / default if word is None or word in ON else Path(setting).expanduser()
+    return cache_dir() / default if setting is None or on else Path(setting).expanduser()
 
 
 @functools.cache

@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, default in BENCH_AXES.items():  # one axis per benched strategy lever
         lever = levers()[name]
         bench.add_argument(lever.flag, default=default, help=f"comma-separated {lever.config_key} values ({default})")
-    bench.add_argument("--lora", default="true", help="comma-separated true/false")
+    bench.add_argument("--lora", default="true", help="comma-separated true/false (or yes/no, on/off, 1/0)")
     bench.add_argument(
         "--zero", default="none", help="comma-separated ZeRO stages for multi-rank cells, or none (one process)"
     )

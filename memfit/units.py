@@ -1,4 +1,5 @@
-"""Byte units: constants for display (bytes stay integers everywhere else) and parsing sizes users type."""
+"""Byte units: constants for display (bytes stay integers everywhere else); parsing what users type: sizes, and the
+words that switch something on or off."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ def size_text(n: int) -> str:
     if n >= 10 * MIB:
         return f"{n / GIB:.2f} GiB"
     return f"{n / MIB:.2f} MiB" if n >= 10 << 10 else f"{n:,} bytes"
+
+
+def switch(text: str) -> bool | None:
+    """True for on/yes/true/1, False for off/no/false/0 (any case, spaces around), None for any other text: the one
+    spelling of a switch in flags, YAML and environment variables."""
+    word = text.strip().lower()
+    return True if word in ("on", "yes", "true", "1") else False if word in ("off", "no", "false", "0") else None
 
 
 def parse_memory(text: str, flag: str = "--gpu-mem") -> int:

@@ -31,7 +31,7 @@ from memfit.telemetry.bench import (
 from memfit.train.data import source_files
 from memfit.train.disk import check_creatable
 from memfit.train.run_dir import LOCK_NAME, hold, release
-from memfit.units import parse_memory
+from memfit.units import parse_memory, switch
 
 
 def run(ns) -> int:
@@ -39,9 +39,9 @@ def run(ns) -> int:
     config = str(resolve_config_path(ns.config))
     base = load_config(config, ns.set)  # validate the base config and overrides before spawning anything
     source_files(base.data)  # and that its data is there
-    loras = _distinct({"true": True, "false": False}.get(v.lower()) for v in _split(ns.lora))
+    loras = _distinct(switch(v) for v in _split(ns.lora))
     if None in loras:
-        raise UserError(f"--lora must be a comma-separated list of true/false (got '{ns.lora}')")
+        raise UserError(f"--lora must be a comma-separated list of true/false or yes/no (got '{ns.lora}')")
     stages = {"none": None, "-": None, **{str(z): z for z in ZERO_STAGES}}
     zeros = _distinct(stages.get(v, -1) for v in _split(ns.zero)) or [None]
     if -1 in zeros:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.errors import UserError, did_you_mean
+from memfit.units import switch
 
 AC_KINDS = ("none", "full", "ffn", "every_k")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
@@ -164,11 +165,9 @@ def _flag(text: Any, name: str) -> bool:
     """A yes/no lever from a bool or the text a flag or YAML gives (true/false, yes/no, on/off, 1/0)."""
     if isinstance(text, bool):
         return text
-    spelled = str(text).strip().lower()
-    if spelled in ("true", "yes", "on", "1"):
-        return True
-    if spelled in ("false", "no", "off", "0"):
-        return False
+    on = switch(str(text))
+    if on is not None:
+        return on
     raise UserError(f"{name} must be true or false (got '{text}')")
 
 

@@ -116,3 +116,29 @@ def test_pins_that_leave_nothing_to_plan_are_one_line_naming_the_conflict(levers
     with pytest.raises(UserError, match="nothing to plan: ") as e:
         search(w, Cluster(gpu_preset("h100"), gpus), Pins(levers, engine))
     assert why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_switch_is_spelled_alike_in_levers_bench_and_cache_variables(tmp_path, monkeypatch, capsys):
+    """``memfit bench --lora yes`` was refused where ``--packing yes`` was taken, and the cache variables kept their
+    own list of words: one ``memfit.units.switch`` answers for all of them."""
+    from memfit.cache import cache_root
+    from memfit.cli import main
+    from memfit.units import switch
+
+    packing = levers()["packing"]
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))
+    for word, on in [("yes", True), (" On", True), ("TRUE", True), ("1", True), ("no", False), ("OFF ", False)]:
+        assert switch(word) is on and packing.parse(word, "--packing") is on
+        monkeypatch.setenv("MEMFIT_PLAN_CACHE", word)
+        assert cache_root("MEMFIT_PLAN_CACHE", "plans") == (tmp_path / "plans" if on else None)
+    for word in ("maybe", "2", "", "y"):
+        assert switch(word) is None
+    with pytest.raises(UserError, match="--packing must be true or false"):
+        packing.parse("maybe", "--packing")
+    # the --lora list is read before --zero: a refused --zero shows --lora's words were taken
+    assert main(["bench", "tiny-cpu", "--lora", "yes,no", "--zero", "9", "--out", str(tmp_path / "b")]) == 2
+    assert main(["bench", "tiny-cpu", "--lora", "yes,maybe", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert "--zero must be comma-separated stages 0-3 or none (got '9')" in err[0]
+    assert "--lora must be a comma-separated list of true/false or yes/no (got 'yes,maybe')" in err[1]
+    assert not (tmp_path / "b").exists()
