@@ -291,14 +291,21 @@ def test_host_memory_kept_while_training_stops_each_step_faulting_its_blocks_in_
 
 @pytest.mark.skipif(not GLIBC, reason="needs glibc's malloc (Linux)")
 def test_a_kept_heap_over_its_budget_is_handed_back_after_each_step(tiny_cfg, tmp_path, monkeypatch):
-    """With no headroom the budget is the RSS before training, which every step's resident set passes (the model
-    and its states are resident): each step's record says the heap was handed back, and the losses are unchanged."""
-    import memfit.strategies.allocator as allocator_module
+    """With a budget of one byte every step's resident set is over it: each step's record says the heap was handed
+    back, and the losses are unchanged.
+
+    (A budget of the RSS before training, ``KEEP_HEADROOM`` 0, was not always passed: in the whole suite on torch
+    2.15's CUDA build, though not alone, the first hand-back returned more heap than the tiny model and its states
+    hold, freed by what ran before in the process.)"""
+    import memfit.train.loop as loop_module
+    from memfit.strategies.allocator import KEEP_HEADROOM
     from memfit.train.loop import Trainer
 
     overrides = ("train.max_steps=3", "train.eval_every=0", "allocator.host_keep_freed=true")
-    kept = Trainer(tiny_cfg(*overrides, f"output.dir={tmp_path / 'kept'}")).fit()
-    monkeypatch.setattr(allocator_module, "KEEP_HEADROOM", 0)
+    trainer = Trainer(tiny_cfg(*overrides, f"output.dir={tmp_path / 'kept'}"))
+    assert trainer.kept_limit == trainer.baseline_rss_bytes + KEEP_HEADROOM * trainer.predicted.peak_bytes
+    kept = trainer.fit()
+    monkeypatch.setattr(loop_module, "kept_heap_limit", lambda baseline_rss, predicted_peak: 1)
     trimmed = Trainer(tiny_cfg(*overrides, f"output.dir={tmp_path / 'trimmed'}")).fit()
     assert [r.get("host_heap_trimmed") for r in trimmed.steps] == [True, True, True]
     assert [r["loss"] for r in trimmed.steps] == [r["loss"] for r in kept.steps]
