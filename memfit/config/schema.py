@@ -186,7 +186,9 @@ class TrainConfig:
     keep_checkpoints: int = _f(2, "how many recent checkpoints to keep (0 = write none: no resume; for benchmarks)")
     resume: bool = _f(False, "continue the run in output.dir from its latest checkpoint")
     seed: int = _f(1234, "seed for weights init, data order and dropout")
-    threads: Optional[int] = _f(None, "CPU threads for torch (None = torch's default)")
+    threads: Optional[int] = _f(
+        None, "CPU threads for torch per rank (None = torch's default; more than the process's CPUs gets a note)"
+    )
     frag_every: int = _f(
         50,
         "on a GPU, read fragmentation from torch.cuda.memory_snapshot() every N steps, or more "
@@ -290,6 +292,19 @@ def past_the_last_step(cfg: RunConfig) -> list[str]:
             f"the learning rate never reaches optimizer.lr {cfg.optimizer.lr:g}"
         )
     return out
+
+
+def oversubscribed_threads(threads: int | None, cpus: int, ranks_here: int) -> list[str]:
+    """A note where ``train.threads`` on each of this node's ``ranks_here`` ranks asks for more threads than the
+    ``cpus`` the process may run on (its affinity): threads sharing a CPU wait on each other every kernel."""
+    if threads is None or threads * ranks_here <= cpus:
+        return []
+    ranks = f" x {ranks_here} ranks on this node" if ranks_here > 1 else ""
+    fit = max(1, cpus // ranks_here)
+    return [
+        f"train.threads {threads}{ranks} is more than the {cpus} CPUs this process may run on: threads that share "
+        f"a CPU wait on each other; train.threads={fit} gives each its own"
+    ]
 
 
 def check(cfg: RunConfig) -> RunConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import random
 import signal
 import time
@@ -20,7 +21,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from memfit.config.restart import RestartCondition
-from memfit.config.schema import RunConfig, grad_accum_steps, past_the_last_step
+from memfit.config.schema import RunConfig, grad_accum_steps, oversubscribed_threads, past_the_last_step
 from memfit.device import device_name, resolve_device
 from memfit.distributed.deepspeed_engine import (
     ds_reader,
@@ -122,6 +123,8 @@ class Trainer:
         if self.offload_params and d.zero_stage < 3:
             self.notes.append(param_offload_ignored([d.zero_stage]))
         self.notes += past_the_last_step(cfg)
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.notes += oversubscribed_threads(t.threads, len(os.sched_getaffinity(0)), ranks_here)
         if t.resume and self.resume_from is None:
             self.notes.append(f"train.resume=true but {self.run.root} holds no checkpoint yet: starting at step 0")
         # may convert the embedded GGUF (with its progress bar): rank 0 first, the others then hit the cache

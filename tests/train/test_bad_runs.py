@@ -376,3 +376,29 @@ def test_a_cache_directory_that_cannot_be_made_is_one_line(tiny_cfg, tmp_path, m
     assert "set MEMFIT_CACHE to a writable directory" in str(e.value) and not (tmp_path / "run").exists()
     with pytest.raises(UserError, match=r"cannot write the shakespeare-chat records into"):
         plays_chat_file()
+
+
+def test_more_threads_than_cpus_is_said_with_the_count_that_fits(tiny_cfg, monkeypatch):
+    """``train.threads=999`` on 2 CPUs trained without a word, each step several times slower than with 2."""
+    import os
+
+    from memfit.config.schema import oversubscribed_threads
+
+    assert oversubscribed_threads(None, 2, 1) == [] and oversubscribed_threads(2, 2, 1) == []
+    assert oversubscribed_threads(999, 2, 1) == [
+        "train.threads 999 is more than the 2 CPUs this process may run on: threads that share a CPU wait on each "
+        "other; train.threads=2 gives each its own"
+    ]
+    assert oversubscribed_threads(4, 16, 4) == []
+    assert oversubscribed_threads(8, 16, 4)[0].startswith("train.threads 8 x 4 ranks on this node is more than the 16")
+    assert oversubscribed_threads(8, 16, 4)[0].endswith("train.threads=4 gives each its own")
+    assert oversubscribed_threads(2, 2, 4)[0].endswith("train.threads=1 gives each its own")
+    cpus = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    try:  # the trainer sets torch's threads for the process: this worker's other tests get theirs back
+        trainer = Trainer(tiny_cfg("train.max_steps=1", f"train.threads={cpus + 1}"))
+        trainer.close()
+    finally:
+        torch.set_num_threads(before)
+    assert oversubscribed_threads(cpus + 1, cpus, 1)[0] in trainer.notes
