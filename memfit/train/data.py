@@ -112,7 +112,9 @@ def text_files(source: str) -> list[Path]:
     if path.is_file():
         return [path]
     what = "is not a regular file" if path.exists() else "does not exist"
-    raise UserError(f"data.source: '{source}' {what}; give 'shakespeare', a .txt file, a directory or a .jsonl file")
+    raise UserError(
+        f"data.source: '{source}' {what}; give 'shakespeare', a .txt file, a directory or a .jsonl (or .json) file"
+    )
 
 
 def pack_text(files: list[Path], tokenizer, seq_len: int) -> TokenDataset:
@@ -192,8 +194,51 @@ Record = tuple[list[int], list[int]]
 """One chat/instruction record: its token ids and labels (IGNORE_INDEX on the prompt), of equal length."""
 
 
+def _json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
+    """``(where, record)`` for each record of a file: one JSON value per line (JSON lines), or one JSON array of
+    them (Alpaca's ``alpaca_data.json``, what ``datasets.load_dataset("json")`` also reads).
+
+    Raises:
+        UserError: ``file:line`` (or ``file: record N``) of the first value that is not JSON.
+    """
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            if e.msg != "Extra data":  # "Extra data": JSON lines, the first of them an array
+                raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        else:
+            for i, value in enumerate(values, 1):
+                yield f"{path}: record {i}", value
+            return
+    first = True
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): a JSON string may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            if first and _is_one_json_value(text):
+                raise UserError(
+                    f"{path}: holds one JSON object across its lines; give one record per line (JSON lines) or a "
+                    "JSON array of records"
+                ) from None
+            raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        first = False
+        yield f"{path}:{lineno}", value
+
+
+def _is_one_json_value(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def chat_records(path: Path, tokenizer, max_records: int | None) -> list[Record]:
-    """Every record of a JSONL file, rendered with the tokenizer's chat template; loss only on the final answer.
+    """Every record of a JSON lines file (or a JSON array of records), rendered with the tokenizer's chat template;
+    loss only on the final answer.
 
     Raises:
         UserError: ``file:line: reason`` for the first malformed record.
@@ -202,15 +247,7 @@ def chat_records(path: Path, tokenizer, max_records: int | None) -> list[Record]
         raise UserError(f"data.source: '{path}' is chat data but the model's tokenizer has no chat template")
     records = []
     text = read_utf8(path, "data.source", "save the chat records as UTF-8 JSON lines")
-    lines = text.split("\n")  # not splitlines(): a JSON string may hold U+2028
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    for where, record in _json_records(text, path):
         messages = _record_messages(record, where)
         prompt = _chat_ids(tokenizer, messages[:-1], add_generation_prompt=True)
         full = _chat_ids(tokenizer, messages)
@@ -300,7 +337,7 @@ def source_files(cfg: DataConfig) -> list[Path]:
     if cfg.is_chat():
         path = plays_chat_file() if cfg.source == PLAYS_CHAT else Path(cfg.source)
         if not path.is_file():
-            raise UserError(f"data.source: '{cfg.source}' does not exist; give a .jsonl file of chat records")
+            raise UserError(f"data.source: '{cfg.source}' does not exist; give a .jsonl or .json file of chat records")
         return [path]
     return text_files(cfg.source)[: cfg.max_documents]
 

@@ -146,3 +146,39 @@ def test_sampler_resumes_at_any_batch():
     resumed = iter(EpochBatchSampler(10, 3, seed=5, start_batch=4))
     assert [next(resumed) for _ in range(4)] == first[4:]
     assert sorted(sum(first[:3], [])) == sorted(set(sum(first[:3], [])))  # no repeats within an epoch
+
+
+def test_a_json_array_of_records_is_chat_data_as_its_lines_are(tmp_path, tokenizer):
+    """``alpaca_data.json`` is one JSON array: it was read as plain text (brackets and keys trained on as prose);
+    now a ``.json`` source is records, an array or one per line, the same rows as the ``.jsonl`` of them."""
+    records = [
+        {"instruction": "Name a play.", "input": "By Shakespeare.", "output": "Macbeth."},
+        {"prompt": "Who wrote Hamlet?", "response": "Shakespeare."},
+        {"instruction": "Name a poet.", "input": "", "output": "Marlowe."},
+    ]
+    (tmp_path / "alpaca.json").write_text(json.dumps(records, indent=2))
+    lines = _write_jsonl(tmp_path / "lines.json", map(json.dumps, records))
+    jsonl = _write_jsonl(tmp_path / "d.jsonl", map(json.dumps, records))
+    want = load_dataset(DataConfig(source=jsonl, seq_len=64), tokenizer)
+    for source in (str(tmp_path / "alpaca.json"), lines):
+        cfg = DataConfig(source=source, seq_len=64)
+        assert cfg.is_chat() and cfg.packs()
+        got = load_dataset(cfg, tokenizer)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.labels, want.labels)
+    assert not DataConfig(source=str(tmp_path / "alpaca.json"), format="text").is_chat()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{\n  "data": [{"prompt": "a", "response": "b"}]\n}', "holds one JSON object across its lines; give one"),
+        ('[{"prompt": "a", "response": "b"},\n {"prompt": ]', r"d.json:2: not valid JSON \(Expecting value"),
+        ('[{"prompt": "a", "response": "b"}, {"prompt": "a", "response": "b"}, 3]', "d.json: record 3: a record must"),
+        ('["a", "b"]\n{"prompt": "a", "response": "b"}', "d.json:1: a record must be a JSON object"),
+    ],
+)
+def test_a_json_file_that_is_not_records_names_where(tmp_path, tokenizer, text, message):
+    (tmp_path / "d.json").write_text(text)
+    with pytest.raises(UserError, match=message) as e:
+        load_dataset(DataConfig(source=str(tmp_path / "d.json"), seq_len=32), tokenizer)
+    assert "\n" not in str(e.value)
