@@ -33,6 +33,11 @@ def run(ns) -> int:
         print(config_help())
         return 0
     check_counts(ns.nproc_per_node, ns.nnodes, ns.node_rank)
+    if ns.nproc_per_node is None and ns.nnodes == 1:  # one process, no torchrun: its flags would go unread
+        if ns.numa_binding is not None:
+            raise UserError("--numa-binding binds torchrun's ranks: give --nproc-per-node too")
+        if ns.rdzv_endpoint is not None:
+            raise UserError("--rdzv-endpoint is where torchrun's ranks meet: give --nproc-per-node (and --nnodes) too")
     config_arg, overrides = split_train_args(ns.args)
     config_path = resolve_config_path(config_arg)
     cfg = load_config(config_path, overrides)
@@ -46,8 +51,6 @@ def run(ns) -> int:
         cfg = load_config(config_path, overrides)
     elif ns.mem:
         raise UserError("--mem is the memory --auto plans a CPU run for; add --auto")
-    if ns.numa_binding is not None and ns.nproc_per_node is None and ns.nnodes == 1:
-        raise UserError("--numa-binding binds torchrun's ranks: give --nproc-per-node too")
     if (cfg.train.on_oom == "next" or cfg.train.restart_on) and not is_child() and launched_ranks() <= 1:
         return supervise(
             [str(config_path), *_launch_flags(ns)],

@@ -76,11 +76,13 @@ def test_train_overrides_may_follow_an_option_and_zero_ranks_are_refused(capsys)
     assert main(["train", "tiny-cpu", "--nproc-per-node", "0"]) == 2
     assert main(["train", "tiny-cpu", "--nnodes", "0"]) == 2
     assert main(["train", "tiny-cpu", "--node-rank", "-1"]) == 2  # trained one process before
+    assert main(["train", "tiny-cpu", "--rdzv-endpoint", ":::"]) == 2  # trained one process, the flag unread
     err = capsys.readouterr().err.splitlines()
     assert err == [
         "memfit: error: --nproc-per-node must be >= 1 (got 0)",
         "memfit: error: --nnodes must be >= 1 (got 0)",
         "memfit: error: --node-rank must be in 0..0 (got -1)",
+        "memfit: error: --rdzv-endpoint is where torchrun's ranks meet: give --nproc-per-node (and --nnodes) too",
     ]
 
 
