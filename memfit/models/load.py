@@ -23,6 +23,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
 )
 from transformers.utils import logging as hf_logging
@@ -150,6 +151,7 @@ def read_config(path: Path, what: str = "model.source"):
     """
     shown = path if path.is_file() else path / "config.json"
     try:
+        _check_rope_type(PretrainedConfig.get_config_dict(path)[0], f"{what}: '{shown}'")
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError, *_CONFIG_CHECKS) as e:
         why = e.__cause__ if isinstance(e, _CONFIG_CHECKS) and e.__cause__ else e  # the check's own words
@@ -168,6 +170,25 @@ def read_config(path: Path, what: str = "model.source"):
             "num_attention_heads must be a multiple of num_key_value_heads"
         )
     return config
+
+
+def _check_rope_type(values: dict, where: str) -> None:
+    """Refuse a RoPE type transformers has no function for, from a config's JSON before transformers reads it: it
+    checks the parameters of the types it knows as it reads a config, but an unknown type only gets a warning there
+    and fails where the model is built (it was a traceback from the planner's trace workers).
+
+    Raises:
+        UserError: naming the type and the ones this transformers knows.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = values.get("rope_parameters") or values.get("rope_scaling")
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    known = ("default", *ROPE_INIT_FUNCTIONS)
+    if isinstance(kind, str) and kind not in known:
+        raise UserError(
+            f"{where} has rope_type '{kind}', which transformers does not know; use one of {', '.join(known)}"
+        )
 
 
 def _strict_config_errors() -> tuple[type[Exception], ...]:

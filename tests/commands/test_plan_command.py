@@ -357,8 +357,13 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "nu
         ({"num_attention_heads": 4, "num_key_value_heads": 3}, "4 attention heads, not a multiple of its 3 key/value"),
         ({"num_attention_heads": 3}, "config.json"),  # newer transformers refuse it themselves, older ones at the heads
         ({"num_attention_heads": 4, "num_hidden_layers": 0}, "num_hidden_layers 0"),
+        (  # a traceback from the trace workers (KeyError: 'bogus') after transformers' warning
+            {"num_attention_heads": 4, "rope_scaling": {"type": "bogus", "factor": 2.0}},
+            "has rope_type 'bogus', which transformers does not know; use one of default, linear",
+        ),
+        ({"num_attention_heads": 4, "rope_scaling": {"rope_type": "linear"}}, "'factor'"),  # transformers' own check
     ],
-    ids=["negative", "kv-heads", "heads", "no-layers"],
+    ids=["negative", "kv-heads", "heads", "no-layers", "rope-type", "rope-factor"],
 )
 def test_a_config_json_with_impossible_sizes_is_one_line(capsys, tmp_path, config, message):
     path = tmp_path / "config.json"
