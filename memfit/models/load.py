@@ -7,6 +7,7 @@ transformers' GGUF reader once, written as an ordinary safetensors checkpoint un
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -143,17 +144,18 @@ def load_tokenizer(src: ModelSource):
     return tokenizer
 
 
-def read_config(path: Path, what: str = "model.source"):
-    """``AutoConfig`` of a checkpoint directory (or the directory holding a ``config.json``).
+def read_config(path: Path, what: str = "model.source", *, built: bool = True):
+    """``AutoConfig`` of a checkpoint directory (or the directory holding a ``config.json``); ``built``: one decoder
+    layer of it is built on the meta device too (``_check_it_builds``), where it was not before.
 
     Raises:
-        UserError: the config is not JSON, not UTF-8 or not a model transformers knows.
+        UserError: the config is not JSON, not UTF-8, not a model transformers knows, or one it cannot build.
     """
     shown = path if path.is_file() else path / "config.json"
     try:
         _check_rope_type(PretrainedConfig.get_config_dict(path)[0], f"{what}: '{shown}'")
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError, TypeError, *_CONFIG_CHECKS) as e:
+        config = AutoConfig.from_pretrained(path)  # AttributeError: a dtype torch lacks
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, *_CONFIG_CHECKS) as e:
         why = e.__cause__ if isinstance(e, _CONFIG_CHECKS) and e.__cause__ else e  # the check's own words
         raise UserError(
             f"{what}: '{shown}' is not a usable model config ({first_line(why)}); "
@@ -169,7 +171,32 @@ def read_config(path: Path, what: str = "model.source"):
             f"{what}: '{shown}' has {heads} attention heads, not a multiple of its {kv} key/value heads; "
             "num_attention_heads must be a multiple of num_key_value_heads"
         )
+    if built:
+        _check_it_builds(config, f"{what}: '{shown}'")
     return config
+
+
+def _check_it_builds(config, where: str) -> None:
+    """Build one decoder layer of ``config`` on the meta device (no memory; milliseconds): a field transformers reads
+    only as it builds the model (an unknown ``hidden_act``, a ``pad_token_id`` past the vocabulary, a ``head_dim`` of
+    0) is one line here, not a traceback from the trainer or the planner's trace workers.
+
+    Raises:
+        UserError: naming what the build raised.
+    """
+    probe = copy.deepcopy(config)
+    probe.num_hidden_layers = 1
+    if getattr(probe, "layer_types", None) is not None:
+        probe.layer_types = probe.layer_types[:1]
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(probe)
+    except Exception as e:  # whatever the build raises, a field of the config caused it
+        raise UserError(
+            f"{where} is not a model transformers can build ({type(e).__name__}: {first_line(e)}); fix it or re-save "
+            "the checkpoint with save_pretrained"
+        ) from None
+    decoder_layers(model, where)
 
 
 def _check_rope_type(values: dict, where: str) -> None:
@@ -333,17 +360,17 @@ def copy_out_of_file(model: torch.nn.Module) -> None:
         t.data = t.data.clone()
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+def decoder_layers(model: torch.nn.Module, where: str = "model.source") -> torch.nn.ModuleList:
     """The model's decoder layers (``model.model.layers`` for Llama-family checkpoints, PEFT-wrapped or not).
 
     Raises:
-        UserError: when the model does not have that structure.
+        UserError: when the model does not have that structure, naming ``where`` its config came from.
     """
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT-wrapped
     layers = getattr(getattr(inner, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not all(hasattr(layer, "mlp") for layer in layers):
         raise UserError(
-            f"model.source: {type(inner).__name__} is not a Llama-family decoder (no model.layers[i].mlp); "
+            f"{where}: {type(inner).__name__} is not a Llama-family decoder (no model.layers[i].mlp); "
             "memfit supports Llama-architecture checkpoints"
         )
     return layers

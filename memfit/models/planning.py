@@ -119,11 +119,12 @@ def _load(key: str) -> ReadConfig | None:
     return read_entry(cache_root("MEMFIT_CONFIG_CACHE", "configs"), key, "config", lambda data: ReadConfig(**data))
 
 
-def _read_file(path: Path, attn_implementation: str) -> PretrainedConfig:
-    """Transformers' config of a ``config.json`` (or another JSON file of one), validated (``load.read_config``)."""
+def _read_file(path: Path, attn_implementation: str, built: bool = True) -> PretrainedConfig:
+    """Transformers' config of a ``config.json`` (or another JSON file of one), validated (``load.read_config``;
+    ``built``: not yet built, so one layer of it is)."""
     from memfit.models.load import read_config
 
-    config = read_config(path.parent if path.name == "config.json" else path, "--model")
+    config = read_config(path.parent if path.name == "config.json" else path, "--model", built=built)
     config._attn_implementation = attn_implementation
     return config
 
@@ -134,7 +135,7 @@ def transformers_config(config: PlanningConfig) -> PretrainedConfig:
     if isinstance(config, Preset):
         return config.llama_config()
     if isinstance(config, ReadConfig):
-        return _read_file(Path(config.path), config.attn_implementation)
+        return _read_file(Path(config.path), config.attn_implementation, built=False)  # built as it was read
     return copy.deepcopy(config)
 
 

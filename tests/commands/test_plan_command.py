@@ -362,8 +362,29 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "nu
             "has rope_type 'bogus', which transformers does not know; use one of default, linear",
         ),
         ({"num_attention_heads": 4, "rope_scaling": {"rope_type": "linear"}}, "'factor'"),  # transformers' own check
+        # read without a word, then a traceback where the model was built (the trace workers, the trainer)
+        ({"num_attention_heads": 4, "hidden_act": "bogus"}, "a model transformers can build (KeyError: 'bogus')"),
+        ({"num_attention_heads": 4, "pad_token_id": 500}, "can build (AssertionError: Padding_idx must be within"),
+        ({"num_attention_heads": 4, "head_dim": 0}, "is not a model transformers can build (ZeroDivisionError"),
+        ({"num_attention_heads": 4, "dtype": "bogus"}, "(module 'torch' has no attribute 'bogus')"),
+        (
+            {"num_attention_heads": 4, "model_type": "gpt2"},
+            "config.json': GPT2LMHeadModel is not a Llama-family decoder (no model.layers[i].mlp)",
+        ),
     ],
-    ids=["negative", "kv-heads", "heads", "no-layers", "rope-type", "rope-factor"],
+    ids=[
+        "negative",
+        "kv-heads",
+        "heads",
+        "no-layers",
+        "rope-type",
+        "rope-factor",
+        "hidden-act",
+        "pad-token",
+        "head-dim",
+        "dtype",
+        "gpt2",
+    ],
 )
 def test_a_config_json_with_impossible_sizes_is_one_line(capsys, tmp_path, config, message):
     path = tmp_path / "config.json"
