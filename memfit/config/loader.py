@@ -197,7 +197,8 @@ def config_help() -> str:
 
 
 def read_utf8(path: Path, what: str, fix: str) -> str:
-    """The text of a user's file, or one line naming it when it is binary or not UTF-8.
+    """The text of a user's file (a leading UTF-8 byte order mark, as Windows tools write one, left out), or one
+    line naming it when it is binary, UTF-16 or not UTF-8.
 
     Raises:
         UserError: ``what: 'path' ...`` with the first bad byte and ``fix``; or the file cannot be read.
@@ -206,10 +207,12 @@ def read_utf8(path: Path, what: str, fix: str) -> str:
         data = Path(path).read_bytes()
     except OSError as e:
         raise UserError(f"{what}: cannot read '{path}' ({e.strerror})") from None
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise UserError(f"{what}: '{path}' is UTF-16 text (iconv -f utf-16 -t utf-8 converts it); {fix}")
     if b"\0" in data:
         raise UserError(f"{what}: '{path}' is binary, not text (a NUL byte at offset {data.index(0)}); {fix}")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise UserError(

@@ -227,6 +227,7 @@ def test_tensors_a_checkpoint_holds_beyond_its_model_are_said_in_one_line_and_ig
         ),
         ("latin1.txt", "Fran\u00e7ois ".encode("latin-1") * 200, r"not UTF-8 text \(byte 0xe7 at offset 4, line 1\)"),
         ("binary.txt", bytes(range(256)) * 50, r"is binary, not text \(a NUL byte at offset 0\)"),
+        ("wide.jsonl", '{"prompt": "a", "response": "b"}\n'.encode("utf-16"), r"is UTF-16 text \(iconv -f utf-16"),
     ],
 )
 def test_data_that_is_not_utf8_text_is_one_line(tiny_cfg, tmp_path, name, content, message):
@@ -235,6 +236,18 @@ def test_data_that_is_not_utf8_text_is_one_line(tiny_cfg, tmp_path, name, conten
     with pytest.raises(UserError, match=message) as e:
         Trainer(tiny_cfg(f"data.source={data}", "train.max_steps=1"))
     assert str(e.value).startswith(f"data.source: '{data}'") and "\n" not in str(e.value)
+
+
+def test_a_byte_order_mark_before_utf8_records_or_text_is_left_out(tmp_path):
+    """Windows tools write UTF-8 with a byte order mark: its JSON lines were refused ("Unexpected UTF-8 BOM") and its
+    text trained on the mark as a character."""
+    from memfit.config.loader import read_utf8
+
+    record = '{"prompt": "a", "response": "b"}\n'
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + record.encode() * 3)
+    assert read_utf8(tmp_path / "bom.jsonl", "data.source", "") == record * 3
+    (tmp_path / "inner.txt").write_bytes(b"a\xef\xbb\xbfb")  # one inside the text is the text's: kept
+    assert read_utf8(tmp_path / "inner.txt", "data.source", "") == "a\ufeffb"
 
 
 def test_a_step_to_profile_or_snapshot_after_the_last_one_is_said(tiny_cfg):
