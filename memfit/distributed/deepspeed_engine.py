@@ -73,7 +73,9 @@ def _put(d: dict, dotted: str, value: Any) -> None:
     d[last] = value
 
 
-def _agree(ds: dict, dotted: str, ours: Any, our_name: str, path: Path) -> None:
+def _agree(ds: dict, dotted: str, ours: Any, our_name: str, path: Path, verb: str = "is") -> None:
+    """Fill ``dotted`` with ``ours`` where the JSON leaves it out or says ``auto``; refuse a different value, both
+    written as JSON (``true``, not ``True``): ``{dotted} is {theirs} but {our_name} {verb} {ours}``."""
     theirs = setting(ds, dotted)
     if theirs is None or theirs == "auto":
         _put(ds, dotted, ours)
@@ -83,7 +85,8 @@ def _agree(ds: dict, dotted: str, ours: Any, our_name: str, path: Path) -> None:
         and abs(theirs - ours) <= 1e-12 * max(1.0, abs(ours))
     ):
         raise UserError(
-            f"{path}: {dotted} is {theirs!r} but {our_name} is {ours!r}; make them agree (or drop it from the JSON)"
+            f"{path}: {dotted} is {json.dumps(theirs)} but {our_name} {verb} {json.dumps(ours)}; make them agree (or "
+            "drop it from the JSON)"
         )
 
 
@@ -215,7 +218,7 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
     optimizer_off, _ = offloaded(ds, str(path))  # and refused here where memfit cannot run it
     modern_offload_keys(ds)
     if o.offload and not optimizer_off:
-        _agree(ds, "zero_optimization.offload_optimizer.device", "cpu", "optimizer.offload (true)", path)
+        _agree(ds, "zero_optimization.offload_optimizer.device", "cpu", "optimizer.offload true", path, "means")
     _agree(ds, "train_micro_batch_size_per_gpu", t.micro_batch_size, "train.micro_batch_size", path)
     _agree(ds, "gradient_accumulation_steps", accum, "train.grad_accum_steps (derived)", path)
     _agree(
@@ -227,8 +230,9 @@ def reconcile(path: Path, cfg: RunConfig, precision: Precision, world_size: int,
         raise UserError(
             "strategy.precision bf16-pure: DeepSpeed keeps fp32 master weights; use bf16-mixed with engine deepspeed"
         )
-    _agree(ds, "bf16.enabled", precision.name == "bf16-mixed", f"strategy.precision ({precision.name})", path)
-    _agree(ds, "fp16.enabled", precision.name == "fp16-mixed", f"strategy.precision ({precision.name})", path)
+    ours = f"strategy.precision {precision.name}"
+    _agree(ds, "bf16.enabled", precision.name == "bf16-mixed", ours, path, "means")
+    _agree(ds, "fp16.enabled", precision.name == "fp16-mixed", ours, path, "means")
     if "scheduler" in ds:
         raise UserError(
             f"{path}: has a 'scheduler' section ({setting(ds, 'scheduler.type')}) but memfit drives the LR with "

@@ -131,7 +131,7 @@ def test_the_articles_deepspeed_json_reconciles_with_its_config():
     [
         ({"train_micro_batch_size_per_gpu": 2}, "train_micro_batch_size_per_gpu is 2 but train.micro_batch_size is 1"),
         ({"gradient_accumulation_steps": 8}, "gradient_accumulation_steps is 8 but train.grad_accum_steps"),
-        ({"bf16": {"enabled": False}}, "bf16.enabled is False but strategy.precision (bf16-mixed) is True"),
+        ({"bf16": {"enabled": False}}, "bf16.enabled is false but strategy.precision bf16-mixed means true; make"),
         ({"zero_optimization": {"stage": 1}}, "zero_optimization.stage is 1 but distributed.zero_stage is 2"),
         ({"gradient_clipping": 0.5}, "gradient_clipping is 0.5 but optimizer.grad_clip is 1.0"),
         ({"scheduler": {"type": "WarmupLR"}}, "'scheduler' section (WarmupLR)"),
@@ -206,3 +206,18 @@ def test_root_group_share_matches_the_built_model(preset):
     total = sum(p.numel() for p in model.parameters())  # tied weights are listed once
     in_layers = sum(p.numel() for p in model.model.layers.parameters())
     assert root_fraction(model.config) == pytest.approx((total - in_layers) / total, rel=1e-9)
+
+
+def test_a_conflict_with_what_a_setting_means_is_written_as_json(tmp_path):
+    """``offload_optimizer.device is 'none' but optimizer.offload (true) is 'cpu'`` mixed Python's quoting into a JSON
+    file's values (and ``True``/``False`` for its booleans)."""
+    ds = json.loads(resolve_ds_path("ds-zero2-article").read_text())
+    ds["zero_optimization"]["offload_optimizer"] = {"device": "none"}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    with pytest.raises(UserError) as e:
+        reconcile(path, _ds_cfg("optimizer.offload=true"), precision_policy("bf16-mixed"), world_size=4, accum=4)
+    assert str(e.value) == (
+        f'{path}: zero_optimization.offload_optimizer.device is "none" but optimizer.offload true means "cpu"; make '
+        "them agree (or drop it from the JSON)"
+    )
