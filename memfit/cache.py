@@ -62,10 +62,12 @@ def make_cache_dir(where: Path, what: str) -> Path:
 def cache_root(variable: str, default: str) -> Path | None:
     """The directory a cache's entries live in: ``$variable``, else ``<memfit cache>/default``; None when off."""
     setting = os.environ.get(variable)
-    on = None if setting is None else switch(setting)
-    if on is False or (setting is not None and not setting.strip()):  # set but empty: off
+    if setting is None:
+        return cache_dir() / default
+    on = switch(setting)
+    if on is False or not setting.strip():  # set but empty: off
         return None
-    return cache_dir() / default if setting is None or on else Path(setting).expanduser()
+    return cache_dir() / default if on else Path(setting).expanduser()
 
 
 @functools.cache
