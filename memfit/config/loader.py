@@ -6,7 +6,10 @@ errors name the dotted field (``train.micro_batch_size must be an integer (got '
 
 from __future__ import annotations
 
+import bz2
 import dataclasses
+import gzip
+import lzma
 import os
 import typing
 from pathlib import Path
@@ -196,9 +199,21 @@ def config_help() -> str:
     return "\n".join(lines)
 
 
-def read_utf8(path: Path, what: str, fix: str) -> str:
+_COMPRESSED = {b"\x1f\x8b": ("gzip", gzip), b"BZh": ("bzip2", bz2), b"\xfd7zXZ\x00": ("xz", lzma)}
+"""Leading bytes of a compressed file, the format's name and the module that opens it."""
+_CONTAINERS = {
+    b"PAR1": "a Parquet file (datasets.Dataset.from_parquet(path).to_json('out.jsonl') writes its rows as JSON lines)",
+    b"ARROW1": "an Arrow file (datasets.Dataset.from_file(path).to_json('out.jsonl') writes its rows as JSON lines)",
+    b"PK\x03\x04": "a zip archive (unzip it and give the file inside)",
+    b"\x28\xb5\x2f\xfd": "zstd-compressed (zstd -d decompresses it)",
+}
+"""Leading bytes of binary files a data source is often given as, and what they are."""
+
+
+def read_utf8(path: Path, what: str, fix: str, compressed: bool = False) -> str:
     """The text of a user's file (a leading UTF-8 byte order mark, as Windows tools write one, left out), or one
-    line naming it when it is binary, UTF-16 or not UTF-8.
+    line naming it when it is binary, UTF-16 or not UTF-8. ``compressed``: a gzip, bzip2 or xz file is read as
+    the text it holds (told by its first bytes, whatever its name).
 
     Raises:
         UserError: ``what: 'path' ...`` with the first bad byte and ``fix``; or the file cannot be read.
@@ -207,6 +222,18 @@ def read_utf8(path: Path, what: str, fix: str) -> str:
         data = Path(path).read_bytes()
     except OSError as e:
         raise UserError(f"{what}: cannot read '{path}' ({e.strerror})") from None
+    for magic, (name, module) in _COMPRESSED.items():
+        if data.startswith(magic):
+            if not compressed:
+                raise UserError(f"{what}: '{path}' is {name}-compressed, not text; decompress it")
+            try:
+                data = module.decompress(data)
+            except (OSError, EOFError, ValueError, lzma.LZMAError) as e:
+                raise UserError(f"{what}: '{path}' is {name}-compressed but cannot be decompressed ({e})") from None
+            break
+    for magic, name in _CONTAINERS.items():
+        if data.startswith(magic):
+            raise UserError(f"{what}: '{path}' is {name}, not text")
     if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
         raise UserError(f"{what}: '{path}' is UTF-16 text (iconv -f utf-16 -t utf-8 converts it); {fix}")
     if b"\0" in data:

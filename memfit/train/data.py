@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from memfit.config.loader import read_utf8
-from memfit.config.schema import DataConfig
+from memfit.config.schema import COMPRESSED_SUFFIXES, DataConfig
 from memfit.errors import UserError
 from memfit.step.loss import IGNORE_INDEX
 from memfit.train.plays import NAME as PLAYS_CHAT
@@ -105,9 +105,10 @@ def text_files(source: str) -> list[Path]:
         return shakespeare_files()
     path = Path(source)
     if path.is_dir():
-        files = sorted(path.glob("*.txt"))
+        names = tuple(".txt" + suffix for suffix in ("", *COMPRESSED_SUFFIXES))
+        files = sorted(f for f in path.iterdir() if f.name.endswith(names) and f.is_file())
         if not files:
-            raise UserError(f"data.source: directory '{source}' holds no .txt files")
+            raise UserError(f"data.source: directory '{source}' holds no .txt files (nor {', '.join(names[1:])})")
         return files
     if path.is_file():
         return [path]
@@ -121,7 +122,9 @@ def pack_text(files: list[Path], tokenizer, seq_len: int) -> TokenDataset:
     """Tokenize each file, join them with EOS, and cut the stream into non-overlapping rows."""
     stream: list[int] = []
     for f in files:
-        text = read_utf8(f, "data.source", "give UTF-8 text (iconv -f latin1 -t utf-8 converts Latin-1)")
+        text = read_utf8(
+            f, "data.source", "give UTF-8 text (iconv -f latin1 -t utf-8 converts Latin-1)", compressed=True
+        )
         stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         stream.append(tokenizer.eos_token_id)
     row = seq_len + 1
@@ -151,8 +154,9 @@ def _text_content(content: object) -> str | None:
 
 
 def _record_messages(record: object, where: str) -> list[dict]:
-    """A record's conversation: ``{"messages": [...]}`` (content a string or text parts), ``{"prompt", "response"}``
-    or Alpaca's ``{"instruction", "input", "output"}`` (the input, where not empty, after the instruction)."""
+    """A record's conversation: ``{"messages": [...]}`` (content a string or text parts), ShareGPT's
+    ``{"conversations": [...]}``, ``{"prompt", "response"}`` or Alpaca's ``{"instruction", "input", "output"}`` (the
+    input, where not empty, after the instruction)."""
     if not isinstance(record, dict):
         raise UserError(f"{where}: a record must be a JSON object (got {type(record).__name__})")
     if "messages" in record:
@@ -171,6 +175,8 @@ def _record_messages(record: object, where: str) -> list[dict]:
         if out[-1]["role"] != "assistant":
             raise UserError(f"{where}: the last message must have role 'assistant' (got '{out[-1]['role']}')")
         return out
+    if "conversations" in record:
+        return _sharegpt_messages(record["conversations"], where)
     if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
         return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
     if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
@@ -180,9 +186,31 @@ def _record_messages(record: object, where: str) -> list[dict]:
         prompt = record["instruction"] + (f"\n\n{extra}" if extra.strip() else "")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
     raise UserError(
-        f"{where}: need 'messages', string 'prompt' and 'response', or string 'instruction' and 'output' "
-        f"(keys: {', '.join(record) or 'none'})"
+        f"{where}: need 'messages', 'conversations', string 'prompt' and 'response', or string 'instruction' and "
+        f"'output' (keys: {', '.join(record) or 'none'})"
     )
+
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+"""ShareGPT's speakers (``from``) and the chat roles they are (FastChat's and Axolotl's reading)."""
+
+
+def _sharegpt_messages(turns: object, where: str) -> list[dict]:
+    """A ShareGPT record's ``conversations`` (``[{"from": "human" | "gpt" | "system", "value": ...}]``) as messages."""
+    if not isinstance(turns, list) or not turns:
+        raise UserError(f"{where}: 'conversations' must be a non-empty list")
+    out = []
+    for t in turns:
+        role = _SHAREGPT_ROLES.get(t.get("from")) if isinstance(t, dict) else None
+        if role is None or not isinstance(t.get("value"), str):
+            raise UserError(
+                f"{where}: each of 'conversations' needs 'from' ({' | '.join(_SHAREGPT_ROLES)}) and a string "
+                f"'value' (got {t!r:.80})"
+            )
+        out.append({"role": role, "content": t["value"]})
+    if out[-1]["role"] != "assistant":
+        raise UserError(f"{where}: the last of 'conversations' must be from 'gpt' (got '{turns[-1]['from']}')")
+    return out
 
 
 def _chat_ids(tokenizer, messages: list[dict], **kw) -> list[int]:
@@ -236,9 +264,34 @@ def _is_one_json_value(text: str) -> bool:
     return True
 
 
-def chat_records(path: Path, tokenizer, max_records: int | None) -> list[Record]:
-    """Every record of a JSON lines file (or a JSON array of records), rendered with the tokenizer's chat template;
-    loss only on the final answer.
+def _labelled(tokenizer, messages: list[dict], where: str, loss_on: str) -> Record:
+    """A conversation's token ids, and labels that score the assistant messages (``loss_on``: every one, or the
+    last) and nothing else.
+
+    Each answer is found as the tokens between the conversation before it, rendered with the generation prompt, and
+    the conversation up to its end; both must be the opening tokens of the whole conversation's rendering.
+
+    Raises:
+        UserError: the chat template renders a prefix of the conversation differently inside it.
+    """
+    full = _chat_ids(tokenizer, messages)
+    labels = [IGNORE_INDEX] * len(full)
+    last = len(messages) - 1
+    earlier = [k for k in range(1, last) if messages[k]["role"] == "assistant"] if loss_on == "assistant" else []
+    for k in [*earlier, last]:
+        prompt = _chat_ids(tokenizer, messages[:k], add_generation_prompt=True)
+        upto = full if k == last else _chat_ids(tokenizer, messages[: k + 1])
+        if full[: len(upto)] != upto or upto[: len(prompt)] != prompt:
+            which = "the prompt" if k == last else f"the conversation up to message {k + 1}"
+            fix = "" if k == last else "; data.loss_on=last scores the final answer only"
+            raise UserError(f"{where}: the chat template renders {which} differently inside the conversation{fix}")
+        labels[len(prompt) : len(upto)] = full[len(prompt) : len(upto)]
+    return full, labels
+
+
+def chat_records(path: Path, tokenizer, max_records: int | None, loss_on: str = "assistant") -> list[Record]:
+    """Every record of a JSON lines file (or a JSON array of records; gzip, bzip2 or xz compressed or not),
+    rendered with the tokenizer's chat template; the loss on the assistant messages ``loss_on`` names.
 
     Raises:
         UserError: ``file:line: reason`` for the first malformed record.
@@ -246,14 +299,9 @@ def chat_records(path: Path, tokenizer, max_records: int | None) -> list[Record]
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(f"data.source: '{path}' is chat data but the model's tokenizer has no chat template")
     records = []
-    text = read_utf8(path, "data.source", "save the chat records as UTF-8 JSON lines")
+    text = read_utf8(path, "data.source", "save the chat records as UTF-8 JSON lines", compressed=True)
     for where, record in _json_records(text, path):
-        messages = _record_messages(record, where)
-        prompt = _chat_ids(tokenizer, messages[:-1], add_generation_prompt=True)
-        full = _chat_ids(tokenizer, messages)
-        if full[: len(prompt)] != prompt:
-            raise UserError(f"{where}: the chat template renders the prompt differently inside the conversation")
-        records.append((full, [IGNORE_INDEX] * len(prompt) + full[len(prompt) :]))
+        records.append(_labelled(tokenizer, _record_messages(record, where), where, loss_on))
         if max_records is not None and len(records) >= max_records:
             break
     if len(records) < 2:
@@ -346,7 +394,7 @@ def load_dataset(cfg: DataConfig, tokenizer) -> TokenDataset:
     """All rows of ``data.source`` (before the train/eval split)."""
     files = source_files(cfg)
     if cfg.is_chat():
-        records = chat_records(files[0], tokenizer, cfg.max_documents)
+        records = chat_records(files[0], tokenizer, cfg.max_documents, cfg.loss_on)
         rows = packed_rows if cfg.packs() else padded_rows
         return rows(records, cfg.seq_len + 1, tokenizer.pad_token_id)
     return pack_text(files, tokenizer, cfg.seq_len)

@@ -90,12 +90,14 @@ def global_batch(train: dict[str, Any], world_size: int) -> int | None:
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any], ignored=frozenset()) -> list[str]:
-    diffs = []
+    """``section.key: old there, new here`` for each setting that differs. A setting ``old`` lacks (a run started
+    by a memfit that predates it) counts as its default, which is how that ``config.yaml`` loads."""
+    defaults, diffs = config_to_dict(RunConfig()), []
     for section, values in new.items():
         for key, value in values.items():
             if (section, key) in _IGNORED_ON_COMPARE or (section, key) in ignored:
                 continue
-            before = old.get(section, {}).get(key)
+            before = old.get(section, {}).get(key, defaults[section][key])
             if before != value:
                 diffs.append(f"{section}.{key}: {before!r} there, {value!r} here")
     return diffs

@@ -1,13 +1,19 @@
+import bz2
+import copy
+import gzip
 import json
+import lzma
+from pathlib import Path
 
 import pytest
 import torch
 
+from memfit.config.loader import load_config
 from memfit.config.schema import DataConfig
 from memfit.errors import UserError
 from memfit.models.load import ModelSource, load_tokenizer
 from memfit.step.loss import IGNORE_INDEX
-from memfit.train.data import EpochBatchSampler, load_dataset, shakespeare_files, split
+from memfit.train.data import EpochBatchSampler, _chat_ids, load_dataset, shakespeare_files, split
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +114,10 @@ def test_text_parts_and_alpaca_records_are_the_conversations_they_spell(tmp_path
         ("{not json", "not valid JSON"),
         ('{"messages": []}', "'messages' must be a non-empty list"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', "last message must have role 'assistant'"),
-        ('{"text": "hi"}', "need 'messages', string 'prompt' and 'response', or string 'instruction' and 'output'"),
+        (
+            '{"text": "hi"}',
+            "need 'messages', 'conversations', string 'prompt' and 'response', or string 'instruction' and",
+        ),
         (
             '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}, '
             '{"role": "assistant", "content": "a"}]}',
@@ -181,4 +190,130 @@ def test_a_json_file_that_is_not_records_names_where(tmp_path, tokenizer, text, 
     (tmp_path / "d.json").write_text(text)
     with pytest.raises(UserError, match=message) as e:
         load_dataset(DataConfig(source=str(tmp_path / "d.json"), seq_len=32), tokenizer)
+    assert "\n" not in str(e.value)
+
+
+def _conversation(*turns):
+    roles = ("user", "assistant")
+    return {"messages": [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)]}
+
+
+def _supervised(ds, row=0):
+    return ds.tokens[row][ds.labels[row] != IGNORE_INDEX].tolist()
+
+
+def test_every_assistant_message_takes_the_loss_or_only_the_last(tmp_path, tokenizer):
+    """Only the final answer of a conversation took the loss: the earlier answers of multi-turn data taught nothing.
+    Now each assistant message is scored (``data.loss_on: assistant``, as torchtune, Axolotl and TRL do), each
+    exactly as the conversation up to it scores its final answer; ``last`` keeps the final answer alone."""
+    turns = ("Who wrote Hamlet?", "Shakespeare.", "And Faustus?", "Marlowe, in 1592.")
+    two = _write_jsonl(tmp_path / "two.jsonl", [json.dumps(_conversation(*turns))] * 2)
+    first = _write_jsonl(tmp_path / "first.jsonl", [json.dumps(_conversation(*turns[:2]))] * 2)
+    every, last, alone = (
+        load_dataset(DataConfig(source=src, seq_len=96, packing=False, loss_on=on), tokenizer)
+        for src, on in ((two, "assistant"), (two, "last"), (first, "assistant"))
+    )
+    n = len(_chat_ids(tokenizer, _conversation(*turns[:2])["messages"]))  # the first exchange's tokens, alone
+    assert torch.equal(every.tokens, last.tokens) and torch.equal(every.tokens[0, :n], alone.tokens[0, :n])
+    assert torch.equal(every.labels[0, :n], alone.labels[0, :n])  # the first answer scored as when it ends the talk
+    assert (last.labels[0, :n] == IGNORE_INDEX).all()
+    assert torch.equal(every.labels[0, n:], last.labels[0, n:])  # the final answer scored the same either way
+    marlowe = tokenizer("Marlowe, in 1592.", add_special_tokens=False)["input_ids"]
+    shakespeare = tokenizer("Shakespeare.", add_special_tokens=False)["input_ids"]
+    assert _supervised(last)[: len(marlowe)] == marlowe
+    got = _supervised(every)
+    assert got[: len(shakespeare)] == shakespeare and len(got) == len(_supervised(alone)) + len(_supervised(last))
+    with pytest.raises(UserError, match=r"data.loss_on must be one of assistant \| last \(got 'all'\)"):
+        load_config(None, ["data.loss_on=all"])
+
+
+def test_a_template_that_renders_an_earlier_answer_differently_is_one_line(tmp_path, tokenizer):
+    """A template that writes an answer one way at the end of a conversation and another inside it (as reasoning
+    models' templates drop earlier thinking) cannot place the earlier answers: said, with the setting that works."""
+    odd = copy.deepcopy(tokenizer)
+    odd.chat_template = (
+        "{% for m in messages %}{% if m.role == 'assistant' and not loop.last %}[{{ m.content }}]"
+        "{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>"
+        "{% endif %}"
+    )
+    src = _write_jsonl(tmp_path / "d.jsonl", [json.dumps(_conversation("a", "b", "c", "d"))] * 2)
+    message = r"d.jsonl:1: the chat template renders the conversation up to message 2 differently inside the conv"
+    with pytest.raises(UserError, match=message + r".*; data.loss_on=last scores the final answer only"):
+        load_dataset(DataConfig(source=src, seq_len=64, packing=False), odd)
+    ds = load_dataset(DataConfig(source=src, seq_len=64, loss_on="last", packing=False), odd)
+    assert _supervised(ds) == odd("d", add_special_tokens=False)["input_ids"]
+
+
+def test_sharegpt_conversations_are_the_messages_they_spell(tmp_path, tokenizer):
+    """ShareGPT's ``{"conversations": [{"from": "human", "value": ...}]}`` (Axolotl's most common format) was
+    refused as lacking 'messages'; it is the conversation of the same roles."""
+    talk = ("Who wrote Hamlet?", "Shakespeare.", "And Faustus?", "Marlowe.")
+    speakers = ("human", "gpt")
+    sharegpt = {
+        "conversations": [{"from": "system", "value": "Be brief."}]
+        + [{"from": speakers[i % 2], "value": text} for i, text in enumerate(talk)]
+    }
+    messages = _conversation(*talk)
+    messages["messages"].insert(0, {"role": "system", "content": "Be brief."})
+    got, want = (
+        load_dataset(
+            DataConfig(source=_write_jsonl(tmp_path / f"{n}.jsonl", [json.dumps(r)] * 2), seq_len=96, packing=False),
+            tokenizer,
+        )
+        for n, r in (("sharegpt", sharegpt), ("messages", messages))
+    )
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.labels, want.labels)
+
+
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ({"conversations": []}, "'conversations' must be a non-empty list"),
+        ({"conversations": [{"from": "bot", "value": "a"}]}, r"needs 'from' \(human \| user \| gpt"),
+        ({"conversations": [{"from": "human", "value": 3}]}, "and a string 'value'"),
+        ({"conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "b"}]}, "must be from 'gpt'"),
+    ],
+)
+def test_a_bad_sharegpt_record_names_file_and_line(tmp_path, tokenizer, record, reason):
+    good = json.dumps({"prompt": "a", "response": "b"})
+    src = _write_jsonl(tmp_path / "bad.jsonl", [good, json.dumps(record)])
+    with pytest.raises(UserError, match=rf"bad.jsonl:2: .*{reason}"):
+        load_dataset(DataConfig(source=src, seq_len=32), tokenizer)
+
+
+@pytest.mark.parametrize("suffix, module", [(".gz", gzip), (".bz2", bz2), (".xz", lzma)])
+def test_compressed_data_is_read_as_the_text_it_holds(tmp_path, tokenizer, suffix, module):
+    """``records.jsonl.gz`` (as datasets writes them) was "binary, not text ... iconv -f latin1": gzip, bzip2 and
+    xz files are read as what they hold, told by their first bytes, their format by the name before the suffix."""
+    lines = [json.dumps({"prompt": f"Name play {i}.", "response": "Macbeth." * (i + 1)}) for i in range(4)]
+    plain = _write_jsonl(tmp_path / "d.jsonl", lines)
+    (tmp_path / f"d.jsonl{suffix}").write_bytes(module.compress(Path(plain).read_bytes()))
+    want = load_dataset(DataConfig(source=plain, seq_len=64), tokenizer)
+    cfg = DataConfig(source=str(tmp_path / f"d.jsonl{suffix}"), seq_len=64)
+    assert cfg.is_chat() and cfg.packs()
+    got = load_dataset(cfg, tokenizer)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.labels, want.labels)
+    text = "To be, or not to be, that is the question. " * 40
+    (tmp_path / "plays").mkdir()
+    (tmp_path / "plays" / "a.txt").write_text(text)
+    (tmp_path / "plays" / f"b.txt{suffix}").write_bytes(module.compress(text.encode()))
+    both = load_dataset(DataConfig(source=str(tmp_path / "plays"), seq_len=16), tokenizer)
+    one = load_dataset(DataConfig(source=str(tmp_path / "plays" / "a.txt"), seq_len=16), tokenizer)
+    assert len(both) in (2 * len(one), 2 * len(one) + 1)  # the same text twice, an EOS after each
+    assert torch.equal(both.tokens[: len(one)], one.tokens)
+
+
+@pytest.mark.parametrize(
+    "name, data, message",
+    [
+        ("d.jsonl.gz", gzip.compress(b'{"prompt": "a"}\n')[:-6], r"is gzip-compressed but cannot be decompressed"),
+        ("d.jsonl", b"PAR1\x15\x04\x15" + bytes(40), r"is a Parquet file \(datasets.Dataset.from_parquet"),
+        ("d.txt", b"PK\x03\x04" + bytes(40), r"is a zip archive \(unzip it and give the file inside\), not text"),
+        ("d.jsonl.zst", b"\x28\xb5\x2f\xfd" + bytes(40), r"is zstd-compressed \(zstd -d decompresses it\), not text"),
+    ],
+)
+def test_an_archive_or_a_broken_compressed_file_is_named(tmp_path, tokenizer, name, data, message):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(UserError, match=rf"data.source: '{tmp_path / name}' {message}") as e:
+        load_dataset(DataConfig(source=str(tmp_path / name), seq_len=32), tokenizer)
     assert "\n" not in str(e.value)

@@ -6,6 +6,7 @@ import os
 import shutil
 
 import pytest
+import yaml
 
 from memfit.errors import UserError
 from memfit.train.checkpoint import latest_intact, remove_partial, verify_checkpoint
@@ -281,3 +282,19 @@ def test_a_stop_signal_writes_a_final_checkpoint_and_says_which(tiny_cfg, whole,
     trainer, rest = _fit(tiny_cfg(*RUN, "train.checkpoint_every=0", "train.resume=true", f"output.dir={out}"))
     assert trainer.resume_from.name == "step_0000003"
     assert _losses(rest) == {s: losses[s] for s in (4, 5, 6)}
+
+
+def test_a_run_whose_config_predates_a_setting_resumes_with_its_default(tiny_cfg, whole):
+    """A run started by a memfit before ``data.loss_on`` existed has no such key in its ``config.yaml``; it read as
+    None and the resume was refused as "a different run (data.loss_on: None there, 'assistant' here)"."""
+    run_dir, losses = whole
+    _cut_back_to(run_dir, 4)
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del config["data"]["loss_on"]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    trainer, rest = _fit(tiny_cfg(*RUN, "train.resume=true", f"output.dir={run_dir}"))
+    assert trainer.resume_from.name == "step_0000004"
+    assert not [n for n in trainer.notes if "loss_on" in n]
+    assert _losses(rest) == {s: losses[s] for s in (5, 6)}
+    with pytest.raises(UserError, match=r"holds a different run \(data\.loss_on: 'assistant' there, 'last' here\)"):
+        Trainer(tiny_cfg(*RUN, "train.resume=true", "data.loss_on=last", f"output.dir={run_dir}"))
