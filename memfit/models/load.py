@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import math
 import os
 import shutil
 import sys
@@ -165,6 +166,16 @@ def read_config(path: Path, what: str = "model.source", *, built: bool = True):
     wrong = [f"{k} {v!r}" for k, v in sizes.items() if v is not None and (type(v) is not int or v < 1)]
     if wrong:
         raise UserError(f"{what}: '{shown}' has {', '.join(wrong)}; every size must be a whole number >= 1")
+    rope = getattr(config, "rope_parameters", None)
+    positive = {  # RoPE's base (transformers 5 keeps it in rope_parameters) and the norm's epsilon
+        "rope_theta": rope.get("rope_theta") if isinstance(rope, dict) else getattr(config, "rope_theta", None),
+        "rms_norm_eps": getattr(config, "rms_norm_eps", None),
+    }
+    wrong = [
+        f"{k} {v!r}" for k, v in positive.items() if isinstance(v, (int, float)) and not (math.isfinite(v) and v > 0)
+    ]
+    if wrong:
+        raise UserError(f"{what}: '{shown}' has {', '.join(wrong)}; it must be a number > 0 (the model computes NaN)")
     heads, kv = sizes["num_attention_heads"], sizes["num_key_value_heads"]
     if heads is not None and kv is not None and heads % kv:
         raise UserError(

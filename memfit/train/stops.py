@@ -97,6 +97,11 @@ def check_finite(step: int, loss: float, grad_norm: float, scaled: bool, lr: flo
     """
     if math.isfinite(loss) and (scaled or math.isfinite(grad_norm)):
         return
+    if step == 1 and not math.isfinite(loss):
+        raise UserError(
+            f"step 1: the loss is {loss} before any update, so the model as loaded computes it (optimizer.lr plays "
+            "no part yet); training stopped: check model.source's weights and config.json, or use fp32 precision"
+        )
     raise UserError(
         f"step {step}: the loss is {loss} and the gradient norm {grad_norm}; training stopped, nothing of it "
         f"is checkpointed or exported; lower optimizer.lr ({lr:g}), keep optimizer.grad_clip > 0, or use "

@@ -367,6 +367,9 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "nu
         ({"num_attention_heads": 4, "pad_token_id": 500}, "can build (AssertionError: Padding_idx must be within"),
         ({"num_attention_heads": 4, "head_dim": 0}, "is not a model transformers can build (ZeroDivisionError"),
         ({"num_attention_heads": 4, "dtype": "bogus"}, "(module 'torch' has no attribute 'bogus')"),
+        # read and planned without a word; a run's loss was NaN from step 1, blamed on the learning rate
+        ({"num_attention_heads": 4, "rope_theta": -1}, "has rope_theta -1; it must be a number > 0"),
+        ({"num_attention_heads": 4, "rms_norm_eps": -1.0}, "has rms_norm_eps -1.0; it must be a number > 0"),
         (
             {"num_attention_heads": 4, "model_type": "gpt2"},
             "config.json': GPT2LMHeadModel is not a Llama-family decoder (no model.layers[i].mlp)",
@@ -383,6 +386,8 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "nu
         "pad-token",
         "head-dim",
         "dtype",
+        "rope-theta",
+        "rms-norm-eps",
         "gpt2",
     ],
 )

@@ -33,6 +33,18 @@ def test_a_run_that_goes_non_finite_stops_before_checkpointing_or_exporting_it(t
     assert all(int(name.split("_")[1]) < 3 for name in steps), steps  # none of a non-finite step
 
 
+def test_a_loss_that_is_not_finite_before_any_update_blames_the_model_not_the_learning_rate(tiny_cfg):
+    """Weights that compute NaN (a broken checkpoint, a config.json field out of range) were reported as "lower
+    optimizer.lr (0.001), keep optimizer.grad_clip > 0": no update has happened when step 1's loss is taken."""
+    trainer = Trainer(tiny_cfg("train.eval_every=0"))
+    with torch.no_grad():
+        trainer.model.get_input_embeddings().weight.fill_(float("nan"))
+    with pytest.raises(UserError, match=r"^step 1: the loss is nan before any update, so the model as loaded") as e:
+        trainer.fit()
+    trainer.close()
+    assert "optimizer.lr plays no part yet" in str(e.value) and "lower optimizer.lr" not in str(e.value)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
