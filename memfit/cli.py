@@ -67,7 +67,7 @@ def add_plan_parser(sub) -> None:
             pin.add_argument(lever.flag, help=f"pin {lever.config_key} (searched: {searched})")
     pin.add_argument("--engine", default="fsdp2", choices=("fsdp2", "deepspeed"), help="sharding rules")
     out = plan.add_argument_group("output")
-    out.add_argument("--top", type=int, default=10, help="rows of the table")
+    out.add_argument("--top", type=int, default=10, help="rows of the table (0: every row)")
     out.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
     out.add_argument(
         "--max-seq-len",
@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     frag.add_argument("snapshot", help="snapshot pickle (read with a restricted unpickler: plain containers only)")
     frag.add_argument("--device", type=int, help="device index in the snapshot (default: the first)")
     frag.add_argument("--out", help="directory for the PNG plots (default: SNAPSHOT.frag/)")
-    frag.add_argument("--top", type=int, default=10, help="segments listed")
+    frag.add_argument("--top", type=int, default=10, help="segments listed (0: every one)")
     frag.add_argument("--json", action="store_true", help="print the numbers as JSON")
     frag.add_argument("--simulate", action="store_true", help="replay the trace under other allocator settings")
     frag.add_argument("--capacity", help="device memory for --simulate, e.g. 64GiB (default: unlimited)")

@@ -137,7 +137,7 @@ def run(ns) -> int:
     seg = Table(title="largest segments at the dump")
     for col in ("address", "type", "size MiB", "allocated MiB", "free MiB", "largest free MiB", "blocks"):
         seg.add_column(col, justify="right")
-    for s in sorted(report.segments, key=lambda s: s.total_bytes, reverse=True)[: ns.top]:
+    for s in sorted(report.segments, key=lambda s: s.total_bytes, reverse=True)[: ns.top or None]:
         seg.add_row(
             hex(s.address),
             s.segment_type,

@@ -300,6 +300,7 @@ def run(ns, answered: Answered | None = None) -> int:
     check_replay_options(ns)
     if ns.top < 0:  # this and the rest are said before the search, not after it
         raise UserError(f"--top must be >= 0 (got {ns.top})")
+    ns.top = ns.top or None  # 0: every row (a slice to None)
     if ns.explain is not None and ns.explain < 1:
         raise UserError(f"--explain must be a row of the table, 1 or more (got {ns.explain})")
     if ns.gpus_per_node < 1 or ns.nodes < 1:

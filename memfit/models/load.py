@@ -175,7 +175,8 @@ def read_config(path: Path, what: str = "model.source", *, built: bool = True):
         f"{k} {v!r}" for k, v in positive.items() if isinstance(v, (int, float)) and not (math.isfinite(v) and v > 0)
     ]
     if wrong:
-        raise UserError(f"{what}: '{shown}' has {', '.join(wrong)}; it must be a number > 0 (the model computes NaN)")
+        each = "each" if len(wrong) > 1 else "it"
+        raise UserError(f"{what}: '{shown}' has {', '.join(wrong)}; {each} must be a number > 0 (or the model is NaN)")
     heads, kv = sizes["num_attention_heads"], sizes["num_key_value_heads"]
     if heads is not None and kv is not None and heads % kv:
         raise UserError(

@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import re
 
 import pytest
 from support.snapshots import MIB, fragmented, segment, snapshot
@@ -400,3 +401,14 @@ def test_a_directory_given_as_the_snapshot_a_file_as_out_a_bad_version_and_top_a
     assert len(err) == 4 and "is a directory; give the pickle" in err[0]
     assert f"--out {taken} is a file" in err[1] and "--hip-version must look like 6.2" in err[2]
     assert "--top must be >= 0 (got -3)" in err[3]
+
+
+def test_top_zero_lists_every_segment(tmp_path, capsys):
+    """``--top 0`` listed no segment; 0 now lists every one, as ``plan --top 0`` shows every row."""
+    p = _write(tmp_path, fragmented())
+    texts = {}
+    for top in ("0", "1", "10000"):
+        assert main(["frag", str(p), "--out", str(tmp_path / "plots"), "--top", top]) == 0
+        texts[top] = capsys.readouterr().out
+    listed = {top: len(re.findall(r"^│ 0x[0-9a-f]+ │", text, re.MULTILINE)) for top, text in texts.items()}
+    assert texts["0"] == texts["10000"] and listed["0"] > listed["1"] == 1

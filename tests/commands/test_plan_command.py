@@ -1,6 +1,7 @@
 """`memfit plan` as a user runs it: flags, --config / --deepspeed pins, JSON, --explain, --simulate, one-line errors."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -456,3 +457,12 @@ def test_a_written_config_carries_the_data_it_was_planned_for(capsys, tmp_path):
     written = yaml.safe_load(again.read_text())["data"]
     assert written["source"] == str(records) and written["packing"] is True  # chat data packs by default
     assert "offline set" not in again.read_text()
+
+
+def test_top_zero_shows_every_row(capsys):
+    """``--top 0`` printed a table with no rows; 0 now means every row (``--top 1`` shows one)."""
+    plan = ["--model", "tiny", "--gpu", "h100", "--seq-len", "64", "--global-batch", "4"]
+    outs = {top: _plan(capsys, *plan, "--top", top)[1] for top in ("0", "1", "10000")}
+    rows = {top: len(re.findall(r"^│ +\d+ │", out, re.MULTILINE)) for top, out in outs.items()}
+    assert outs["0"] == outs["10000"] and rows["0"] > rows["1"] == 1
+    assert f"fit in {rows['0']} rows" in " ".join(outs["0"].split())
