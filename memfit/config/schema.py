@@ -124,7 +124,7 @@ class LoraConfig:
     )
     target_modules: list = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        "names of the Linear modules that get adapters",
+        "names of the Linear modules that get adapters (all-linear: every one but the output head, as PEFT reads it)",
     )
 
 

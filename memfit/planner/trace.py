@@ -28,6 +28,7 @@ Known limitations:
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -57,13 +58,17 @@ def _build_fake_model(spec: StepSpec, num_layers: int, fake_mode: FakeTensorMode
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=precision.param_dtype)
     if spec.lora is not None:
-        model = apply_lora(model, spec.lora, precision)
+        with warnings.catch_warnings():  # each trace worker would repeat PEFT's advice on an adapted tied head
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*", category=UserWarning)
+            model = apply_lora(model, spec.lora, precision)
     with fake_mode:
         model.to_empty(device=CPU)
         quantize_base(model, spec.strategy.quantize_base)  # from (fake) values, as a real run does
     apply_activation_checkpointing(model, spec.strategy.activation_checkpointing)
     if getattr(config, "tie_word_embeddings", False):
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight  # to_empty untied them
+        head = model.get_output_embeddings()
+        head = getattr(head, "base_layer", head)  # an adapted head: PEFT's layer wraps it
+        head.weight = model.get_input_embeddings().weight  # to_empty untied them
     return model
 
 

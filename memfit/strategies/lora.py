@@ -34,6 +34,21 @@ def linear_module_names(model: torch.nn.Module) -> set[str]:
     return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
+ALL_LINEAR = "all-linear"
+"""PEFT's name for every Linear module but the output head."""
+
+
+def target_names(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """``lora.target_modules`` with ``all-linear`` (as PEFT reads it) spelled out: every Linear module's name but
+    the output head's."""
+    if ALL_LINEAR not in names:
+        return list(names)
+    head = model.get_output_embeddings()
+    heads = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if m is head}
+    linear = sorted(linear_module_names(model) - heads)
+    return list(dict.fromkeys(n for name in names for n in (linear if name == ALL_LINEAR else [name])))
+
+
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig, precision: Precision):
     """Wrap ``model`` (built in ``precision.param_dtype``) with PEFT LoRA adapters; the frozen weights are then
     cast to ``precision.frozen_dtype``.
@@ -42,7 +57,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, precision: Precision):
         UserError: when a target module is not a Linear layer of this model.
     """
     available = linear_module_names(model)
-    for target in cfg.target_modules:
+    targets = target_names(model, cfg.target_modules)
+    for target in targets:
         if target not in available:
             raise UserError(
                 f"lora.target_modules: '{target}' is not a Linear module of this model"
@@ -52,7 +68,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, precision: Precision):
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
-        target_modules=list(cfg.target_modules),
+        target_modules=targets,
         task_type="CAUSAL_LM",
     )
     with warnings.catch_warnings():  # PEFT asks transformers a deprecated question; not ours to fix

@@ -5,10 +5,12 @@ import copy
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from memfit.config.schema import LoraConfig
 from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.errors import UserError
+from memfit.models.planning import transformers_config
 from memfit.models.presets import preset_config
 from memfit.planner import predict
 from memfit.planner.categories import Category
@@ -18,6 +20,7 @@ from memfit.planner.predict import Predictor, trace_workers
 from memfit.planner.search import Cluster, Pins, Workload, search, time_bucket
 from memfit.planner.sharding import ShardingSpec, per_rank
 from memfit.planner.trace import StepSpec, extrapolated_step, trace_step
+from memfit.strategies.lora import apply_lora
 from memfit.strategies.precision import precision_policy
 from memfit.units import GIB, parse_memory
 
@@ -40,6 +43,24 @@ def test_trace_matches_profiler_on_tiny(ac, precision, lora):
         LoraConfig(enabled=True) if lora else None,
     )
     assert_within_3pct_per_category(trace_step(spec).peak, measured_steady_step(spec))
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "lm_head"], ["all-linear"]], ids=["tied-head", "all-linear"])
+def test_lora_on_the_tied_output_head_or_every_linear_traces_as_the_profiler_measures_it(targets):
+    """An adapter on the output head (tied to the embeddings in the tiny preset) made the trace fail ("attribute
+    'weight' already exists" where it re-tied the head through PEFT's wrapper), and the trainer ran without its fit
+    check; ``all-linear`` (PEFT's word) was refused as no module's name."""
+    lora = LoraConfig(enabled=True, target_modules=targets)
+    spec = StepSpec(preset_config("tiny"), 128, Strategy(optimizer="foreach", micro_batch_size=4), lora)
+    assert_within_3pct_per_category(trace_step(spec).peak, measured_steady_step(spec))
+    model = AutoModelForCausalLM.from_config(transformers_config(preset_config("tiny")))
+    adapted = {
+        n.rsplit(".", 1)[-1]
+        for n, m in apply_lora(model, lora, precision_policy("fp32")).named_modules()
+        if hasattr(m, "lora_A")
+    }
+    want = {"q_proj", "lm_head"} if "lm_head" in targets else set(LoraConfig().target_modules)
+    assert adapted == want
 
 
 def assert_within_3pct_per_category(predicted, measured):
