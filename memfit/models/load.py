@@ -114,6 +114,18 @@ def resolve_source(source: str) -> ModelSource:
     if source == EMBEDDED_MODEL:
         return ModelSource("hf", path=embedded_checkpoint_dir())
     path = Path(source).expanduser()
+    ggufs = (
+        [path] if path.is_file() and path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
+    )
+    if ggufs and not (path / "config.json").is_file():
+        convert = (
+            f"AutoModelForCausalLM.from_pretrained(dir, gguf_file='{ggufs[0].name}', dtype=torch.bfloat16)"
+            ".save_pretrained(out), and the same for AutoTokenizer"
+        )
+        raise UserError(
+            f"model.source: '{source}' is a GGUF model (llama.cpp's format); memfit trains a Hugging Face checkpoint "
+            f"directory: transformers converts it ({convert})"
+        )
     if not path.is_dir():
         raise UserError(
             f"model.source: '{source}' is not a directory, '{EMBEDDED_MODEL}', 'random:<preset>' or "

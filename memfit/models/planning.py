@@ -106,7 +106,7 @@ def _read(model: str, name: str, attn_implementation: str) -> PretrainedConfig:
     path = Path(name).expanduser()
     if path.is_file() and path.name.endswith(".json"):
         return _read_file(path, attn_implementation)
-    if model == EMBEDDED_MODEL or path.is_dir():
+    if model == EMBEDDED_MODEL or path.is_dir() or (path.is_file() and path.suffix == ".gguf"):  # GGUF: said there
         return model_config(resolve_source(model), ModelConfig(attn_implementation=attn_implementation))
     raise UserError(
         f"--model: '{model}' is not a preset, a checkpoint directory or a config.json{did_you_mean(name, PRESETS)}; "

@@ -67,3 +67,14 @@ def test_a_config_path_that_is_not_there_is_named_as_a_path_not_as_an_unknown_pr
     ]:
         with pytest.raises(UserError, match=f"'{given}' {needle}; give random:<preset> or random:<path to"):
             resolve_source(f"random:{given}")
+
+
+def test_a_gguf_model_is_named_with_the_conversion(tmp_path):
+    """A GGUF file (or a directory of one without config.json) was "not a directory" or "has no config.json"; it is
+    named as llama.cpp's format, with the transformers call that converts it (train and plan alike)."""
+    (tmp_path / "llama.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    for given in (tmp_path / "llama.gguf", tmp_path):
+        with pytest.raises(UserError, match=r"is a GGUF model \(llama.cpp's format\).*gguf_file='llama.gguf'"):
+            resolve_source(str(given))
+        with pytest.raises(UserError, match="is a GGUF model"):
+            config_for_planning(str(given))
