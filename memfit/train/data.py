@@ -16,10 +16,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError
 
 from memfit.config.loader import read_utf8
 from memfit.config.schema import COMPRESSED_SUFFIXES, DataConfig
-from memfit.errors import UserError
+from memfit.errors import UserError, first_line
 from memfit.step.loss import IGNORE_INDEX
 from memfit.train.plays import NAME as PLAYS_CHAT
 from memfit.train.plays import plays_chat_file, shakespeare_files
@@ -213,11 +214,6 @@ def _sharegpt_messages(turns: object, where: str) -> list[dict]:
     return out
 
 
-def _chat_ids(tokenizer, messages: list[dict], **kw) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, **kw)
-    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-
-
 Record = tuple[list[int], list[int]]
 """One chat/instruction record: its token ids and labels (IGNORE_INDEX on the prompt), of equal length."""
 
@@ -264,9 +260,52 @@ def _is_one_json_value(text: str) -> bool:
     return True
 
 
-def _labelled(tokenizer, messages: list[dict], where: str, loss_on: str) -> Record:
+def _scored(messages: list[dict], loss_on: str) -> list[int]:
+    """The indices of the assistant messages that take the loss: every one after the first message, or the last."""
+    last = len(messages) - 1
+    earlier = [k for k in range(1, last) if messages[k]["role"] == "assistant"] if loss_on == "assistant" else []
+    return [*earlier, last]
+
+
+def _renders(tokenizer, messages: list[dict], where: str, loss_on: str) -> list[str]:
+    """The texts a conversation is labelled from: the whole conversation, then for each scored answer the
+    conversation before it with the generation prompt and (but for the last) the conversation up to its end.
+
+    Raises:
+        UserError: the chat template refuses the conversation (``raise_exception`` in it, e.g. roles that do not
+            alternate).
+    """
+
+    def render(part: list[dict], prompt: bool = False) -> str:
+        try:
+            return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=prompt)
+        except TemplateError as e:
+            raise UserError(f"{where}: the model's chat template refuses this conversation ({first_line(e)})") from None
+
+    texts = [render(messages)]
+    for k in _scored(messages, loss_on):
+        texts.append(render(messages[:k], prompt=True))
+        if k != len(messages) - 1:
+            texts.append(render(messages[: k + 1]))
+    return texts
+
+
+TOKENIZE_BATCH = 1024
+"""Texts per call of the tokenizer: a fast tokenizer encodes a batch on all CPUs (1.7x faster than a call per text
+on 2 CPUs), and the batch bounds what one call holds."""
+
+
+def _tokenized(tokenizer, texts: list[str]) -> list[list[int]]:
+    """The ids of each rendered text, as ``apply_chat_template(..., tokenize=True)`` gives them."""
+    out: list[list[int]] = []
+    for i in range(0, len(texts), TOKENIZE_BATCH):
+        out += tokenizer(texts[i : i + TOKENIZE_BATCH], add_special_tokens=False)["input_ids"]
+    return out
+
+
+def _labelled(ids: Iterator[list[int]], messages: list[dict], where: str, loss_on: str) -> Record:
     """A conversation's token ids, and labels that score the assistant messages (``loss_on``: every one, or the
-    last) and nothing else.
+    last) and nothing else; ``ids`` yields the tokens of its ``_renders`` in order.
 
     Each answer is found as the tokens between the conversation before it, rendered with the generation prompt, and
     the conversation up to its end; both must be the opening tokens of the whole conversation's rendering.
@@ -274,13 +313,12 @@ def _labelled(tokenizer, messages: list[dict], where: str, loss_on: str) -> Reco
     Raises:
         UserError: the chat template renders a prefix of the conversation differently inside it.
     """
-    full = _chat_ids(tokenizer, messages)
+    full = next(ids)
     labels = [IGNORE_INDEX] * len(full)
     last = len(messages) - 1
-    earlier = [k for k in range(1, last) if messages[k]["role"] == "assistant"] if loss_on == "assistant" else []
-    for k in [*earlier, last]:
-        prompt = _chat_ids(tokenizer, messages[:k], add_generation_prompt=True)
-        upto = full if k == last else _chat_ids(tokenizer, messages[: k + 1])
+    for k in _scored(messages, loss_on):
+        prompt = next(ids)
+        upto = full if k == last else next(ids)
         if full[: len(upto)] != upto or upto[: len(prompt)] != prompt:
             which = "the prompt" if k == last else f"the conversation up to message {k + 1}"
             fix = "" if k == last else "; data.loss_on=last scores the final answer only"
@@ -298,15 +336,17 @@ def chat_records(path: Path, tokenizer, max_records: int | None, loss_on: str = 
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(f"data.source: '{path}' is chat data but the model's tokenizer has no chat template")
-    records = []
+    conversations = []
     text = read_utf8(path, "data.source", "save the chat records as UTF-8 JSON lines", compressed=True)
     for where, record in _json_records(text, path):
-        records.append(_labelled(tokenizer, _record_messages(record, where), where, loss_on))
-        if max_records is not None and len(records) >= max_records:
+        conversations.append((where, _record_messages(record, where)))
+        if max_records is not None and len(conversations) >= max_records:
             break
-    if len(records) < 2:
-        raise UserError(f"data.source: '{path}' has {len(records)} record(s); need at least 2 (train and eval)")
-    return records
+    if len(conversations) < 2:
+        raise UserError(f"data.source: '{path}' has {len(conversations)} record(s); need at least 2 (train and eval)")
+    texts = [t for where, messages in conversations for t in _renders(tokenizer, messages, where, loss_on)]
+    ids = iter(_tokenized(tokenizer, texts))
+    return [_labelled(ids, messages, where, loss_on) for where, messages in conversations]
 
 
 def _rows_tensor(values: array.array, row: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from memfit.config.schema import DataConfig
 from memfit.errors import UserError
 from memfit.models.load import ModelSource, load_tokenizer
 from memfit.step.loss import IGNORE_INDEX
-from memfit.train.data import EpochBatchSampler, _chat_ids, load_dataset, shakespeare_files, split
+from memfit.train.data import EpochBatchSampler, load_dataset, shakespeare_files, split
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +198,12 @@ def _conversation(*turns):
     return {"messages": [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)]}
 
 
+def _chat_ids(tokenizer, messages, **kw):
+    """The ids transformers' own ``apply_chat_template(..., tokenize=True)`` gives."""
+    out = tokenizer.apply_chat_template(messages, tokenize=True, **kw)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
 def _supervised(ds, row=0):
     return ds.tokens[row][ds.labels[row] != IGNORE_INDEX].tolist()
 
@@ -317,3 +323,52 @@ def test_an_archive_or_a_broken_compressed_file_is_named(tmp_path, tokenizer, na
     with pytest.raises(UserError, match=rf"data.source: '{tmp_path / name}' {message}") as e:
         load_dataset(DataConfig(source=str(tmp_path / name), seq_len=32), tokenizer)
     assert "\n" not in str(e.value)
+
+
+def test_records_are_tokenized_as_the_chat_template_tokenizes_each(tmp_path, tokenizer):
+    """Records are rendered to text and tokenized in batches (the fast tokenizer on every CPU): the rows are those
+    of transformers' ``apply_chat_template(..., tokenize=True)`` one record at a time."""
+    from memfit.train import data
+
+    talks = [
+        _conversation(f"Who wrote play {i}?", "Shakespeare. " * (i % 5 + 1), "When?", "1600." * i) for i in range(9)
+    ]
+    talks += [{"prompt": f"Name {i}.", "response": " x" * i} for i in range(1, 8)]
+    src = _write_jsonl(tmp_path / "d.jsonl", map(json.dumps, talks))
+    records = data.chat_records(Path(src), tokenizer, None, "assistant")
+    for record, (ids, labels) in zip(talks, records):
+        messages = data._record_messages(record, "x")
+        assert ids == _chat_ids(tokenizer, messages)
+        for k in data._scored(messages, "assistant"):
+            start = len(_chat_ids(tokenizer, messages[:k], add_generation_prompt=True))
+            end = len(_chat_ids(tokenizer, messages[: k + 1]))
+            assert labels[start:end] == ids[start:end] and labels[start - 1] == IGNORE_INDEX
+    assert sum(x != IGNORE_INDEX for _, lab in records for x in lab) == sum(
+        len(_chat_ids(tokenizer, m[: k + 1])) - len(_chat_ids(tokenizer, m[:k], add_generation_prompt=True))
+        for m in (data._record_messages(r, "x") for r in talks)
+        for k in data._scored(m, "assistant")
+    )
+
+
+def test_a_chat_template_that_refuses_a_conversation_is_one_line(tmp_path, tokenizer):
+    """Llama-2's and Mistral's templates raise for roles that do not alternate: that was jinja2's traceback."""
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = (
+        "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{{ m.content }}{% endfor %}"
+    )
+    good = json.dumps(_conversation("a", "b"))
+    bad = json.dumps(
+        {
+            "messages": [
+                {"role": "user", "content": "a"},
+                {"role": "user", "content": "b"},
+                {"role": "assistant", "content": "c"},
+            ]
+        }
+    )
+    src = _write_jsonl(tmp_path / "d.jsonl", [good, bad])
+    message = r"d.jsonl:2: the model's chat template refuses this conversation \(Conversation roles must alternate"
+    with pytest.raises(UserError, match=message):
+        load_dataset(DataConfig(source=src, seq_len=64, packing=False), strict)
