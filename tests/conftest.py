@@ -26,6 +26,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # depends on must never read one made without the patch (subprocesses inherit this)
 os.environ["MEMFIT_PLAN_CACHE"] = "off"
 os.environ["MEMFIT_CONFIG_CACHE"] = "off"
+os.environ["MEMFIT_DATA_CACHE"] = "off"  # and tokenized records: a test of the tokenizing must tokenize
 
 # the trace cache: off in this process for the same reason, unless a test points MEMFIT_TRACE_CACHE elsewhere; the
 # memfit processes the tests start (which nothing patches) share one for the session, so that the same fit check is

@@ -24,6 +24,7 @@ from memfit.errors import UserError, first_line
 from memfit.step.loss import IGNORE_INDEX
 from memfit.train.plays import NAME as PLAYS_CHAT
 from memfit.train.plays import plays_chat_file, shakespeare_files
+from memfit.train.records_cache import Record, load_records, records_key, save_records
 
 SPLIT_SEED = 0
 
@@ -214,10 +215,6 @@ def _sharegpt_messages(turns: object, where: str) -> list[dict]:
     return out
 
 
-Record = tuple[list[int], list[int]]
-"""One chat/instruction record: its token ids and labels (IGNORE_INDEX on the prompt), of equal length."""
-
-
 def _json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
     """``(where, record)`` for each record of a file: one JSON value per line (JSON lines), or one JSON array of
     them (Alpaca's ``alpaca_data.json``, what ``datasets.load_dataset("json")`` also reads).
@@ -336,6 +333,10 @@ def chat_records(path: Path, tokenizer, max_records: int | None, loss_on: str = 
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(f"data.source: '{path}' is chat data but the model's tokenizer has no chat template")
+    key = records_key(path, tokenizer, max_records, loss_on)
+    kept = load_records(key)
+    if kept is not None:
+        return kept
     conversations = []
     text = read_utf8(path, "data.source", "save the chat records as UTF-8 JSON lines", compressed=True)
     for where, record in _json_records(text, path):
@@ -346,7 +347,9 @@ def chat_records(path: Path, tokenizer, max_records: int | None, loss_on: str = 
         raise UserError(f"data.source: '{path}' has {len(conversations)} record(s); need at least 2 (train and eval)")
     texts = [t for where, messages in conversations for t in _renders(tokenizer, messages, where, loss_on)]
     ids = iter(_tokenized(tokenizer, texts))
-    return [_labelled(ids, messages, where, loss_on) for where, messages in conversations]
+    records = [_labelled(ids, messages, where, loss_on) for where, messages in conversations]
+    save_records(key, records)
+    return records
 
 
 def _rows_tensor(values: array.array, row: int) -> torch.Tensor:
