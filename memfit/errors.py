@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Iterable
@@ -70,6 +71,19 @@ class ReportedByRankZero(UserError):
     """An error rank 0 found and printed; the other ranks exit with it silently."""
 
     echo = False
+
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_FILE_SUFFIXES = {".json", ".jsonl", ".txt", ".gz", ".bz2", ".xz", ".zst", ".parquet", ".csv", ".yaml", ".gguf"}
+
+
+def hub_hint(source: str, fetch: str) -> str:
+    """`` (a Hugging Face Hub name? ...)`` where ``source`` reads as ``owner/name`` and no ``owner`` is here: memfit
+    reads local files only; ``fetch`` is the command that brings it here (``{0}`` stands for the name). Else ``''``."""
+    path = Path(source)
+    if not _HUB_NAME.fullmatch(source) or path.suffix in _FILE_SUFFIXES or path.parent.exists():  # a path here
+        return ""
+    return f" (a Hugging Face Hub name? memfit downloads nothing: {fetch.format(source)} saves it here)"
 
 
 def print_user_error(e: UserError) -> None:

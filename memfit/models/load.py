@@ -32,7 +32,7 @@ from transformers.utils import logging as hf_logging
 
 from memfit.cache import cache_dir, cache_write_error, make_cache_dir
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
-from memfit.errors import UserError, first_line
+from memfit.errors import UserError, first_line, hub_hint
 from memfit.models.planning import transformers_config
 from memfit.models.presets import PRESETS, ModelShape, preset, preset_config
 
@@ -129,7 +129,7 @@ def resolve_source(source: str) -> ModelSource:
     if not path.is_dir():
         raise UserError(
             f"model.source: '{source}' is not a directory, '{EMBEDDED_MODEL}', 'random:<preset>' or "
-            "'random:<config.json>'; "
+            f"'random:<config.json>'{hub_hint(source, 'hf download {0} --local-dir DIR')}; "
             "point it at a Hugging Face checkpoint directory"
         )
     if not (path / "config.json").is_file():

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from memfit.cache import cache_dir, cache_root, code_and_versions, digest, read_entry, write_entry
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
-from memfit.errors import UserError, did_you_mean
+from memfit.errors import UserError, did_you_mean, hub_hint
 from memfit.models.presets import PRESETS, ModelShape, Preset, preset
 
 if TYPE_CHECKING:
@@ -109,7 +109,8 @@ def _read(model: str, name: str, attn_implementation: str) -> PretrainedConfig:
     if model == EMBEDDED_MODEL or path.is_dir() or (path.is_file() and path.suffix == ".gguf"):  # GGUF: said there
         return model_config(resolve_source(model), ModelConfig(attn_implementation=attn_implementation))
     raise UserError(
-        f"--model: '{model}' is not a preset, a checkpoint directory or a config.json{did_you_mean(name, PRESETS)}; "
+        f"--model: '{model}' is not a preset, a checkpoint directory or a config.json{did_you_mean(name, PRESETS)}"
+        f"{hub_hint(model, 'hf download {0} config.json --local-dir DIR')}; "
         f"presets: {', '.join(PRESETS)}"
     )
 

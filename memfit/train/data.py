@@ -20,7 +20,7 @@ from jinja2 import TemplateError
 
 from memfit.config.loader import read_utf8
 from memfit.config.schema import COMPRESSED_SUFFIXES, DataConfig
-from memfit.errors import UserError, first_line
+from memfit.errors import UserError, first_line, hub_hint
 from memfit.step.loss import IGNORE_INDEX
 from memfit.train.plays import NAME as PLAYS_CHAT
 from memfit.train.plays import plays_chat_file, shakespeare_files
@@ -114,10 +114,13 @@ def text_files(source: str) -> list[Path]:
         return files
     if path.is_file():
         return [path]
-    what = "is not a regular file" if path.exists() else "does not exist"
+    what = "is not a regular file" if path.exists() else f"does not exist{hub_hint(source, _DATASETS_SAVE)}"
     raise UserError(
         f"data.source: '{source}' {what}; give 'shakespeare', a .txt file, a directory or a .jsonl (or .json) file"
     )
+
+
+_DATASETS_SAVE = "datasets.load_dataset('{0}', split='train').to_json('records.jsonl')"
 
 
 def pack_text(files: list[Path], tokenizer, seq_len: int) -> TokenDataset:
@@ -428,7 +431,10 @@ def source_files(cfg: DataConfig) -> list[Path]:
     if cfg.is_chat():
         path = plays_chat_file() if cfg.source == PLAYS_CHAT else Path(cfg.source)
         if not path.is_file():
-            raise UserError(f"data.source: '{cfg.source}' does not exist; give a .jsonl or .json file of chat records")
+            raise UserError(
+                f"data.source: '{cfg.source}' does not exist{hub_hint(cfg.source, _DATASETS_SAVE)}; give a .jsonl or "
+                ".json file of chat records"
+            )
         return [path]
     return text_files(cfg.source)[: cfg.max_documents]
 

@@ -78,3 +78,25 @@ def test_a_gguf_model_is_named_with_the_conversion(tmp_path):
             resolve_source(str(given))
         with pytest.raises(UserError, match="is a GGUF model"):
             config_for_planning(str(given))
+
+
+def test_a_hub_name_is_named_as_one_with_the_command_that_fetches_it(tmp_path, monkeypatch):
+    """``meta-llama/Llama-2-7b-hf`` or ``tatsu-lab/alpaca`` were "not a directory" / "does not exist": memfit never
+    downloads, so the line says what the name looks like and the command that brings it here."""
+    from memfit.config.schema import DataConfig
+    from memfit.train.data import source_files
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"\(a Hugging Face Hub name\? .*hf download meta-llama/Llama-2-7b-hf --local"):
+        resolve_source("meta-llama/Llama-2-7b-hf")
+    with pytest.raises(UserError, match=r"hf download Qwen/Qwen2.5-7B config.json --local-dir DIR saves it here"):
+        config_for_planning("Qwen/Qwen2.5-7B")
+    for source in ("tatsu-lab/alpaca", "tatsu-lab/alpaca.jsonl"):
+        with pytest.raises(UserError) as e:
+            source_files(DataConfig(source=source))
+        hint = "datasets.load_dataset('tatsu-lab/alpaca', split='train').to_json('records.jsonl')"
+        assert (hint in str(e.value)) == (source == "tatsu-lab/alpaca")  # a file name is a missing file
+    (tmp_path / "tatsu-lab").mkdir()
+    with pytest.raises(UserError) as e:
+        source_files(DataConfig(source="tatsu-lab/alpaca"))
+    assert "Hub" not in str(e.value)  # a path here is a path
