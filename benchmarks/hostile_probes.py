@@ -1,4 +1,5 @@
-"""The hostile-user probes (issue 19's, the twenty-second, twenty-third and twenty-fifth sessions'), re-runnable:
+"""The hostile-user probes (issue 19's, the twenty-second, twenty-third, twenty-fifth, twenty-sixth and
+thirty-third sessions'), re-runnable:
 each a real ``memfit`` command in a fresh directory, judged by the promise "one clear line, non-zero exit, nothing
 half-written" (or, where the input is legitimate, that it works: resume however the path is spelled, train longer,
 retry with another port).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import pickle
@@ -778,6 +780,110 @@ def _(tmp):
 def _(tmp):
     r = train(tmp, "distributed.zero_stage=0", "--nproc-per-node", "2")
     return r.code == 0 and "FutureWarning" not in r.err, f"exit {r.code}: {r.err.strip()[-200:]}"
+
+
+# -- 33: the thirty-third session's round ----------------------------------------------------------------------
+
+
+def _supervised_share(r: Result) -> float:
+    """The share of positions that take a loss, from the run's packing note (-1 where there is none)."""
+    words = " ".join(r.out.split())
+    at = words.find("% of the positions supervised")
+    return float(words[:at].rsplit(" ", 1)[-1]) if at > 0 else -1.0
+
+
+def _talks(tmp: Path, name: str = "talks.jsonl") -> Path:
+    turn = [{"role": "user", "content": "q " * 5}, {"role": "assistant", "content": "a " * 20}]
+    path = tmp / name
+    path.write_text("\n".join(json.dumps({"messages": turn * 3}) for _ in range(12)) + "\n")
+    return path
+
+
+@probe(
+    "33", "multi-turn chat: every assistant message takes the loss (only the last did); data.loss_on=last keeps that"
+)
+def _(tmp):
+    every = train(tmp, f"data.source={_talks(tmp)}", "data.max_documents=null", "data.seq_len=256")
+    last = memfit(
+        "train",
+        "tiny-cpu",
+        *TINY,
+        f"output.dir={tmp / 'last'}",
+        f"data.source={_talks(tmp)}",
+        "data.max_documents=null",
+        "data.seq_len=256",
+        "data.loss_on=last",
+        cwd=tmp,
+    )
+    shares = _supervised_share(every), _supervised_share(last)
+    return every.code == last.code == 0 and shares[0] > 2.5 * shares[1] > 0, f"supervised {shares[0]}% / {shares[1]}%"
+
+
+@probe("33", "ShareGPT conversations and a gzipped .jsonl train (refused as lacking 'messages' / as binary)")
+def _(tmp):
+    turns = [{"from": "human", "value": "q " * 5}, {"from": "gpt", "value": "a " * 20}]
+    (tmp / "sg.jsonl").write_text("\n".join(json.dumps({"conversations": turns}) for _ in range(12)) + "\n")
+    gz = tmp / "talks.jsonl.gz"
+    gz.write_bytes(gzip.compress(_talks(tmp).read_bytes()))
+    codes = [
+        train(tmp, f"data.source={src}", "data.max_documents=null", f"output.dir={tmp / ('run-' + src.name)}").code
+        for src in (tmp / "sg.jsonl", gz)
+    ]
+    return codes == [0, 0], f"exits {codes}"
+
+
+for _name, _data, _needle in [
+    ("d.parquet", b"PAR1" + bytes(64), "is a Parquet file (datasets.Dataset.from_parquet"),
+    ("m.gguf", b"GGUF" + bytes(64), "is a GGUF model (llama.cpp's format)"),
+]:
+
+    @probe("33", f"{_name} as {'data' if 'parquet' in _name else 'model'}.source: named, with the conversion")
+    def _(tmp, _name=_name, _data=_data, _needle=_needle):
+        (tmp / _name).write_bytes(_data)
+        key = "data.source" if _name.endswith(".parquet") else "model.source"
+        ok, line = one_error_line(train(tmp, f"{key}={tmp / _name}"), _needle)
+        return ok and empty_or_absent(tmp / "run"), line
+
+
+@probe("33", "Hub names as sources: said as such, with the command that fetches them")
+def _(tmp):
+    ok1, line = one_error_line(train(tmp, "model.source=meta-llama/Llama-2-7b-hf"), "hf download meta-llama")
+    ok2, _ = one_error_line(train(tmp, "data.source=tatsu-lab/alpaca"), "datasets.load_dataset('tatsu-lab/alpaca'")
+    return ok1 and ok2, line
+
+
+@probe("33", "config.json with rope_theta -1: one line (trained to a NaN loss blamed on the learning rate)")
+def _(tmp):
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "vocab_size": 1000,
+        "rope_theta": -1,
+    }
+    (tmp / "config.json").write_text(json.dumps(config))
+    ok, line = one_error_line(train(tmp, f"model.source=random:{tmp / 'config.json'}"), "has rope_theta -1")
+    return ok and empty_or_absent(tmp / "run"), line
+
+
+@probe("33", "LoRA on the tied output head, and all-linear: trained with the fit check (the planner failed)")
+def _(tmp):
+    runs = [
+        train(tmp, "lora.enabled=true", f"lora.target_modules={t}", f"output.dir={tmp / str(i)}")
+        for i, t in enumerate(("[q_proj,lm_head]", "all-linear"))
+    ]
+    ok = all(r.code == 0 and "planner failed" not in r.out + r.err and "planner: predicted" in r.out for r in runs)
+    return ok, f"exits {[r.code for r in runs]}"
+
+
+@probe("33", "plan --top 0: every row (an empty table)")
+def _(tmp):
+    r = memfit("plan", "--model", "tiny", "--gpu", "h100", "--seq-len", "64", "--top", "0", cwd=tmp)
+    rows = sum(line.startswith("│") and line[1:].strip().split(" ")[0].isdigit() for line in r.out.splitlines())
+    return r.code == 0 and rows > 10, f"exit {r.code}, {rows} rows"
 
 
 def main() -> int:
