@@ -206,7 +206,7 @@ def _sharegpt_messages(turns: object, where: str) -> list[dict]:
         raise UserError(f"{where}: 'conversations' must be a non-empty list")
     out = []
     for t in turns:
-        role = _SHAREGPT_ROLES.get(t.get("from")) if isinstance(t, dict) else None
+        role = _SHAREGPT_ROLES.get(t.get("from")) if isinstance(t, dict) and isinstance(t.get("from"), str) else None
         if role is None or not isinstance(t.get("value"), str):
             raise UserError(
                 f"{where}: each of 'conversations' needs 'from' ({' | '.join(_SHAREGPT_ROLES)}) and a string "
@@ -291,8 +291,8 @@ def _renders(tokenizer, messages: list[dict], where: str, loss_on: str) -> list[
 
 
 TOKENIZE_BATCH = 1024
-"""Texts per call of the tokenizer: a fast tokenizer encodes a batch on all CPUs (1.7x faster than a call per text
-on 2 CPUs), and the batch bounds what one call holds."""
+"""Texts per call of the tokenizer: a fast tokenizer encodes a batch on all CPUs (shakespeare-chat's records in 9.5 s,
+against 18.3 s a record at a time, on 2 CPUs), and the batch bounds what one call holds."""
 
 
 def _tokenized(tokenizer, texts: list[str]) -> list[list[int]]:

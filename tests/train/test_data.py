@@ -278,6 +278,7 @@ def test_sharegpt_conversations_are_the_messages_they_spell(tmp_path, tokenizer)
         ({"conversations": []}, "'conversations' must be a non-empty list"),
         ({"conversations": [{"from": "bot", "value": "a"}]}, r"needs 'from' \(human \| user \| gpt"),
         ({"conversations": [{"from": "human", "value": 3}]}, "and a string 'value'"),
+        ({"conversations": [{"from": ["human"], "value": "a"}]}, r"needs 'from' \(human"),
         ({"conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "b"}]}, "must be from 'gpt'"),
     ],
 )
