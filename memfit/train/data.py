@@ -24,7 +24,7 @@ from memfit.errors import UserError, first_line, hub_hint
 from memfit.step.loss import IGNORE_INDEX
 from memfit.train.plays import NAME as PLAYS_CHAT
 from memfit.train.plays import plays_chat_file, shakespeare_files
-from memfit.train.records_cache import Record, load_records, records_key, save_records
+from memfit.train.token_cache import Record, data_key, load_records, load_stream, save_records, save_stream
 
 SPLIT_SEED = 0
 
@@ -124,14 +124,19 @@ _DATASETS_SAVE = "datasets.load_dataset('{0}', split='train').to_json('records.j
 
 
 def pack_text(files: list[Path], tokenizer, seq_len: int) -> TokenDataset:
-    """Tokenize each file, join them with EOS, and cut the stream into non-overlapping rows."""
-    stream: list[int] = []
-    for f in files:
-        text = read_utf8(
-            f, "data.source", "give UTF-8 text (iconv -f latin1 -t utf-8 converts Latin-1)", compressed=True
-        )
-        stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-        stream.append(tokenizer.eos_token_id)
+    """Tokenize each file, join them with EOS, and cut the stream into non-overlapping rows (the stream kept in the
+    data cache)."""
+    key = data_key("text", files, tokenizer)
+    stream = load_stream(key)
+    if stream is None:
+        stream = []
+        for f in files:
+            fix = "give UTF-8 text (iconv -f latin1 -t utf-8 converts Latin-1)"
+            stream.extend(
+                tokenizer(read_utf8(f, "data.source", fix, compressed=True), add_special_tokens=False)["input_ids"]
+            )
+            stream.append(tokenizer.eos_token_id)
+        save_stream(key, stream)
     row = seq_len + 1
     n = len(stream) // row
     if len(stream) == len(files):  # an EOS after each file, and nothing else
@@ -336,7 +341,7 @@ def chat_records(path: Path, tokenizer, max_records: int | None, loss_on: str = 
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(f"data.source: '{path}' is chat data but the model's tokenizer has no chat template")
-    key = records_key(path, tokenizer, max_records, loss_on)
+    key = data_key("chat", [path], tokenizer, loss_on=loss_on, max_records=max_records)
     kept = load_records(key)
     if kept is not None:
         return kept
