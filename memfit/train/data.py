@@ -19,7 +19,7 @@ import torch
 from jinja2 import TemplateError
 
 from memfit.config.loader import read_utf8
-from memfit.config.schema import COMPRESSED_SUFFIXES, DataConfig
+from memfit.config.schema import RECORD_SUFFIXES, TEXT_SUFFIXES, DataConfig, data_files
 from memfit.errors import UserError, first_line, hub_hint
 from memfit.step.loss import IGNORE_INDEX
 from memfit.train.plays import NAME as PLAYS_CHAT
@@ -107,10 +107,9 @@ def text_files(source: str) -> list[Path]:
         return shakespeare_files()
     path = Path(source)
     if path.is_dir():
-        names = tuple(".txt" + suffix for suffix in ("", *COMPRESSED_SUFFIXES))
-        files = sorted(f for f in path.iterdir() if f.name.endswith(names) and f.is_file())
+        files = data_files(path, TEXT_SUFFIXES)
         if not files:
-            raise UserError(f"data.source: directory '{source}' holds no .txt files (nor {', '.join(names[1:])})")
+            raise UserError(f"data.source: directory '{source}' holds no .txt files (compressed or not)")
         return files
     if path.is_file():
         return [path]
@@ -332,27 +331,31 @@ def _labelled(ids: Iterator[list[int]], messages: list[dict], where: str, loss_o
     return full, labels
 
 
-def chat_records(path: Path, tokenizer, max_records: int | None, loss_on: str = "assistant") -> list[Record]:
-    """Every record of a JSON lines file (or a JSON array of records; gzip, bzip2 or xz compressed or not),
+def chat_records(paths: list[Path], tokenizer, max_records: int | None, loss_on: str = "assistant") -> list[Record]:
+    """Every record of JSON lines files (or JSON arrays of records; gzip, bzip2 or xz compressed or not), in order,
     rendered with the tokenizer's chat template; the loss on the assistant messages ``loss_on`` names.
 
     Raises:
         UserError: ``file:line: reason`` for the first malformed record.
     """
+    shown = f"'{paths[0]}'" if len(paths) == 1 else f"'{paths[0].parent}' ({len(paths)} files)"
     if getattr(tokenizer, "chat_template", None) is None:
-        raise UserError(f"data.source: '{path}' is chat data but the model's tokenizer has no chat template")
-    key = data_key("chat", [path], tokenizer, loss_on=loss_on, max_records=max_records)
+        raise UserError(f"data.source: {shown} is chat data but the model's tokenizer has no chat template")
+    key = data_key("chat", paths, tokenizer, loss_on=loss_on, max_records=max_records)
     kept = load_records(key)
     if kept is not None:
         return kept
     conversations = []
-    text = read_utf8(path, "data.source", "save the chat records as UTF-8 JSON lines", compressed=True)
-    for where, record in _json_records(text, path):
-        conversations.append((where, _record_messages(record, where)))
+    for path in paths:
         if max_records is not None and len(conversations) >= max_records:
             break
+        text = read_utf8(path, "data.source", "save the chat records as UTF-8 JSON lines", compressed=True)
+        for where, record in _json_records(text, path):
+            if max_records is not None and len(conversations) >= max_records:
+                break
+            conversations.append((where, _record_messages(record, where)))
     if len(conversations) < 2:
-        raise UserError(f"data.source: '{path}' has {len(conversations)} record(s); need at least 2 (train and eval)")
+        raise UserError(f"data.source: {shown} has {len(conversations)} record(s); need at least 2 (train and eval)")
     texts = [t for where, messages in conversations for t in _renders(tokenizer, messages, where, loss_on)]
     ids = iter(_tokenized(tokenizer, texts))
     records = [_labelled(ids, messages, where, loss_on) for where, messages in conversations]
@@ -435,10 +438,15 @@ def source_files(cfg: DataConfig) -> list[Path]:
     """
     if cfg.is_chat():
         path = plays_chat_file() if cfg.source == PLAYS_CHAT else Path(cfg.source)
+        if path.is_dir():
+            files = data_files(path, RECORD_SUFFIXES)
+            if not files:
+                raise UserError(f"data.source: directory '{cfg.source}' holds no .jsonl or .json files of records")
+            return files
         if not path.is_file():
+            what = "is not a regular file" if path.exists() else f"does not exist{hub_hint(cfg.source, _DATASETS_SAVE)}"
             raise UserError(
-                f"data.source: '{cfg.source}' does not exist{hub_hint(cfg.source, _DATASETS_SAVE)}; give a .jsonl or "
-                ".json file of chat records"
+                f"data.source: '{cfg.source}' {what}; give a .jsonl or .json file of chat records (or a directory)"
             )
         return [path]
     return text_files(cfg.source)[: cfg.max_documents]
@@ -448,7 +456,7 @@ def load_dataset(cfg: DataConfig, tokenizer) -> TokenDataset:
     """All rows of ``data.source`` (before the train/eval split)."""
     files = source_files(cfg)
     if cfg.is_chat():
-        records = chat_records(files[0], tokenizer, cfg.max_documents, cfg.loss_on)
+        records = chat_records(files, tokenizer, cfg.max_documents, cfg.loss_on)
         rows = packed_rows if cfg.packs() else padded_rows
         return rows(records, cfg.seq_len + 1, tokenizer.pad_token_id)
     return pack_text(files, tokenizer, cfg.seq_len)

@@ -338,7 +338,7 @@ def test_records_are_tokenized_as_the_chat_template_tokenizes_each(tmp_path, tok
     ]
     talks += [{"prompt": f"Name {i}.", "response": " x" * i} for i in range(1, 8)]
     src = _write_jsonl(tmp_path / "d.jsonl", map(json.dumps, talks))
-    records = data.chat_records(Path(src), tokenizer, None, "assistant")
+    records = data.chat_records([Path(src)], tokenizer, None, "assistant")
     for record, (ids, labels) in zip(talks, records):
         messages = data._record_messages(record, "x")
         assert ids == _chat_ids(tokenizer, messages)
@@ -389,19 +389,23 @@ def test_tokenized_records_are_kept_between_runs_and_named_by_all_they_depend_on
     monkeypatch.setenv("MEMFIT_DATA_CACHE", str(cache))
     talks = [_conversation(f"Q{i}?", f"A{i}.", "More?", "No." * i) for i in range(6)]
     src = Path(_write_jsonl(tmp_path / "d.jsonl", map(json.dumps, talks)))
-    first = data.chat_records(src, tokenizer, None, "assistant")
+    first = data.chat_records([src], tokenizer, None, "assistant")
     assert len(list(cache.glob("*.json.gz"))) == 1
     calls = []
     monkeypatch.setattr(data, "_tokenized", lambda tok, texts: calls.append(len(texts)) or [])
-    assert data.chat_records(src, tokenizer, None, "assistant") == first and not calls  # from the cache
+    assert data.chat_records([src], tokenizer, None, "assistant") == first and not calls  # from the cache
     other = copy.deepcopy(tokenizer)
     other.chat_template = tokenizer.chat_template.replace("<|im_start|>", "<|im_start|> ")
-    for changed in ((src, tokenizer, None, "last"), (src, tokenizer, 5, "assistant"), (src, other, None, "assistant")):
+    for changed in (
+        ([src], tokenizer, None, "last"),
+        ([src], tokenizer, 5, "assistant"),
+        ([src], other, None, "assistant"),
+    ):
         with pytest.raises(StopIteration):  # tokenized again (here by the stand-in, which gives no ids)
             data.chat_records(*changed)
     src.write_text(src.read_text() + json.dumps(_conversation("Q?", "A.")) + "\n")
     with pytest.raises(StopIteration):
-        data.chat_records(src, tokenizer, None, "assistant")
+        data.chat_records([src], tokenizer, None, "assistant")
     assert len(calls) == 4
     monkeypatch.undo()
     monkeypatch.setenv("MEMFIT_DATA_CACHE", str(cache))
@@ -409,11 +413,11 @@ def test_tokenized_records_are_kept_between_runs_and_named_by_all_they_depend_on
     entry.write_bytes(gzip.compress(json.dumps({"lengths": "AAAA", "ids": "", "scored": ""}).encode()))
     src.write_text("\n".join(map(json.dumps, talks)) + "\n")
     capsys.readouterr()
-    assert data.chat_records(src, tokenizer, None, "assistant") == first and entry.is_file()  # rebuilt
+    assert data.chat_records([src], tokenizer, None, "assistant") == first and entry.is_file()  # rebuilt
     assert f"tokenized data cache entry {entry} is damaged (ValueError); ignored and rebuilt" in capsys.readouterr().err
     monkeypatch.setenv("MEMFIT_DATA_CACHE", "off")
     shutil.rmtree(cache)
-    assert data.chat_records(src, tokenizer, None, "assistant") == first and not cache.exists()
+    assert data.chat_records([src], tokenizer, None, "assistant") == first and not cache.exists()
 
 
 def test_a_text_sources_tokens_are_kept_and_named_by_its_files(tmp_path, tokenizer, monkeypatch):
@@ -434,3 +438,32 @@ def test_a_text_sources_tokens_are_kept_and_named_by_its_files(tmp_path, tokeniz
     (tmp_path / "plays" / "b.txt").write_text("Now is the winter. " * 60)
     edited = load_dataset(cfg, tokenizer)
     assert len(calls) == 2 and not torch.equal(edited.tokens[-1], want[16].tokens[-1])
+
+
+def test_a_directory_of_record_shards_is_its_records_in_order(tmp_path, tokenizer):
+    """A dataset saved in shards (``train-00000-of-00002.jsonl``, ...) was a directory "holding no .txt files", and
+    with ``data.format=chat`` "does not exist": it is the records of its .jsonl / .json files (compressed or not),
+    in name order, as one file of them all."""
+    lines = [json.dumps({"prompt": f"Name play {i}.", "response": "Macbeth." * (i % 3 + 1)}) for i in range(9)]
+    whole = _write_jsonl(tmp_path / "whole.jsonl", lines)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    _write_jsonl(shards / "train-00000-of-00003.jsonl", lines[:4])
+    (shards / "train-00001-of-00003.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines[4:7]) + "\n").encode()))
+    (shards / "train-00002-of-00003.json").write_text(json.dumps([json.loads(x) for x in lines[7:]]))
+    (shards / "README.md").write_text("# not data")
+    want = load_dataset(DataConfig(source=whole, seq_len=64), tokenizer)
+    for fmt in ("auto", "chat"):
+        cfg = DataConfig(source=str(shards), seq_len=64, format=fmt)
+        assert cfg.is_chat() and cfg.packs()
+        got = load_dataset(cfg, tokenizer)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.labels, want.labels)
+    assert len(load_dataset(DataConfig(source=str(shards), seq_len=64, max_documents=5), tokenizer).tokens) < len(
+        want.tokens
+    )
+    (shards / "notes.txt").write_text("some prose " * 200)  # .txt beside them: text, as before, unless format=chat
+    assert not DataConfig(source=str(shards)).is_chat() and DataConfig(source=str(shards), format="chat").is_chat()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError, match=r"directory '.*empty' holds no .jsonl or .json files of records"):
+        load_dataset(DataConfig(source=str(empty), format="chat"), tokenizer)
