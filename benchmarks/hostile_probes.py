@@ -879,6 +879,15 @@ def _(tmp):
     return ok, f"exits {[r.code for r in runs]}"
 
 
+@probe("33", "a directory of .jsonl shards trains on their records ('holds no .txt files')")
+def _(tmp):
+    (tmp / "shards").mkdir()
+    for i in range(2):
+        os.replace(_talks(tmp), tmp / "shards" / f"train-0000{i}-of-00002.jsonl")
+    r = train(tmp, f"data.source={tmp / 'shards'}", "data.max_documents=null")
+    return r.code == 0 and "packed 24 records" in " ".join(r.out.split()), f"exit {r.code}: {r.err.strip()[-200:]}"
+
+
 @probe("33", "plan --top 0: every row (an empty table)")
 def _(tmp):
     r = memfit("plan", "--model", "tiny", "--gpu", "h100", "--seq-len", "64", "--top", "0", cwd=tmp)
