@@ -434,8 +434,15 @@ def source_files(cfg: DataConfig) -> list[Path]:
     """The files ``data.source`` names (``data.max_documents`` of them for text), none read yet.
 
     Raises:
-        UserError: where the source does not exist or holds nothing to read.
+        UserError: where the source does not exist, holds nothing to read, or is a datasets Arrow dataset.
     """
+    arrow = Path(cfg.source)
+    if arrow.suffix == ".arrow" or (arrow.is_dir() and any(arrow.glob("*.arrow"))):
+        load = "load_from_disk" if arrow.is_dir() else "Dataset.from_file"
+        raise UserError(
+            f"data.source: '{cfg.source}' is an Arrow dataset (datasets' save_to_disk); memfit reads JSON lines: "
+            f"datasets.{load}('{cfg.source}').to_json('records.jsonl') writes its records"
+        )
     if cfg.is_chat():
         path = plays_chat_file() if cfg.source == PLAYS_CHAT else Path(cfg.source)
         if path.is_dir():

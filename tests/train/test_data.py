@@ -467,3 +467,16 @@ def test_a_directory_of_record_shards_is_its_records_in_order(tmp_path, tokenize
     empty.mkdir()
     with pytest.raises(UserError, match=r"directory '.*empty' holds no .jsonl or .json files of records"):
         load_dataset(DataConfig(source=str(empty), format="chat"), tokenizer)
+
+
+def test_a_datasets_arrow_directory_is_named_with_the_call_that_writes_its_records(tmp_path, tokenizer):
+    """``Dataset.save_to_disk`` leaves .arrow files beside ``dataset_info.json`` and ``state.json``: those two were
+    read as records ("holds one JSON object across its lines")."""
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "data-00000-of-00001.arrow").write_bytes(b"\xff\xff\xff\xff" + bytes(60))
+    (saved / "dataset_info.json").write_text(json.dumps({"features": {}}, indent=2))
+    (saved / "state.json").write_text(json.dumps({"_data_files": []}, indent=2))
+    for source, call in ((saved, "load_from_disk"), (saved / "data-00000-of-00001.arrow", "Dataset.from_file")):
+        with pytest.raises(UserError, match=rf"is an Arrow dataset .*datasets.{call}\('{source}'\).to_json"):
+            load_dataset(DataConfig(source=str(source), seq_len=32), tokenizer)
