@@ -109,7 +109,7 @@ def text_files(source: str) -> list[Path]:
     if path.is_dir():
         files = data_files(path, TEXT_SUFFIXES)
         if not files:
-            raise UserError(f"data.source: directory '{source}' holds no .txt files (compressed or not)")
+            raise UserError(f"data.source: directory '{source}' holds no .txt files (compressed or not){_held(path)}")
         return files
     if path.is_file():
         return [path]
@@ -117,6 +117,14 @@ def text_files(source: str) -> list[Path]:
     raise UserError(
         f"data.source: '{source}' {what}; give 'shakespeare', a .txt file, a directory or a .jsonl (or .json) file"
     )
+
+
+def _held(directory: Path, shown: int = 6) -> str:
+    """`` (it holds: a, b/, ...)``: what a data directory holds instead, by name, a folder with a slash."""
+    names = sorted(f.name + ("/" if f.is_dir() else "") for f in directory.iterdir())
+    if not names:
+        return " (it is empty)"
+    return f" (it holds: {', '.join(names[:shown])}{', ...' if len(names) > shown else ''})"
 
 
 _DATASETS_SAVE = "datasets.load_dataset('{0}', split='train').to_json('records.jsonl')"
@@ -448,7 +456,9 @@ def source_files(cfg: DataConfig) -> list[Path]:
         if path.is_dir():
             files = data_files(path, RECORD_SUFFIXES)
             if not files:
-                raise UserError(f"data.source: directory '{cfg.source}' holds no .jsonl or .json files of records")
+                raise UserError(
+                    f"data.source: directory '{cfg.source}' holds no .jsonl or .json files of records{_held(path)}"
+                )
             return files
         if not path.is_file():
             what = "is not a regular file" if path.exists() else f"does not exist{hub_hint(cfg.source, _DATASETS_SAVE)}"

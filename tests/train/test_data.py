@@ -465,8 +465,12 @@ def test_a_directory_of_record_shards_is_its_records_in_order(tmp_path, tokenize
     assert not DataConfig(source=str(shards)).is_chat() and DataConfig(source=str(shards), format="chat").is_chat()
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(UserError, match=r"directory '.*empty' holds no .jsonl or .json files of records"):
+    with pytest.raises(UserError, match=r"directory '.*empty' holds no .jsonl or .json files of records \(it is empty"):
         load_dataset(DataConfig(source=str(empty), format="chat"), tokenizer)
+    (empty / "data").mkdir()  # a dataset repository as the Hub keeps it: Parquet under data/
+    (empty / "README.md").write_text("# card")
+    with pytest.raises(UserError, match=r"holds no .txt files \(compressed or not\) \(it holds: README.md, data/\)"):
+        load_dataset(DataConfig(source=str(empty)), tokenizer)
 
 
 def test_a_datasets_arrow_directory_is_named_with_the_call_that_writes_its_records(tmp_path, tokenizer):
