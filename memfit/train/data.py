@@ -19,7 +19,7 @@ import torch
 from jinja2 import TemplateError
 
 from memfit.config.loader import read_utf8
-from memfit.config.schema import RECORD_SUFFIXES, TEXT_SUFFIXES, DataConfig, data_files
+from memfit.config.schema import RECORD_SUFFIXES, TEXT_SUFFIXES, DataConfig, data_files, data_suffix
 from memfit.errors import UserError, first_line, hub_hint
 from memfit.step.loss import IGNORE_INDEX
 from memfit.train.plays import NAME as PLAYS_CHAT
@@ -197,7 +197,7 @@ def _record_messages(record: object, where: str) -> list[dict]:
     if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
         return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
     if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
-        extra = record.get("input", "")
+        extra = "" if record.get("input") is None else record["input"]  # null in a Parquet row: no input
         if not isinstance(extra, str):
             raise UserError(f"{where}: 'input' must be a string (got {extra!r:.80})")
         prompt = record["instruction"] + (f"\n\n{extra}" if extra.strip() else "")
@@ -262,6 +262,35 @@ def _json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
             raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         first = False
         yield f"{path}:{lineno}", value
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
+    """``(where, record)`` for each row of a Parquet file (as the Hub keeps datasets), a dict of its columns.
+
+    Raises:
+        UserError: pyarrow is not installed, or the file is not Parquet.
+    """
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(
+            f"data.source: '{path}' is Parquet, which needs pyarrow: pip install 'memfit[data]' (or pyarrow)"
+        ) from None
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise UserError(f"data.source: '{path}' is not a readable Parquet file ({first_line(e)})") from None
+    for i, record in enumerate(table.to_pylist(), 1):
+        yield f"{path}: row {i}", record
+
+
+def _file_records(path: Path) -> Iterator[tuple[str, object]]:
+    """``(where, record)`` for each record of a data file: Parquet rows, or JSON (lines or one array)."""
+    if data_suffix(path.name) == ".parquet":
+        return _parquet_records(path)
+    return _json_records(
+        read_utf8(path, "data.source", "save the chat records as UTF-8 JSON lines", compressed=True), path
+    )
 
 
 def _is_one_json_value(text: str) -> bool:
@@ -340,8 +369,9 @@ def _labelled(ids: Iterator[list[int]], messages: list[dict], where: str, loss_o
 
 
 def chat_records(paths: list[Path], tokenizer, max_records: int | None, loss_on: str = "assistant") -> list[Record]:
-    """Every record of JSON lines files (or JSON arrays of records; gzip, bzip2 or xz compressed or not), in order,
-    rendered with the tokenizer's chat template; the loss on the assistant messages ``loss_on`` names.
+    """Every record of JSON lines files (or JSON arrays of records; gzip, bzip2 or xz compressed or not) or Parquet
+    files, in order, rendered with the tokenizer's chat template; the loss on the assistant messages ``loss_on``
+    names.
 
     Raises:
         UserError: ``file:line: reason`` for the first malformed record.
@@ -357,8 +387,7 @@ def chat_records(paths: list[Path], tokenizer, max_records: int | None, loss_on:
     for path in paths:
         if max_records is not None and len(conversations) >= max_records:
             break
-        text = read_utf8(path, "data.source", "save the chat records as UTF-8 JSON lines", compressed=True)
-        for where, record in _json_records(text, path):
+        for where, record in _file_records(path):
             if max_records is not None and len(conversations) >= max_records:
                 break
             conversations.append((where, _record_messages(record, where)))
@@ -457,13 +486,14 @@ def source_files(cfg: DataConfig) -> list[Path]:
             files = data_files(path, RECORD_SUFFIXES)
             if not files:
                 raise UserError(
-                    f"data.source: directory '{cfg.source}' holds no .jsonl or .json files of records{_held(path)}"
+                    f"data.source: directory '{cfg.source}' holds no .jsonl, .json or .parquet files of records"
+                    f"{_held(path)}"
                 )
             return files
         if not path.is_file():
             what = "is not a regular file" if path.exists() else f"does not exist{hub_hint(cfg.source, _DATASETS_SAVE)}"
             raise UserError(
-                f"data.source: '{cfg.source}' {what}; give a .jsonl or .json file of chat records (or a directory)"
+                f"data.source: '{cfg.source}' {what}; give a .jsonl, .json or .parquet file of records (or a directory)"
             )
         return [path]
     return text_files(cfg.source)[: cfg.max_documents]

@@ -4,6 +4,7 @@ import gzip
 import json
 import lzma
 import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -316,7 +317,7 @@ def test_compressed_data_is_read_as_the_text_it_holds(tmp_path, tokenizer, suffi
     "name, data, message",
     [
         ("d.jsonl.gz", gzip.compress(b'{"prompt": "a"}\n')[:-6], r"is gzip-compressed but cannot be decompressed"),
-        ("d.jsonl", b"PAR1\x15\x04\x15" + bytes(40), r"is a Parquet file \(datasets.Dataset.from_parquet"),
+        ("d.jsonl", b"PAR1\x15\x04\x15" + bytes(40), r"is a Parquet file \(memfit reads one named .parquet as chat"),
         ("d.txt", b"PK\x03\x04" + bytes(40), r"is a zip archive \(unzip it and give the file inside\), not text"),
         ("d.jsonl.zst", b"\x28\xb5\x2f\xfd" + bytes(40), r"is zstd-compressed \(zstd -d decompresses it\), not text"),
     ],
@@ -465,7 +466,9 @@ def test_a_directory_of_record_shards_is_its_records_in_order(tmp_path, tokenize
     assert not DataConfig(source=str(shards)).is_chat() and DataConfig(source=str(shards), format="chat").is_chat()
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(UserError, match=r"directory '.*empty' holds no .jsonl or .json files of records \(it is empty"):
+    with pytest.raises(
+        UserError, match=r"directory '.*empty' holds no .jsonl, .json or .parquet files of records \(it is empty"
+    ):
         load_dataset(DataConfig(source=str(empty), format="chat"), tokenizer)
     (empty / "data").mkdir()  # a dataset repository as the Hub keeps it: Parquet under data/
     (empty / "README.md").write_text("# card")
@@ -484,3 +487,34 @@ def test_a_datasets_arrow_directory_is_named_with_the_call_that_writes_its_recor
     for source, call in ((saved, "load_from_disk"), (saved / "data-00000-of-00001.arrow", "Dataset.from_file")):
         with pytest.raises(UserError, match=rf"is an Arrow dataset .*datasets.{call}\('{source}'\).to_json"):
             load_dataset(DataConfig(source=str(source), seq_len=32), tokenizer)
+
+
+def test_parquet_records_are_the_rows_of_their_json_lines(tmp_path, tokenizer):
+    """Datasets on the Hub are Parquet files: a ``.parquet`` file, or a directory of them, is its rows as records
+    (the same rows as the JSON lines of the same records); a damaged one is one line."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    records = [{"messages": _conversation(f"Q{i}?", "A." * (i + 1))["messages"]} for i in range(6)]
+    records += [{"instruction": f"Name {i}.", "input": "", "output": "x " * i} for i in range(1, 4)]
+    jsonl = _write_jsonl(tmp_path / "d.jsonl", map(json.dumps, records))
+    want = load_dataset(DataConfig(source=jsonl, seq_len=64), tokenizer)
+    (tmp_path / "shards").mkdir()
+    pq.write_table(pa.Table.from_pylist(records[:6]), tmp_path / "shards" / "train-00000-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist(records[6:]), tmp_path / "shards" / "train-00001-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist(records[:6]), tmp_path / "six.parquet")
+    got = load_dataset(DataConfig(source=str(tmp_path / "shards"), seq_len=64), tokenizer)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.labels, want.labels)
+    six = load_dataset(DataConfig(source=str(tmp_path / "six.parquet"), seq_len=64, packing=False), tokenizer)
+    first = load_dataset(DataConfig(source=jsonl, seq_len=64, packing=False, max_documents=6), tokenizer)
+    assert torch.equal(six.tokens, first.tokens) and torch.equal(six.labels, first.labels)
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1" + bytes(40))
+    with pytest.raises(UserError, match=r"data.source: '.*bad.parquet' is not a readable Parquet file \("):
+        load_dataset(DataConfig(source=str(tmp_path / "bad.parquet"), seq_len=64), tokenizer)
+
+
+def test_parquet_without_pyarrow_names_the_extra(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # what an install without the data extra sees
+    (tmp_path / "d.parquet").write_bytes(b"PAR1" + bytes(40))
+    with pytest.raises(UserError, match=r"is Parquet, which needs pyarrow: pip install 'memfit\[data\]'"):
+        load_dataset(DataConfig(source=str(tmp_path / "d.parquet"), seq_len=64), tokenizer)
