@@ -103,6 +103,8 @@ class DataConfig:
             return self.format == "chat"
         if self.source == "shakespeare-chat" or data_suffix(self.source) in RECORD_SUFFIXES:
             return True
+        if self.source == "shakespeare":  # the package's plays, whatever a directory of that name here holds
+            return False
         path = Path(self.source).expanduser()
         return path.is_dir() and bool(data_files(path, RECORD_SUFFIXES)) and not data_files(path, TEXT_SUFFIXES)
 

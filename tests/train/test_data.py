@@ -518,3 +518,11 @@ def test_parquet_without_pyarrow_names_the_extra(tmp_path, tokenizer, monkeypatc
     (tmp_path / "d.parquet").write_bytes(b"PAR1" + bytes(40))
     with pytest.raises(UserError, match=r"is Parquet, which needs pyarrow: pip install 'memfit\[data\]'"):
         load_dataset(DataConfig(source=str(tmp_path / "d.parquet"), seq_len=64), tokenizer)
+
+
+def test_the_plays_stay_the_plays_beside_a_directory_of_their_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shakespeare").mkdir()
+    _write_jsonl(tmp_path / "shakespeare" / "d.jsonl", [json.dumps({"prompt": "a", "response": "b"})])
+    assert not DataConfig(source="shakespeare").is_chat()  # read as the package's plays, as text_files reads it
+    assert DataConfig(source="./shakespeare").is_chat()
