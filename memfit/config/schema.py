@@ -37,9 +37,18 @@ def data_suffix(name: str) -> str:
     return Path(name).suffix
 
 
+DATASET_METADATA = frozenset({"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json"})
+"""What ``datasets`` and the Hub keep beside a dataset's files: descriptions of it, not records."""
+
+
 def data_files(directory: Path, suffixes: tuple[str, ...]) -> list[Path]:
-    """The files of ``directory`` whose format is one of ``suffixes``, compressed or not, by name."""
-    return sorted(f for f in directory.iterdir() if data_suffix(f.name) in suffixes and f.is_file())
+    """The files of ``directory`` whose format is one of ``suffixes``, compressed or not, by name (``datasets``'
+    metadata files left out)."""
+    return sorted(
+        f
+        for f in directory.iterdir()
+        if data_suffix(f.name) in suffixes and f.name not in DATASET_METADATA and f.is_file()
+    )
 
 
 ATTN_IMPLS = ("sdpa", "eager")

@@ -474,11 +474,13 @@ def source_files(cfg: DataConfig) -> list[Path]:
         UserError: where the source does not exist, holds nothing to read, or is a datasets Arrow dataset.
     """
     arrow = Path(cfg.source)
-    if arrow.suffix == ".arrow" or (arrow.is_dir() and any(arrow.glob("*.arrow"))):
+    splits = arrow.is_dir() and (arrow / "dataset_dict.json").is_file()  # a DatasetDict: a directory per split
+    if arrow.suffix == ".arrow" or splits or (arrow.is_dir() and any(arrow.glob("*.arrow"))):
         load = "load_from_disk" if arrow.is_dir() else "Dataset.from_file"
+        split = "['train']" if splits else ""
         raise UserError(
             f"data.source: '{cfg.source}' is an Arrow dataset (datasets' save_to_disk); memfit reads JSON lines: "
-            f"datasets.{load}('{cfg.source}').to_json('records.jsonl') writes its records"
+            f"datasets.{load}('{cfg.source}'){split}.to_json('records.jsonl') writes its records"
         )
     if cfg.is_chat():
         path = plays_chat_file() if cfg.source == PLAYS_CHAT else Path(cfg.source)

@@ -454,6 +454,7 @@ def test_a_directory_of_record_shards_is_its_records_in_order(tmp_path, tokenize
     (shards / "train-00001-of-00003.jsonl.gz").write_bytes(gzip.compress(("\n".join(lines[4:7]) + "\n").encode()))
     (shards / "train-00002-of-00003.json").write_text(json.dumps([json.loads(x) for x in lines[7:]]))
     (shards / "README.md").write_text("# not data")
+    (shards / "dataset_infos.json").write_text(json.dumps({"default": {"features": {}}}, indent=2))  # the Hub's
     want = load_dataset(DataConfig(source=whole, seq_len=64), tokenizer)
     for fmt in ("auto", "chat"):
         cfg = DataConfig(source=str(shards), seq_len=64, format=fmt)
@@ -485,9 +486,18 @@ def test_a_datasets_arrow_directory_is_named_with_the_call_that_writes_its_recor
     (saved / "data-00000-of-00001.arrow").write_bytes(b"\xff\xff\xff\xff" + bytes(60))
     (saved / "dataset_info.json").write_text(json.dumps({"features": {}}, indent=2))
     (saved / "state.json").write_text(json.dumps({"_data_files": []}, indent=2))
-    for source, call in ((saved, "load_from_disk"), (saved / "data-00000-of-00001.arrow", "Dataset.from_file")):
-        with pytest.raises(UserError, match=rf"is an Arrow dataset .*datasets.{call}\('{source}'\).to_json"):
+    splits = tmp_path / "splits"  # a DatasetDict: dataset_dict.json and a directory per split
+    (splits / "train").mkdir(parents=True)
+    (splits / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    cases = (
+        (saved, f"datasets.load_from_disk('{saved}').to_json('records.jsonl')"),
+        (saved / "data-00000-of-00001.arrow", "datasets.Dataset.from_file("),
+        (splits, f"datasets.load_from_disk('{splits}')['train'].to_json('records.jsonl')"),
+    )
+    for source, call in cases:
+        with pytest.raises(UserError, match="is an Arrow dataset") as e:
             load_dataset(DataConfig(source=str(source), seq_len=32), tokenizer)
+        assert call in str(e.value)
 
 
 def test_parquet_records_are_the_rows_of_their_json_lines(tmp_path, tokenizer):
