@@ -95,7 +95,7 @@ class DataConfig:
     )
     seq_len: int = _f(256, "tokens per training sequence")
     eval_fraction: float = _f(0.02, "fraction of sequences held out for eval loss (0 < f < 0.5)")
-    max_documents: Optional[int] = _f(None, "use only the first N documents/files (None = all)")
+    max_documents: Optional[int] = _f(None, "use only the first N text files, or the first N chat records (None = all)")
     num_workers: Optional[int] = _f(None, "DataLoader worker processes (None = 0 on CPU, 2 on GPU)")
     pin_memory: Optional[bool] = _f(None, "pin host batches (None = on for GPU, off for CPU)")
     prefetch_factor: Optional[int] = _f(None, "batches each worker prefetches (None = 2; needs workers)")
