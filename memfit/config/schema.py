@@ -43,11 +43,17 @@ DATASET_METADATA = frozenset({"dataset_info.json", "dataset_infos.json", "datase
 
 def data_files(directory: Path, suffixes: tuple[str, ...]) -> list[Path]:
     """The files of ``directory`` whose format is one of ``suffixes``, compressed or not, by name (``datasets``'
-    metadata files left out)."""
+    metadata files left out).
+
+    Raises:
+        UserError: the directory cannot be listed.
+    """
+    try:
+        names = list(directory.iterdir())
+    except OSError as e:
+        raise UserError(f"data.source: cannot list the directory '{directory}' ({e.strerror or e})") from None
     return sorted(
-        f
-        for f in directory.iterdir()
-        if data_suffix(f.name) in suffixes and f.name not in DATASET_METADATA and f.is_file()
+        f for f in names if data_suffix(f.name) in suffixes and f.name not in DATASET_METADATA and f.is_file()
     )
 
 

@@ -537,3 +537,20 @@ def test_the_plays_stay_the_plays_beside_a_directory_of_their_name(tmp_path, mon
     _write_jsonl(tmp_path / "shakespeare" / "d.jsonl", [json.dumps({"prompt": "a", "response": "b"})])
     assert not DataConfig(source="shakespeare").is_chat()  # read as the package's plays, as text_files reads it
     assert DataConfig(source="./shakespeare").is_chat()
+
+
+def test_a_data_directory_that_cannot_be_listed_is_one_line(tmp_path, tokenizer, monkeypatch):
+    """(Tests run as root, where a mode cannot refuse: the refusal is made by hand.) It was a PermissionError
+    traceback from the config check."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = Path.iterdir
+
+    def refuse(self):
+        if self == locked:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "iterdir", refuse)
+    with pytest.raises(UserError, match=rf"data.source: cannot list the directory '{locked}' \(Permission denied\)"):
+        load_dataset(DataConfig(source=str(locked), seq_len=32), tokenizer)
