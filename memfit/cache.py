@@ -87,6 +87,18 @@ def code_and_versions() -> str:
     return h.hexdigest()
 
 
+def file_digest(path: str | Path) -> str | None:
+    """SHA-256 of a file's bytes (read in 4 MiB pieces), or None where it cannot be read."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
 def digest(described: Any) -> str:
     """The entry name of ``described`` (anything JSON can write, keys sorted)."""
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()

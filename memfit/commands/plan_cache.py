@@ -15,7 +15,6 @@ and read as ``memfit.cache`` writes them: atomically, a damaged one said in one 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from memfit.cache import cache_root, code_and_versions, digest, read_entry, write_entry
+from memfit.cache import cache_root, code_and_versions, digest, file_digest, read_entry, write_entry
 from memfit.errors import UserError, print_user_error
 from memfit.units import this_machine_memory
 
@@ -90,14 +89,6 @@ def question(ns) -> str | None:
             "code": code_and_versions(),
         }
     )
-
-
-def file_digest(path: str) -> str | None:
-    """SHA-256 of a file's bytes, or None where it cannot be read."""
-    try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
-        return None
 
 
 def _answer(entry: Any) -> dict[str, Any]:

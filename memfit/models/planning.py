@@ -12,13 +12,12 @@ builds a model from ``transformers_config(config)``; the trace cache names it by
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from memfit.cache import cache_dir, cache_root, code_and_versions, digest, read_entry, write_entry
+from memfit.cache import cache_dir, cache_root, code_and_versions, digest, file_digest, read_entry, write_entry
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
 from memfit.errors import UserError, did_you_mean, hub_hint
 from memfit.models.presets import PRESETS, ModelShape, Preset, preset
@@ -84,7 +83,7 @@ def config_for_planning(model: str, attn_implementation: str = "sdpa") -> Planni
     if file is not None and file.is_file():
         key = digest(
             {
-                "config": hashlib.sha256(file.read_bytes()).hexdigest(),
+                "config": file_digest(file),
                 "attn": attn_implementation,
                 "code": code_and_versions(),
             }

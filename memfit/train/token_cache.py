@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from memfit.cache import cache_root, code_and_versions, digest, read_entry, write_entry
+from memfit.cache import cache_root, code_and_versions, digest, file_digest, read_entry, write_entry
 from memfit.step.loss import IGNORE_INDEX
 
 Record = tuple[list[int], list[int]]
@@ -30,14 +30,6 @@ def data_root() -> Path | None:
     return cache_root("MEMFIT_DATA_CACHE", "data")
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def data_key(kind: str, files: list[Path], tokenizer, **settings: Any) -> str | None:
     """The entry name of ``files`` tokenized by ``tokenizer`` as ``kind`` (``text`` or ``chat``) under ``settings``,
     or None where the tokenizer cannot be described (a slow, Python-only tokenizer has no serialised form: its data
@@ -45,9 +37,8 @@ def data_key(kind: str, files: list[Path], tokenizer, **settings: Any) -> str | 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or data_root() is None:
         return None
-    try:
-        data = [_file_sha256(f) for f in files]
-    except OSError:  # unreadable: reading it says so
+    data = [file_digest(f) for f in files]
+    if None in data:  # unreadable: reading it says so
         return None
     return digest(
         {
