@@ -17,6 +17,7 @@ from memfit.errors import UserError
 from memfit.models.load import ModelSource, load_tokenizer
 from memfit.step.loss import IGNORE_INDEX
 from memfit.train.data import EpochBatchSampler, load_dataset, shakespeare_files, split
+from memfit.train.records import record_messages
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +343,7 @@ def test_records_are_tokenized_as_the_chat_template_tokenizes_each(tmp_path, tok
     src = _write_jsonl(tmp_path / "d.jsonl", map(json.dumps, talks))
     records = data.chat_records([Path(src)], tokenizer, None, "assistant")
     for record, (ids, labels) in zip(talks, records):
-        messages = data._record_messages(record, "x")
+        messages = record_messages(record, "x")
         assert ids == _chat_ids(tokenizer, messages)
         for k in data._scored(messages, "assistant"):
             start = len(_chat_ids(tokenizer, messages[:k], add_generation_prompt=True))
@@ -350,7 +351,7 @@ def test_records_are_tokenized_as_the_chat_template_tokenizes_each(tmp_path, tok
             assert labels[start:end] == ids[start:end] and labels[start - 1] == IGNORE_INDEX
     assert sum(x != IGNORE_INDEX for _, lab in records for x in lab) == sum(
         len(_chat_ids(tokenizer, m[: k + 1])) - len(_chat_ids(tokenizer, m[:k], add_generation_prompt=True))
-        for m in (data._record_messages(r, "x") for r in talks)
+        for m in (record_messages(r, "x") for r in talks)
         for k in data._scored(m, "assistant")
     )
 

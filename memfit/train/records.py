@@ -1,0 +1,158 @@
+"""Chat and instruction records as users keep them: ``{"messages": [...]}``, ShareGPT's ``{"conversations": [...]}``,
+``{"prompt", "response"}`` or Alpaca's ``{"instruction", "input", "output"}``; in JSON lines, one JSON array or
+Parquet (gzip, bzip2 or xz compressed or not). Each record is read into the conversation it spells, as chat messages,
+or one line naming the file and the line (record, row) where it is not one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from memfit.config.loader import read_utf8
+from memfit.config.schema import data_suffix
+from memfit.errors import UserError, first_line
+
+
+def _text_content(content: object) -> str | None:
+    """A message's content as text: a string, or OpenAI-style parts that are all ``{"type": "text", "text": ...}``
+    (joined); None for anything else (an image part, a number)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    return None
+
+
+def record_messages(record: object, where: str) -> list[dict]:
+    """A record's conversation: ``{"messages": [...]}`` (content a string or text parts), ShareGPT's
+    ``{"conversations": [...]}``, ``{"prompt", "response"}`` or Alpaca's ``{"instruction", "input", "output"}`` (the
+    input, where not empty, after the instruction)."""
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: a record must be a JSON object (got {type(record).__name__})")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise UserError(f"{where}: 'messages' must be a non-empty list")
+        out = []
+        for m in messages:
+            text = _text_content(m.get("content")) if isinstance(m, dict) else None
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and text is not None):
+                raise UserError(
+                    f"{where}: each message needs a string 'role' and a 'content' of text (a string, or parts of "
+                    f"type 'text') (got {m!r:.80})"
+                )
+            out.append({**m, "content": text})
+        if out[-1]["role"] != "assistant":
+            raise UserError(f"{where}: the last message must have role 'assistant' (got '{out[-1]['role']}')")
+        return out
+    if "conversations" in record:
+        return _sharegpt_messages(record["conversations"], where)
+    if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
+        return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+    if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
+        extra = "" if record.get("input") is None else record["input"]  # null in a Parquet row: no input
+        if not isinstance(extra, str):
+            raise UserError(f"{where}: 'input' must be a string (got {extra!r:.80})")
+        prompt = record["instruction"] + (f"\n\n{extra}" if extra.strip() else "")
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+    raise UserError(
+        f"{where}: need 'messages', 'conversations', string 'prompt' and 'response', or string 'instruction' and "
+        f"'output' (keys: {', '.join(record) or 'none'})"
+    )
+
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+"""ShareGPT's speakers (``from``) and the chat roles they are (FastChat's and Axolotl's reading)."""
+
+
+def _sharegpt_messages(turns: object, where: str) -> list[dict]:
+    """A ShareGPT record's ``conversations`` (``[{"from": "human" | "gpt" | "system", "value": ...}]``) as messages."""
+    if not isinstance(turns, list) or not turns:
+        raise UserError(f"{where}: 'conversations' must be a non-empty list")
+    out = []
+    for t in turns:
+        role = _SHAREGPT_ROLES.get(t.get("from")) if isinstance(t, dict) and isinstance(t.get("from"), str) else None
+        if role is None or not isinstance(t.get("value"), str):
+            raise UserError(
+                f"{where}: each of 'conversations' needs 'from' ({' | '.join(_SHAREGPT_ROLES)}) and a string "
+                f"'value' (got {t!r:.80})"
+            )
+        out.append({"role": role, "content": t["value"]})
+    if out[-1]["role"] != "assistant":
+        raise UserError(f"{where}: the last of 'conversations' must be from 'gpt' (got '{turns[-1]['from']}')")
+    return out
+
+
+def _json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
+    """``(where, record)`` for each record of a file: one JSON value per line (JSON lines), or one JSON array of
+    them (Alpaca's ``alpaca_data.json``, what ``datasets.load_dataset("json")`` also reads).
+
+    Raises:
+        UserError: ``file:line`` (or ``file: record N``) of the first value that is not JSON.
+    """
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            if e.msg != "Extra data":  # "Extra data": JSON lines, the first of them an array
+                raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        else:
+            for i, value in enumerate(values, 1):
+                yield f"{path}: record {i}", value
+            return
+    first = True
+    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): a JSON string may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            if first and _is_one_json_value(text):
+                raise UserError(
+                    f"{path}: holds one JSON object across its lines; give one record per line (JSON lines) or a "
+                    "JSON array of records"
+                ) from None
+            raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        first = False
+        yield f"{path}:{lineno}", value
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
+    """``(where, record)`` for each row of a Parquet file (as the Hub keeps datasets), a dict of its columns.
+
+    Raises:
+        UserError: pyarrow is not installed, or the file is not Parquet.
+    """
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(
+            f"data.source: '{path}' is Parquet, which needs pyarrow: pip install 'memfit[data]' (or pyarrow)"
+        ) from None
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise UserError(f"data.source: '{path}' is not a readable Parquet file ({first_line(e)})") from None
+    for i, record in enumerate(table.to_pylist(), 1):
+        yield f"{path}: row {i}", record
+
+
+def file_records(path: Path) -> Iterator[tuple[str, object]]:
+    """``(where, record)`` for each record of a data file: Parquet rows, or JSON (lines or one array)."""
+    if data_suffix(path.name) == ".parquet":
+        return _parquet_records(path)
+    return _json_records(
+        read_utf8(path, "data.source", "save the chat records as UTF-8 JSON lines", compressed=True), path
+    )
+
+
+def _is_one_json_value(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
