@@ -75,7 +75,7 @@ def _rows(a):
     cfg = _memfit_config(a, "/nonexistent")
     tok = load_tokenizer(ModelSource("hf", path=embedded_checkpoint_dir()))
     train, _ = split(load_dataset(cfg.data, tok), cfg.data.eval_fraction)
-    rows = train.tokens[: a.steps * a.batch]  # (steps * B, T + 1)
+    rows = train[: a.steps * a.batch][0]  # (steps * B, T + 1) int64
     vocab = _model_config(a).vocab_size
     return (rows % vocab).to(a.device)  # a random preset's smaller vocabulary: ids folded, as memfit folds them
 

