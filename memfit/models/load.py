@@ -336,7 +336,8 @@ def build_model(
         finally:
             hf_logging.set_verbosity(verbosity)
         check_loaded(src.path, info)
-    model.config.use_cache = False
+        check_generation_config(src.path)
+    model.config.use_cache = False  # training keeps no KV cache; the export gives it back (train/export.py)
     decoder_layers(model)  # validates the architecture
     if trains_on_cpu and src.kind != "preset":
         copy_out_of_file(model)
@@ -368,6 +369,28 @@ def check_loaded(path: Path, info: dict) -> None:
             "ignored",
             file=sys.stderr,
         )
+
+
+def check_generation_config(path: Path) -> None:
+    """Say a ``generation_config.json`` that is not a JSON object: transformers drops it without a word and makes
+    one from config.json, so the run trains and its export carries other generation settings (Llama-3's list of
+    end-of-turn tokens, a sampling temperature) than the checkpoint's."""
+    f = path / "generation_config.json"
+    try:
+        value = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        why = f"not readable JSON ({first_line(e)})"
+    else:
+        if isinstance(value, dict):
+            return
+        why = f"a JSON {type(value).__name__}, not an object"
+    print(
+        f"memfit: model.source: '{f}' is {why}; transformers ignores it, and the export carries generation settings "
+        "made from config.json (fix the file, or copy the right one into the export)",
+        file=sys.stderr,
+    )
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ model's; the result loads with ``AutoModelForCausalLM.from_pretrained`` or
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -15,6 +16,25 @@ import torch
 from memfit.models.load import ModelSource
 from memfit.strategies.checkpointing import remove_activation_checkpointing
 from memfit.train.checkpoint import atomic_dir
+
+
+@contextmanager
+def kv_cache_on(model):
+    """The model's ``use_cache`` (and its generation config's) on while it is saved: training turns the KV cache
+    off, and exports said ``"use_cache": false`` in config.json. ``generate`` follows the generation config, which
+    a checkpoint's own generation_config.json keeps on; one made from that config.json (a checkpoint without a
+    readable one) generated without a cache: SmolLM2-135M on 2 CPUs, 256 new tokens in 90-105 s against 15 s."""
+    configs = [c for c in (getattr(model, "config", None), getattr(model, "generation_config", None)) if c is not None]
+    before = [getattr(c, "use_cache", None) for c in configs]
+    for c, was in zip(configs, before):
+        if was is False:
+            c.use_cache = True
+    try:
+        yield
+    finally:
+        for c, was in zip(configs, before):
+            if was is False:
+                c.use_cache = False
 
 
 def export_model(model, tokenizer, source: ModelSource, target: Path) -> None:
@@ -31,7 +51,8 @@ def export_model(model, tokenizer, source: ModelSource, target: Path) -> None:
             # memfit never resizes the vocabulary, so the base's embeddings are never part of the adapter; PEFT's
             # "auto" would look for the base's config.json (on the Hub, for a name that is no local path) to decide
             kw["save_embedding_layers"] = False
-        model.save_pretrained(tmp, safe_serialization=True, **kw)
+        with kv_cache_on(model):
+            model.save_pretrained(tmp, safe_serialization=True, **kw)
         tokenizer.save_pretrained(tmp)
 
     atomic_dir(target, write)

@@ -230,6 +230,30 @@ def test_tensors_a_checkpoint_holds_beyond_its_model_are_said_in_one_line_and_ig
 
 
 @pytest.mark.parametrize(
+    "content, why",
+    [("{nope", "not readable JSON (Expecting property name"), ("[1]", "a JSON list, not an object"), (None, None)],
+    ids=["broken", "list", "absent"],
+)
+def test_a_generation_config_transformers_would_drop_is_said_in_one_line(tmp_path, capsys, content, why):
+    """transformers ignores a broken generation_config.json without a word; the run trained and its export carried
+    settings made from config.json."""
+    from memfit.models.load import check_generation_config
+
+    (tmp_path / "config.json").write_text("{}")
+    if content is not None:
+        (tmp_path / "generation_config.json").write_text(content)
+    check_generation_config(tmp_path)
+    err = capsys.readouterr().err
+    if why is None:
+        assert err == ""
+    else:
+        assert err.count("\n") == 1 and err.startswith(
+            f"memfit: model.source: '{tmp_path}/generation_config.json' is {why}"
+        )
+        assert "the export carries generation settings made from config.json" in err
+
+
+@pytest.mark.parametrize(
     "name, content, message",
     [
         (

@@ -121,6 +121,9 @@ def test_export_full_model_reproduces_logits(tiny_cfg, tmp_path):
         loaded = AutoModelForCausalLM.from_pretrained(trainer.run.export).eval()
         got = loaded(input_ids=tokens).logits
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    # the KV cache, off while training, is on in the export (its config.json said false), and off again after
+    assert loaded.config.use_cache and loaded.generation_config.use_cache is not False
+    assert trainer.model.config.use_cache is False
 
 
 def test_plan_check_and_checkpointing_policy_leave_the_adapters_initialised_alike(tiny_cfg, tmp_path, embedded_dir):
