@@ -86,6 +86,15 @@ def hub_hint(source: str, fetch: str) -> str:
     return f" (a Hugging Face Hub name? memfit downloads nothing: {fetch.format(source)} saves it here)"
 
 
+def not_a_file(path: str | Path) -> str:
+    """Why ``path``, which is not a regular file, cannot be read as one: ``does not exist``, ``is a directory`` or
+    ``is not a regular file`` (a device, a FIFO: /dev/null was said not to exist)."""
+    p = Path(path)
+    if p.is_dir():
+        return "is a directory"
+    return "is not a regular file" if p.exists() else "does not exist"
+
+
 def print_user_error(e: UserError) -> None:
     """``memfit: error: <message>`` on stderr, with ``[rank R]`` for ranks other than 0; nothing for an
     error rank 0 already printed."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import UserError
+from memfit.errors import UserError, not_a_file
 from memfit.units import GIB, MIB
 
 ACTIVE_STATES = ("active_allocated", "active_awaiting_free")
@@ -54,7 +54,7 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
     if p.is_dir():
         raise UserError(f"snapshot '{path}' is a directory; give the pickle torch.cuda.memory._dump_snapshot wrote")
     if not p.is_file():
-        raise UserError(f"snapshot '{path}' does not exist; write one with torch.cuda.memory._dump_snapshot(path)")
+        raise UserError(f"snapshot '{path}' {not_a_file(p)}; write one with torch.cuda.memory._dump_snapshot(path)")
     raw = p.read_bytes()
     try:
         if raw[:2] == b"\x1f\x8b":  # gzip, as snapshots are often kept and mailed

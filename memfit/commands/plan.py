@@ -19,7 +19,7 @@ from memfit.config.loader import load_config, read_utf8
 from memfit.config.schema import EMBEDDED_MODEL, LoraConfig
 from memfit.config.shipped import resolve_config_path
 from memfit.config.strategy import Strategy, levers
-from memfit.errors import UserError, check_output
+from memfit.errors import UserError, check_output, not_a_file
 from memfit.models.planning import config_for_planning, planning_config_file
 from memfit.models.presets import PRESETS
 from memfit.planner.auto import this_cpu
@@ -98,7 +98,7 @@ def _from_train_config(path: str, req: PlanRequest) -> None:
 def _from_deepspeed(path: str, req: PlanRequest) -> None:
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"--deepspeed: '{path}' does not exist")
+        raise UserError(f"--deepspeed: '{path}' {not_a_file(p)}; give a DeepSpeed JSON file")
     try:
         ds = json.loads(read_utf8(p, "--deepspeed", "save it as UTF-8 JSON"))
     except json.JSONDecodeError as e:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from memfit.errors import UserError
+from memfit.errors import UserError, not_a_file
 from memfit.pages.html import write_page
 
 KINDS = "a run directory (metrics.jsonl), a bench directory (results.json), a snapshot pickle or plan JSON"
@@ -25,7 +25,7 @@ def kind_of(path: Path) -> str:
             return "bench"
         raise UserError(f"'{path}' holds neither metrics.jsonl nor results.json; give {KINDS}")
     if not path.is_file():
-        raise UserError(f"'{path}' does not exist; give {KINDS}")
+        raise UserError(f"'{path}' {not_a_file(path)}; give {KINDS}")
     with path.open("rb") as fh:
         head = fh.read(2)
     if head[:1] == b"\x80" or head == b"\x1f\x8b":  # a pickle's protocol byte, or gzip

@@ -19,7 +19,7 @@ import yaml
 
 from memfit.config.schema import RunConfig, check
 from memfit.config.strategy import CheckpointPolicy
-from memfit.errors import UserError, did_you_mean
+from memfit.errors import UserError, did_you_mean, not_a_file
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -146,7 +146,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise UserError(f"config file '{p}' does not exist; pass a YAML file (see configs/)")
+            raise UserError(f"config file '{p}' {not_a_file(p)}; pass a YAML file (see configs/)")
         try:
             with p.open(encoding="utf-8") as fh:  # a named stream: errors carry the path
                 data = yaml.load(fh, Loader=_UniqueKeyLoader) or {}

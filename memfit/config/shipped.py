@@ -6,7 +6,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from memfit.errors import UserError, did_you_mean
+from memfit.errors import UserError, did_you_mean, not_a_file
 
 DEFAULT_CONFIG = "smollm2-shakespeare-lora-cpu"
 
@@ -30,6 +30,8 @@ def resolve_config_path(arg: str | None) -> Path:
     shipped = shipped_configs()
     if arg in shipped:
         return shipped[arg]
+    if Path(arg).exists():
+        raise UserError(f"config '{arg}' {not_a_file(arg)}; give a YAML file or a shipped config")
     raise UserError(
         f"config '{arg}' is neither a file nor a shipped config{did_you_mean(arg, shipped)}; "
         f"shipped: {', '.join(sorted(shipped))}"

@@ -27,7 +27,7 @@ import torch
 
 from memfit.config.loader import read_utf8
 from memfit.config.schema import RunConfig
-from memfit.errors import UserError
+from memfit.errors import UserError, not_a_file
 from memfit.strategies.precision import Precision
 
 SUPPORTED_STAGES = (1, 2, 3)
@@ -54,7 +54,7 @@ def resolve_ds_path(value: str) -> Path:
     shipped = Path(str(resources.files("memfit") / "configs" / f"{Path(value).stem}.json"))
     if shipped.is_file():
         return shipped
-    raise UserError(f"distributed.deepspeed_config: '{value}' does not exist; give a DeepSpeed JSON file")
+    raise UserError(f"distributed.deepspeed_config: '{value}' {not_a_file(value)}; give a DeepSpeed JSON file")
 
 
 def setting(d: dict, dotted: str) -> Any:

@@ -19,7 +19,7 @@ from jinja2 import TemplateError
 
 from memfit.config.loader import read_utf8
 from memfit.config.schema import RECORD_SUFFIXES, TEXT_SUFFIXES, DataConfig, data_files
-from memfit.errors import UserError, first_line, hub_hint
+from memfit.errors import UserError, first_line, hub_hint, not_a_file
 from memfit.step.loss import IGNORE_INDEX
 from memfit.train.plays import NAME as PLAYS_CHAT
 from memfit.train.plays import plays_chat_file, shakespeare_files
@@ -123,9 +123,9 @@ def text_files(source: str) -> list[Path]:
         return files
     if path.is_file():
         return [path]
-    what = "is not a regular file" if path.exists() else f"does not exist{hub_hint(source, _DATASETS_SAVE)}"
     raise UserError(
-        f"data.source: '{source}' {what}; give 'shakespeare', a .txt file, a directory or a .jsonl (or .json) file"
+        f"data.source: '{source}' {_not_a_file(source)}; give 'shakespeare', a .txt file, a directory or a .jsonl "
+        "(or .json) file"
     )
 
 
@@ -138,6 +138,11 @@ def _held(directory: Path, shown: int = 6) -> str:
 
 
 _DATASETS_SAVE = "datasets.load_dataset('{0}', split='train').to_json('records.jsonl')"
+
+
+def _not_a_file(source: str) -> str:
+    """Why ``source`` is no data file: ``does not exist`` (with a Hub name's hint) or ``is not a regular file``."""
+    return not_a_file(source) + ("" if Path(source).exists() else hub_hint(source, _DATASETS_SAVE))
 
 
 def pack_text(files: list[Path], tokenizer, seq_len: int) -> TokenDataset:
@@ -382,9 +387,9 @@ def source_files(cfg: DataConfig) -> list[Path]:
                 )
             return files
         if not path.is_file():
-            what = "is not a regular file" if path.exists() else f"does not exist{hub_hint(cfg.source, _DATASETS_SAVE)}"
             raise UserError(
-                f"data.source: '{cfg.source}' {what}; give a .jsonl, .json or .parquet file of records (or a directory)"
+                f"data.source: '{cfg.source}' {_not_a_file(cfg.source)}; give a .jsonl, .json or .parquet file of "
+                "records (or a directory)"
             )
         return [path]
     return text_files(cfg.source)[: cfg.max_documents]

@@ -453,3 +453,33 @@ def test_more_threads_than_cpus_is_said_with_the_count_that_fits(tiny_cfg, monke
     finally:
         torch.set_num_threads(before)
     assert oversubscribed_threads(cpus + 1, cpus, 1)[0] in trainer.notes
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["train", "{p}"], "config '{p}' {why}; give a YAML file or a shipped config"),
+        (["train", "tiny-cpu", "data.source={p}"], "data.source: '{p}' {why}; give 'shakespeare'"),
+        (["train", "tiny-cpu", "distributed.deepspeed_config={p}"], "distributed.deepspeed_config: '{p}' {why}"),
+        (["plan", "--model", "llama2-7b", "--gpu", "h100", "--deepspeed", "{p}"], "--deepspeed: '{p}' {why}"),
+        (["frag", "{p}"], "snapshot '{p}' {why}; write one with"),
+        (["report", "{p}"], "'{p}' {why}; give a run directory"),
+    ],
+    ids=["config", "data", "deepspeed-config", "plan-deepspeed", "frag", "report"],
+)
+def test_a_path_that_is_no_regular_file_is_said_as_what_it_is(args, said, tmp_path, capsys, monkeypatch):
+    """/dev/null (and, where a directory is not read as one, a directory) was said not to exist."""
+    from memfit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    cases = [("/dev/null", "is not a regular file")]
+    if args == ["train", "{p}"]:  # a config name that is not here may be a shipped one misspelt: said as such
+        cases.append((str(tmp_path), "is a directory"))
+    else:
+        cases.append((str(tmp_path / "gone"), "does not exist"))
+    if "--deepspeed" in args or "distributed.deepspeed_config={p}" in args:
+        cases.append((str(tmp_path), "is a directory"))
+    for path, why in cases:
+        assert main([a.format(p=path) for a in args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said.format(p=path, why=why) in err, err
