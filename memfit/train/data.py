@@ -23,7 +23,7 @@ from memfit.errors import UserError, first_line, hub_hint, not_a_file
 from memfit.step.loss import IGNORE_INDEX
 from memfit.train.plays import NAME as PLAYS_CHAT
 from memfit.train.plays import plays_chat_file, shakespeare_files
-from memfit.train.records import file_records, record_messages
+from memfit.train.records import file_records, record_content
 from memfit.train.token_cache import (
     Record,
     TokenRecords,
@@ -179,9 +179,10 @@ def _scored(messages: list[dict], loss_on: str) -> list[int]:
     return [*earlier, last]
 
 
-def _renders(tokenizer, messages: list[dict], where: str, loss_on: str) -> list[str]:
+def _renders(tokenizer, messages: list[dict] | str, where: str, loss_on: str) -> list[str]:
     """The texts a conversation is labelled from: the whole conversation, then for each scored answer the
-    conversation before it with the generation prompt and (but for the last) the conversation up to its end.
+    conversation before it with the generation prompt and (but for the last) the conversation up to its end. A
+    document (a ``{"text"}`` record) is its text alone, no template.
 
     Raises:
         UserError: the chat template refuses the conversation (``raise_exception`` in it, e.g. roles that do not
@@ -194,6 +195,8 @@ def _renders(tokenizer, messages: list[dict], where: str, loss_on: str) -> list[
         except TemplateError as e:
             raise UserError(f"{where}: the model's chat template refuses this conversation ({first_line(e)})") from None
 
+    if isinstance(messages, str):
+        return [messages]
     texts = [render(messages)]
     for k in _scored(messages, loss_on):
         texts.append(render(messages[:k], prompt=True))
@@ -215,9 +218,12 @@ def _tokenized(tokenizer, texts: list[str]) -> list[list[int]]:
     return out
 
 
-def _labelled(ids: Iterator[list[int]], messages: list[dict], where: str, loss_on: str) -> Record:
+def _labelled(
+    ids: Iterator[list[int]], messages: list[dict] | str, where: str, loss_on: str, eos: int | None
+) -> Record:
     """A conversation's token ids, and labels that score the assistant messages (``loss_on``: every one, or the
-    last) and nothing else; ``ids`` yields the tokens of its ``_renders`` in order.
+    last) and nothing else; ``ids`` yields the tokens of its ``_renders`` in order. A document is its tokens and
+    ``eos`` (as text sources join files), every one scored.
 
     Each answer is found as the tokens between the conversation before it, rendered with the generation prompt, and
     the conversation up to its end; both must be the opening tokens of the whole conversation's rendering.
@@ -226,6 +232,9 @@ def _labelled(ids: Iterator[list[int]], messages: list[dict], where: str, loss_o
         UserError: the chat template renders a prefix of the conversation differently inside it.
     """
     full = next(ids)
+    if isinstance(messages, str):
+        full = full if eos is None else [*full, eos]
+        return full, list(full)
     labels = [IGNORE_INDEX] * len(full)
     last = len(messages) - 1
     for k in _scored(messages, loss_on):
@@ -239,10 +248,11 @@ def _labelled(ids: Iterator[list[int]], messages: list[dict], where: str, loss_o
     return full, labels
 
 
-def _labelled_chunk(tokenizer, conversations: list[tuple[str, list[dict]]], loss_on: str) -> TokenRecords:
+def _labelled_chunk(tokenizer, conversations: list[tuple[str, list[dict] | str]], loss_on: str) -> TokenRecords:
     texts = [t for where, messages in conversations for t in _renders(tokenizer, messages, where, loss_on)]
     ids = iter(_tokenized(tokenizer, texts))
-    return TokenRecords.of([_labelled(ids, messages, where, loss_on) for where, messages in conversations])
+    eos = tokenizer.eos_token_id
+    return TokenRecords.of([_labelled(ids, messages, where, loss_on, eos) for where, messages in conversations])
 
 
 def chat_records(paths: list[Path], tokenizer, max_records: int | None, loss_on: str = "assistant") -> TokenRecords:
@@ -255,8 +265,6 @@ def chat_records(paths: list[Path], tokenizer, max_records: int | None, loss_on:
         UserError: ``file:line: reason`` for the first malformed record.
     """
     shown = f"'{paths[0]}'" if len(paths) == 1 else f"'{paths[0].parent}' ({len(paths)} files)"
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise UserError(f"data.source: {shown} is chat data but the model's tokenizer has no chat template")
     key = data_key("chat", paths, tokenizer, loss_on=loss_on, max_records=max_records)
     kept = load_records(key)
     if kept is not None:
@@ -269,7 +277,13 @@ def chat_records(paths: list[Path], tokenizer, max_records: int | None, loss_on:
         for where, record in file_records(path):
             if enough():
                 break
-            chunk.append((where, record_messages(record, where)))
+            content = record_content(record, where)
+            if not isinstance(content, str) and getattr(tokenizer, "chat_template", None) is None:
+                raise UserError(
+                    f"{where}: a chat record, but the model's tokenizer has no chat template to render it with; give "
+                    'a model whose tokenizer has one (an instruct checkpoint) or documents ({"text": ...} records)'
+                )
+            chunk.append((where, content))
             n += 1
             if len(chunk) == TOKENIZE_BATCH:
                 parts.append(_labelled_chunk(tokenizer, chunk, loss_on))

@@ -1,7 +1,8 @@
 """Chat and instruction records as users keep them: ``{"messages": [...]}``, ShareGPT's ``{"conversations": [...]}``,
-``{"prompt", "response"}`` or Alpaca's ``{"instruction", "input", "output"}``; in JSON lines, one JSON array or
-Parquet (gzip, bzip2 or xz compressed or not). Each record is read into the conversation it spells, as chat messages,
-or one line naming the file and the line (record, row) where it is not one.
+``{"prompt", "response"}``, Alpaca's ``{"instruction", "input", "output"}`` or a document's ``{"text"}``; in JSON
+lines, one JSON array or Parquet (gzip, bzip2 or xz compressed or not). Each record is read into the conversation it
+spells, as chat messages (a document into its text), or one line naming the file and the line (record, row) where
+it is not one.
 """
 
 from __future__ import annotations
@@ -60,9 +61,21 @@ def record_messages(record: object, where: str) -> list[dict]:
         prompt = record["instruction"] + (f"\n\n{extra}" if extra.strip() else "")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
     raise UserError(
-        f"{where}: need 'messages', 'conversations', string 'prompt' and 'response', or string 'instruction' and "
-        f"'output' (keys: {', '.join(record) or 'none'})"
+        f"{where}: need 'messages', 'conversations', string 'prompt' and 'response', string 'instruction' and "
+        f"'output', or a string 'text' (keys: {', '.join(record) or 'none'})"
     )
+
+
+_CHAT_KEYS = {"messages", "conversations", "prompt", "response", "instruction", "output"}
+
+
+def record_content(record: object, where: str) -> list[dict] | str:
+    """A record's conversation (``record_messages``), or the text of a ``{"text": ...}`` record with none of the
+    chat keys: a document (``datasets``' text datasets written as JSON lines, as for continued pre-training),
+    trained on whole."""
+    if isinstance(record, dict) and isinstance(record.get("text"), str) and not _CHAT_KEYS & record.keys():
+        return record["text"]
+    return record_messages(record, where)
 
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}

@@ -119,8 +119,9 @@ def test_text_parts_and_alpaca_records_are_the_conversations_they_spell(tmp_path
         ('{"messages": []}', "'messages' must be a non-empty list"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', "last message must have role 'assistant'"),
         (
-            '{"text": "hi"}',
-            "need 'messages', 'conversations', string 'prompt' and 'response', or string 'instruction' and",
+            '{"question": "hi", "answer": "ho"}',
+            "need 'messages', 'conversations', string 'prompt' and 'response', string 'instruction' and 'output', or "
+            "a string 'text' \\(keys: question, answer\\)",
         ),
         (
             '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}, '
@@ -555,3 +556,28 @@ def test_a_data_directory_that_cannot_be_listed_is_one_line(tmp_path, tokenizer,
     monkeypatch.setattr(Path, "iterdir", refuse)
     with pytest.raises(UserError, match=rf"data.source: cannot list the directory '{locked}' \(Permission denied\)"):
         load_dataset(DataConfig(source=str(locked), seq_len=32), tokenizer)
+
+
+def test_text_records_are_documents_trained_on_whole_without_a_template(tmp_path, tokenizer):
+    """``{"text": ...}`` records (a text dataset written as JSON lines, as for continued pre-training) were refused
+    as lacking 'messages'. Each is its tokens and EOS, every one scored, with no chat template, so a base model's
+    tokenizer without one trains on them; beside chat records in one file each keeps its own reading."""
+    from memfit.train import data
+
+    docs = [f"Document {i}: " + "words " * (3 + i) for i in range(6)]
+    talk = _conversation("Q?", "A.")
+    src = Path(_write_jsonl(tmp_path / "d.jsonl", [json.dumps({"text": d}) for d in docs] + [json.dumps(talk)]))
+    records = data.chat_records([src], tokenizer, None)
+    for (ids, labels), doc in zip(records, docs):
+        want = tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        assert ids == labels == want
+    ids, labels = records[len(docs)]
+    assert ids == _chat_ids(tokenizer, talk["messages"]) and IGNORE_INDEX in labels  # the prompt takes no loss
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    texts = Path(_write_jsonl(tmp_path / "t.jsonl", [json.dumps({"text": d}) for d in docs]))
+    assert data.chat_records([texts], plain, None) == data.chat_records([texts], tokenizer, None)
+    with pytest.raises(UserError, match=r"d.jsonl:7: a chat record, but the model's tokenizer has no chat template"):
+        data.chat_records([src], plain, None)
+    with pytest.raises(UserError, match=r"t.jsonl:1: need 'messages'.* or a string 'text' \(keys: text\)"):
+        data.chat_records([Path(_write_jsonl(tmp_path / "t.jsonl", ['{"text": 5}', '{"text": 6}']))], tokenizer, None)
