@@ -60,6 +60,11 @@ def record_messages(record: object, where: str) -> list[dict]:
             raise UserError(f"{where}: 'input' must be a string (got {extra!r:.80})")
         prompt = record["instruction"] + (f"\n\n{extra}" if extra.strip() else "")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+    if "chosen" in record and "rejected" in record:
+        raise UserError(
+            f"{where}: a preference pair ('chosen' and 'rejected', for DPO or reward training), which memfit does not "
+            "train; to fine-tune on the chosen answers, give them as 'response' (or 'messages')"
+        )
     raise UserError(
         f"{where}: need 'messages', 'conversations', string 'prompt' and 'response', string 'instruction' and "
         f"'output', or a string 'text' (keys: {', '.join(record) or 'none'})"

@@ -129,6 +129,7 @@ def test_text_parts_and_alpaca_records_are_the_conversations_they_spell(tmp_path
             "a 'content' of text",
         ),
         ("[1, 2]", "a record must be a JSON object"),
+        ('{"prompt": "q", "chosen": "a", "rejected": "b"}', "a preference pair .* give them as 'response'"),
     ],
 )
 def test_bad_record_names_file_and_line(tmp_path, tokenizer, line, reason):
