@@ -17,7 +17,7 @@ from memfit.distributed.runtime import launched_ranks
 from memfit.errors import UserError
 from memfit.telemetry.metrics_file import read_metrics
 from memfit.train.supervisor import is_child, supervise
-from memfit.units import GIB, meminfo
+from memfit.units import GIB, meminfo, this_machine_memory
 
 if TYPE_CHECKING:
     from memfit.planner.auto import AutoChoice
@@ -26,6 +26,17 @@ if TYPE_CHECKING:
 # happens: a torchrun launcher or a supervisor only starts processes, and starts them seconds sooner without them.
 
 AUTO_ROWS_SHOWN = 5
+
+
+def more_than_here(mem: str, planned_bytes: int, have_bytes: int) -> str | None:
+    """The note for ``--auto --mem`` above this machine's memory (``have_bytes``; 0: unknown): what it plans for may
+    not fit where it runs."""
+    if 0 < have_bytes < planned_bytes:
+        return (
+            f"note: --mem {mem} is more than this machine's {have_bytes / GIB:.1f} GiB: a candidate planned to fit "
+            "in it may not fit here"
+        )
+    return None
 
 
 def run(ns) -> int:
@@ -116,6 +127,8 @@ def auto_choice(cfg: RunConfig, overrides: list[str], ns) -> AutoChoice:
         if per_node * nodes > 1:
             raise UserError(f"--auto on a CPU plans one process (got {per_node} x {nodes}); drop --nproc-per-node")
         cluster = this_cpu(ns.mem)
+        if ns.mem and (said := more_than_here(ns.mem, cluster.gpu.memory_bytes, this_machine_memory())):
+            print(said)
     else:
         if ns.mem:
             raise UserError("--mem is a CPU run's memory; on a GPU --auto plans for the device's own")

@@ -113,3 +113,15 @@ def test_auto_trains_what_fits_a_cap_the_default_config_does_not(tmp_path, embed
     assert refused.returncode == 2 and "--auto: nothing fits on cpu" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and not nothing.exists()
     assert any(traces.rglob("*")), "the searches shared no trace cache"
+
+
+def test_auto_mem_above_this_machines_memory_is_noted():
+    """``--auto --mem 64GiB`` on a 24 GiB machine planned for 64 GiB without a word; a run it chose could not fit."""
+    from memfit.commands.train import more_than_here
+
+    said = more_than_here("64GiB", 64 * GIB, 24 * GIB)
+    assert (
+        said
+        == "note: --mem 64GiB is more than this machine's 24.0 GiB: a candidate planned to fit in it may not fit here"
+    )
+    assert more_than_here("8GiB", 8 * GIB, 24 * GIB) is None and more_than_here("8GiB", 8 * GIB, 0) is None
