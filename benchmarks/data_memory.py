@@ -67,6 +67,7 @@ def main() -> None:
             done = subprocess.run(
                 [sys.executable, "-c", CHILD, str(source), str(a.seq_len)],
                 env=env,
+                cwd=tmp,  # not a checkout: ``-c`` puts the working directory before PYTHONPATH
                 capture_output=True,
                 text=True,
                 check=True,
