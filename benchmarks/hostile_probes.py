@@ -1,5 +1,5 @@
-"""The hostile-user probes (issue 19's, the twenty-second, twenty-third, twenty-fifth, twenty-sixth and
-thirty-third sessions'), re-runnable:
+"""The hostile-user probes (issue 19's, the twenty-second, twenty-third, twenty-fifth, twenty-sixth,
+thirty-third and thirty-fourth sessions'), re-runnable:
 each a real ``memfit`` command in a fresh directory, judged by the promise "one clear line, non-zero exit, nothing
 half-written" (or, where the input is legitimate, that it works: resume however the path is spelled, train longer,
 retry with another port).
@@ -898,6 +898,52 @@ def _(tmp):
     r = memfit("plan", "--model", "tiny", "--gpu", "h100", "--seq-len", "64", "--top", "0", cwd=tmp)
     rows = sum(line.startswith("│") and line[1:].strip().split(" ")[0].isdigit() for line in r.out.splitlines())
     return r.code == 0 and rows > 10, f"exit {r.code}, {rows} rows"
+
+
+@probe("34", "/dev/null as the config, the data, a snapshot and a report: 'not a regular file' (said not to exist)")
+def _(tmp):
+    runs = [
+        memfit("train", "/dev/null", cwd=tmp),
+        train(tmp, "data.source=/dev/null"),
+        memfit("frag", "/dev/null", cwd=tmp),
+        memfit("report", "/dev/null", cwd=tmp),
+    ]
+    checks = [one_error_line(r, "'/dev/null' is not a regular file") for r in runs]
+    return all(ok for ok, _ in checks), next((line for ok, line in checks if not ok), checks[0][1])
+
+
+@probe("34", "a checkpoint with a broken generation_config.json: said, trained, its export's KV cache on (silent; off)")
+def _(tmp):
+    model = _tiny_checkpoint(tmp)
+    (model / "generation_config.json").write_text("{nope")
+    r = train(tmp, f"model.source={model}", "output.export=true")
+    said = "generation_config.json' is not readable JSON" in r.err
+    exported = json.loads((tmp / "run" / "export" / "config.json").read_text()) if r.code == 0 else {}
+    ok = r.code == 0 and said and exported.get("use_cache") is True
+    return ok, f"exit {r.code}, said {said}, export use_cache {exported.get('use_cache')}"
+
+
+@probe("34", "{'text': ...} records train as documents (refused as lacking 'messages')")
+def _(tmp):
+    (tmp / "docs.jsonl").write_text("\n".join(json.dumps({"text": "word " * (20 + i)}) for i in range(12)) + "\n")
+    r = train(tmp, f"data.source={tmp / 'docs.jsonl'}", "data.max_documents=null")
+    return r.code == 0 and "packed 12 records" in " ".join(r.out.split()), f"exit {r.code}: {r.err.strip()[-200:]}"
+
+
+@probe("34", "preference pairs (chosen/rejected): named as such (as lacking 'response')")
+def _(tmp):
+    pair = {"prompt": "q", "chosen": "a", "rejected": "b"}
+    (tmp / "dpo.jsonl").write_text("\n".join(json.dumps(pair) for _ in range(4)) + "\n")
+    ok, line = one_error_line(
+        train(tmp, f"data.source={tmp / 'dpo.jsonl'}"), "a preference pair ('chosen' and 'rejected'"
+    )
+    return ok and empty_or_absent(tmp / "run"), line
+
+
+@probe("34", "train --auto --mem above this machine's memory: noted (planned for it without a word)")
+def _(tmp):
+    r = memfit("train", "tiny-cpu", "--auto", "--mem", "100000GiB", *TINY, f"output.dir={tmp / 'run'}", cwd=tmp)
+    return r.code == 0 and "note: --mem 100000GiB is more than this machine's" in r.out, f"exit {r.code}"
 
 
 def main() -> int:
