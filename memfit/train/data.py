@@ -23,7 +23,7 @@ from memfit.errors import UserError, first_line, hub_hint, not_a_file
 from memfit.step.loss import IGNORE_INDEX
 from memfit.train.plays import NAME as PLAYS_CHAT
 from memfit.train.plays import plays_chat_file, shakespeare_files
-from memfit.train.records import file_records, record_content
+from memfit.train.records import check_tool_calls_rendered, file_records, record_content
 from memfit.train.token_cache import (
     Record,
     TokenRecords,
@@ -198,6 +198,7 @@ def _renders(tokenizer, messages: list[dict] | str, where: str, loss_on: str) ->
     if isinstance(messages, str):
         return [messages]
     texts = [render(messages)]
+    check_tool_calls_rendered(messages, texts[0], where)
     for k in _scored(messages, loss_on):
         texts.append(render(messages[:k], prompt=True))
         if k != len(messages) - 1:

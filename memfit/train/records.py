@@ -41,6 +41,8 @@ def record_messages(record: object, where: str) -> list[dict]:
         out = []
         for m in messages:
             text = _text_content(m.get("content")) if isinstance(m, dict) else None
+            if text is None and isinstance(m, dict) and m.get("content") is None and _tool_call_names(m):
+                text = ""  # OpenAI's assistant turn that only calls tools: its content is null
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and text is not None):
                 raise UserError(
                     f"{where}: each message needs a string 'role' and a 'content' of text (a string, or parts of "
@@ -69,6 +71,32 @@ def record_messages(record: object, where: str) -> list[dict]:
         f"{where}: need 'messages', 'conversations', string 'prompt' and 'response', string 'instruction' and "
         f"'output', or a string 'text' (keys: {', '.join(record) or 'none'})"
     )
+
+
+def _tool_call_names(message: dict) -> list[str]:
+    """The function names of a message's OpenAI-style ``tool_calls`` (``[{"function": {"name": ...}}]``), if any."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return []
+    names = [c.get("function", {}).get("name") if isinstance(c, dict) else None for c in calls]
+    return [n for n in names if isinstance(n, str) and n]
+
+
+def check_tool_calls_rendered(messages: list[dict], rendered: str, where: str) -> None:
+    """Refuse a conversation whose tool calls the chat template leaves out (SmolLM2's renders ``content`` only): the
+    answer that calls a tool would be trained as what its content says, often nothing.
+
+    Raises:
+        UserError: naming the record, the message and the call missing from the rendering.
+    """
+    for k, m in enumerate(messages):
+        missing = [n for n in _tool_call_names(m) if n not in rendered]
+        if missing:
+            raise UserError(
+                f"{where}: message {k + 1} calls {missing[0]}, but the model's chat template leaves its tool_calls "
+                "out (it would be trained as its content alone); give a model whose template renders tool calls, or "
+                "write the call into 'content'"
+            )
 
 
 _CHAT_KEYS = {"messages", "conversations", "prompt", "response", "instruction", "output"}

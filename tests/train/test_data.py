@@ -582,3 +582,32 @@ def test_text_records_are_documents_trained_on_whole_without_a_template(tmp_path
         data.chat_records([src], plain, None)
     with pytest.raises(UserError, match=r"t.jsonl:1: need 'messages'.* or a string 'text' \(keys: text\)"):
         data.chat_records([Path(_write_jsonl(tmp_path / "t.jsonl", ['{"text": 5}', '{"text": 6}']))], tokenizer, None)
+
+
+def test_tool_calls_are_trained_where_the_template_renders_them_and_refused_where_it_drops_them(tmp_path, tokenizer):
+    """An assistant turn that calls a tool (OpenAI's ``tool_calls``, content null) was refused for its null content;
+    with content "" and a template that renders content only (SmolLM2's) it trained the call as an empty answer."""
+    from memfit.train import data
+
+    call = {"type": "function", "function": {"name": "add_numbers", "arguments": {"a": 2, "b": 3}}}
+    talk = {
+        "messages": [
+            {"role": "user", "content": "2+3?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "content": "5"},
+            {"role": "assistant", "content": "5."},
+        ]
+    }
+    src = Path(_write_jsonl(tmp_path / "t.jsonl", [json.dumps(talk)] * 3))
+    with pytest.raises(UserError, match=r"t.jsonl:1: message 2 calls add_numbers, but the model's chat template"):
+        data.chat_records([src], tokenizer, None)
+    renders_calls = copy.deepcopy(tokenizer)
+    renders_calls.chat_template = tokenizer.chat_template.replace(
+        "message['content'] + '<|im_end|>'",
+        "message['content'] + (message['tool_calls'] | map(attribute='function') | map(attribute='name') | join(',')"
+        " if message.get('tool_calls') else '') + '<|im_end|>'",
+    )
+    assert renders_calls.chat_template != tokenizer.chat_template
+    ids, labels = data.chat_records([src], renders_calls, None)[0]
+    scored = renders_calls.decode([i for i, lab in zip(ids, labels) if lab != IGNORE_INDEX])
+    assert "add_numbers" in scored and "5." in scored  # the call is an answer the loss is taken on
