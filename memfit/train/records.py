@@ -111,8 +111,18 @@ def record_content(record: object, where: str) -> list[dict] | str:
     return record_messages(record, where)
 
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-"""ShareGPT's speakers (``from``) and the chat roles they are (FastChat's and Axolotl's reading)."""
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
+"""ShareGPT's speakers (``from``) and the chat roles they are (FastChat's and Axolotl's reading; LLaMA-Factory's
+``function_call``, an answer whose text is the call, and ``observation``, the tool's result)."""
 
 
 def _sharegpt_messages(turns: object, where: str) -> list[dict]:
@@ -129,7 +139,9 @@ def _sharegpt_messages(turns: object, where: str) -> list[dict]:
             )
         out.append({"role": role, "content": t["value"]})
     if out[-1]["role"] != "assistant":
-        raise UserError(f"{where}: the last of 'conversations' must be from 'gpt' (got '{turns[-1]['from']}')")
+        raise UserError(
+            f"{where}: the last of 'conversations' must be from 'gpt' (or 'function_call') (got '{turns[-1]['from']}')"
+        )
     return out
 
 

@@ -275,6 +275,16 @@ def test_sharegpt_conversations_are_the_messages_they_spell(tmp_path, tokenizer)
         for n, r in (("sharegpt", sharegpt), ("messages", messages))
     )
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.labels, want.labels)
+    calls = {
+        "conversations": [
+            {"from": "human", "value": "2+3?"},
+            {"from": "function_call", "value": '{"name": "add", "arguments": {"a": 2, "b": 3}}'},
+            {"from": "observation", "value": "5"},
+            {"from": "gpt", "value": "5."},
+        ]
+    }  # LLaMA-Factory's tool calling: the call is an answer, the result the tool's message
+    roles = [m["role"] for m in record_messages(calls, "x")]
+    assert roles == ["user", "assistant", "tool", "assistant"]
 
 
 @pytest.mark.parametrize(
