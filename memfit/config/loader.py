@@ -12,6 +12,7 @@ import gzip
 import lzma
 import os
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,51 @@ _CONTAINERS = {
 """Leading bytes of binary files a data source is often given as, and what they are."""
 
 
+def _compression(head: bytes, path: Path, what: str, compressed: bool):
+    """The module that opens a file starting with ``head`` (gzip, bz2, lzma), or None for plain bytes.
+
+    Raises:
+        UserError: the file is compressed and ``compressed`` is false.
+    """
+    for magic, (name, module) in _COMPRESSED.items():
+        if head.startswith(magic):
+            if not compressed:
+                raise UserError(f"{what}: '{path}' is {name}-compressed, not text; decompress it")
+            return module
+    return None
+
+
+def _decompress_error(module, path: Path, what: str, error: Exception) -> UserError:
+    name = next(name for name, m in _COMPRESSED.values() if m is module)
+    return UserError(f"{what}: '{path}' is {name}-compressed but cannot be decompressed ({error})")
+
+
+def _utf8(data: bytes, path: Path, what: str, fix: str, offset: int = 0, line: int = 1) -> str:
+    """``data`` decoded, where it starts at byte ``offset`` and line ``line`` of the file (its first bytes checked
+    for the binary formats data is often given as, and a UTF-8 byte order mark left out, where ``offset`` is 0).
+
+    Raises:
+        UserError: ``what: 'path' ...`` naming the format, or the first NUL or bad byte with ``fix``.
+    """
+    if offset == 0:
+        for magic, name in _CONTAINERS.items():
+            if data.startswith(magic):
+                raise UserError(f"{what}: '{path}' is {name}, not text")
+        if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            raise UserError(f"{what}: '{path}' is UTF-16 text (iconv -f utf-16 -t utf-8 converts it); {fix}")
+    if b"\0" in data:
+        at = offset + data.index(0)
+        raise UserError(f"{what}: '{path}' is binary, not text (a NUL byte at offset {at}); {fix}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        at, line = offset + e.start, line + data.count(b"\n", 0, e.start)
+        raise UserError(
+            f"{what}: '{path}' is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {at}, line {line}); {fix}"
+        ) from None
+    return text.removeprefix("\ufeff") if offset == 0 else text
+
+
 def read_utf8(path: Path, what: str, fix: str, compressed: bool = False) -> str:
     """The text of a user's file (a leading UTF-8 byte order mark, as Windows tools write one, left out), or one
     line naming it when it is binary, UTF-16 or not UTF-8. ``compressed``: a gzip, bzip2 or xz file is read as
@@ -222,26 +268,44 @@ def read_utf8(path: Path, what: str, fix: str, compressed: bool = False) -> str:
         data = Path(path).read_bytes()
     except OSError as e:
         raise UserError(f"{what}: cannot read '{path}' ({e.strerror})") from None
-    for magic, (name, module) in _COMPRESSED.items():
-        if data.startswith(magic):
-            if not compressed:
-                raise UserError(f"{what}: '{path}' is {name}-compressed, not text; decompress it")
-            try:
-                data = module.decompress(data)
-            except (OSError, EOFError, ValueError, lzma.LZMAError) as e:
-                raise UserError(f"{what}: '{path}' is {name}-compressed but cannot be decompressed ({e})") from None
-            break
-    for magic, name in _CONTAINERS.items():
-        if data.startswith(magic):
-            raise UserError(f"{what}: '{path}' is {name}, not text")
-    if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
-        raise UserError(f"{what}: '{path}' is UTF-16 text (iconv -f utf-16 -t utf-8 converts it); {fix}")
-    if b"\0" in data:
-        raise UserError(f"{what}: '{path}' is binary, not text (a NUL byte at offset {data.index(0)}); {fix}")
+    module = _compression(data[:8], path, what, compressed)
+    if module is not None:
+        try:
+            data = module.decompress(data)
+        except (OSError, EOFError, ValueError, lzma.LZMAError) as e:
+            raise _decompress_error(module, path, what, e) from None
+    return _utf8(data, path, what, fix)
+
+
+def utf8_lines(path: Path, what: str, fix: str, compressed: bool = False) -> Iterator[str]:
+    """The lines of a user's file (split at ``\\n`` only, without it), read, decompressed and checked as
+    ``read_utf8`` does but a line at a time, so that the file is never held whole (a JSON lines file of records).
+
+    Raises:
+        UserError: as ``read_utf8``, at the first bad line.
+    """
     try:
-        return data.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise UserError(
-            f"{what}: '{path}' is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}, line {line}); {fix}"
-        ) from None
+        fh = open(path, "rb")
+    except OSError as e:
+        raise UserError(f"{what}: cannot read '{path}' ({e.strerror})") from None
+    with fh:
+        module = _compression(fh.read(8), path, what, compressed)
+        fh.seek(0)
+        stream = fh if module is None else module.open(fh)
+
+        def line(raw: bytes, offset: int, lineno: int) -> str:
+            return _utf8(raw, path, what, fix, offset, lineno).removesuffix("\n")
+
+        offset, pending = 0, None
+        try:
+            for lineno, raw in enumerate(stream, 1):
+                if pending is not None:  # a line is read once the next is: a truncated file's cut last line is never
+                    yield line(*pending)  # read (nor its cut character said to be not UTF-8) before the error
+                pending = raw, offset, lineno
+                offset += len(raw)
+        except (OSError, EOFError, lzma.LZMAError) as e:
+            if module is None:
+                raise UserError(f"{what}: cannot read '{path}' ({getattr(e, 'strerror', None) or e})") from None
+            raise _decompress_error(module, path, what, e) from None
+        if pending is not None:
+            yield line(*pending)

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from itertools import chain
 from pathlib import Path
 
-from memfit.config.loader import read_utf8
+from memfit.config.loader import read_utf8, utf8_lines
 from memfit.config.schema import data_suffix
 from memfit.errors import UserError, first_line
 
@@ -146,8 +147,8 @@ def _sharegpt_messages(turns: object, where: str) -> list[dict]:
 
 
 def _json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
-    """``(where, record)`` for each record of a file: one JSON value per line (JSON lines), or one JSON array of
-    them (Alpaca's ``alpaca_data.json``, what ``datasets.load_dataset("json")`` also reads).
+    """``(where, record)`` for each record of a file's text: one JSON value per line (JSON lines), or one JSON array
+    of them (Alpaca's ``alpaca_data.json``, what ``datasets.load_dataset("json")`` also reads).
 
     Raises:
         UserError: ``file:line`` (or ``file: record N``) of the first value that is not JSON.
@@ -162,14 +163,24 @@ def _json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
             for i, value in enumerate(values, 1):
                 yield f"{path}: record {i}", value
             return
+    yield from _json_lines(enumerate(_lines(text), 1), path)
+
+
+def _json_lines(numbered: Iterator[tuple[int, str]], path: Path) -> Iterator[tuple[str, object]]:
+    """``(where, record)`` for each value of numbered JSON lines.
+
+    Raises:
+        UserError: ``file:line`` of the first line that is not JSON (or, for the first, that the whole file is one
+            JSON object across its lines).
+    """
     first = True
-    for lineno, line in enumerate(_lines(text), 1):
+    for lineno, line in numbered:
         if not line.strip():
             continue
         try:
             value = json.loads(line)
         except json.JSONDecodeError as e:
-            if first and _is_one_json_value(text):
+            if first and _is_one_json_value(_whole(path)):
                 raise UserError(
                     f"{path}: holds one JSON object across its lines; give one record per line (JSON lines) or a "
                     "JSON array of records"
@@ -177,6 +188,30 @@ def _json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
             raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         first = False
         yield f"{path}:{lineno}", value
+
+
+_FIX = "save the chat records as UTF-8 JSON lines"
+
+
+def _whole(path: Path) -> str:
+    return read_utf8(path, "data.source", _FIX, compressed=True)
+
+
+def _json_file_records(path: Path) -> Iterator[tuple[str, object]]:
+    """A JSON file's records, JSON lines read a line at a time (the file is never held whole); a file that opens
+    with ``[`` (one JSON array) is read whole."""
+    lines = utf8_lines(path, "data.source", _FIX, compressed=True)
+    numbered = enumerate(lines, 1)
+    for lineno, line in numbered:
+        if line.strip():
+            break
+    else:
+        return
+    if line.lstrip().startswith("["):
+        lines.close()
+        yield from _json_records(_whole(path), path)
+        return
+    yield from _json_lines(chain([(lineno, line)], numbered), path)
 
 
 def _lines(text: str) -> Iterator[str]:
@@ -214,9 +249,7 @@ def file_records(path: Path) -> Iterator[tuple[str, object]]:
     """``(where, record)`` for each record of a data file: Parquet rows, or JSON (lines or one array)."""
     if data_suffix(path.name) == ".parquet":
         return _parquet_records(path)
-    return _json_records(
-        read_utf8(path, "data.source", "save the chat records as UTF-8 JSON lines", compressed=True), path
-    )
+    return _json_file_records(path)
 
 
 def _is_one_json_value(text: str) -> bool:

@@ -621,3 +621,46 @@ def test_tool_calls_are_trained_where_the_template_renders_them_and_refused_wher
     ids, labels = data.chat_records([src], renders_calls, None)[0]
     scored = renders_calls.decode([i for i, lab in zip(ids, labels) if lab != IGNORE_INDEX])
     assert "add_numbers" in scored and "5." in scored  # the call is an answer the loss is taken on
+
+
+@pytest.mark.parametrize("packing", ["plain", "gzip", "bz2", "xz"])
+def test_json_lines_are_read_a_line_at_a_time_as_the_whole_file_reads(tmp_path, tokenizer, monkeypatch, packing):
+    """A JSON lines file was read whole, then decoded whole: twice its size held before the first record (a 104 MB
+    file, 0.2 GiB). Its lines are now read one at a time, decompressed as they come, and give what the whole file
+    gives: the same lines, byte order mark and CRLF alike, the same offset and line for a bad byte."""
+    from memfit.config import loader
+    from memfit.train import records
+
+    compress = {"plain": lambda b: b, "gzip": lambda b: gzip.compress(b, mtime=0), "bz2": bz2.compress}
+    compress["xz"] = lzma.compress
+    rows = (json.dumps({"prompt": f"é{i}", "response": "ü" * i}, ensure_ascii=False) for i in range(40))
+    text = "\ufeff" + "\r\n".join(rows) + "\n\n"
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(compress[packing](text.encode()))
+    whole = loader.read_utf8(path, "data.source", "fix", compressed=True)
+    assert list(loader.utf8_lines(path, "data.source", "fix", compressed=True)) == whole.split("\n")[:-1]
+    want = list(records._json_records(whole, path))
+    monkeypatch.setattr(records, "read_utf8", lambda *a, **k: pytest.fail("read whole"))
+    assert list(records.file_records(path)) == want and len(want) == 40
+    bad = text.encode().replace(b"\xc3\xa97", b"\xe97")  # line 8: Latin-1's é
+    path.write_bytes(compress[packing](bad))
+    with pytest.raises(UserError, match=r"not UTF-8 text \(byte 0xe9 at offset \d+, line 8\)") as streamed:
+        list(records.file_records(path))
+    monkeypatch.undo()
+    with pytest.raises(UserError) as at_once:
+        loader.read_utf8(path, "data.source", records._FIX, compressed=True)
+    assert str(streamed.value) == str(at_once.value)
+
+
+def test_a_compressed_file_cut_short_is_said_to_be_cut_not_its_cut_record(tmp_path):
+    """Read a line at a time, a cut file's cut last line is not read (as a record missing its answer, or a character
+    cut in two) before the error that says the file is cut, at any point of the cut."""
+    from memfit.train import records
+
+    line = json.dumps({"prompt": "a", "response": "é" * 50}, ensure_ascii=False).encode() + b"\n"
+    whole = gzip.compress(line * 300, mtime=0)
+    src = tmp_path / "d.jsonl.gz"
+    for cut in range(len(whole) // 2, len(whole) - 8, max(1, len(whole) // 40)):
+        src.write_bytes(whole[:cut])
+        with pytest.raises(UserError, match="is gzip-compressed but cannot be decompressed"):
+            list(records.file_records(src))
