@@ -946,6 +946,23 @@ def _(tmp):
     return r.code == 0 and "note: --mem 100000GiB is more than this machine's" in r.out, f"exit {r.code}"
 
 
+@probe(
+    "34", "OpenAI tool calls, content null, on a template without tools: one line (refused for null / trained empty)"
+)
+def _(tmp):
+    call = {"type": "function", "function": {"name": "add_numbers", "arguments": {"a": 2, "b": 3}}}
+    talk = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "5."},
+    ]
+    (tmp / "tools.jsonl").write_text("\n".join(json.dumps({"messages": talk}) for _ in range(12)) + "\n")
+    r = train(tmp, f"data.source={tmp / 'tools.jsonl'}", "data.max_documents=null")
+    ok, line = one_error_line(r, "message 2 calls add_numbers, but the model's chat template leaves its tool_calls")
+    return ok and empty_or_absent(tmp / "run"), line
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="run the probes whose name contains this, or of this item (e.g. 23)")
