@@ -166,6 +166,11 @@ def _json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
     yield from _json_lines(enumerate(_lines(text), 1), path)
 
 
+ONE_VALUE_READ = 64 << 20
+"""The largest file read whole to tell whether a first line that is not JSON opens one JSON object spread over its
+lines (a pretty-printed record); a larger one is said as its first bad line, not read whole for the message."""
+
+
 def _json_lines(numbered: Iterator[tuple[int, str]], path: Path) -> Iterator[tuple[str, object]]:
     """``(where, record)`` for each value of numbered JSON lines.
 
@@ -180,7 +185,7 @@ def _json_lines(numbered: Iterator[tuple[int, str]], path: Path) -> Iterator[tup
         try:
             value = json.loads(line)
         except json.JSONDecodeError as e:
-            if first and _is_one_json_value(_whole(path)):
+            if first and path.stat().st_size <= ONE_VALUE_READ and _is_one_json_value(_whole(path)):
                 raise UserError(
                     f"{path}: holds one JSON object across its lines; give one record per line (JSON lines) or a "
                     "JSON array of records"

@@ -199,6 +199,17 @@ def test_a_json_file_that_is_not_records_names_where(tmp_path, tokenizer, text, 
     assert "\n" not in str(e.value)
 
 
+def test_a_big_file_whose_first_line_is_not_json_is_not_read_whole_for_the_message(tmp_path, monkeypatch):
+    """Telling a pretty-printed object from a bad first line reads the file whole: only up to ONE_VALUE_READ."""
+    from memfit.train import records
+
+    (tmp_path / "d.json").write_text('{\n  "data": [{"prompt": "a", "response": "b"}]\n}')
+    monkeypatch.setattr(records, "ONE_VALUE_READ", 10)
+    monkeypatch.setattr(records, "read_utf8", lambda *a, **k: pytest.fail("read whole"))
+    with pytest.raises(UserError, match=r"d.json:1: not valid JSON \(Expecting property name"):
+        list(records.file_records(tmp_path / "d.json"))
+
+
 def _conversation(*turns):
     roles = ("user", "assistant")
     return {"messages": [{"role": roles[i % 2], "content": text} for i, text in enumerate(turns)]}
