@@ -146,26 +146,6 @@ def _sharegpt_messages(turns: object, where: str) -> list[dict]:
     return out
 
 
-def _json_records(text: str, path: Path) -> Iterator[tuple[str, object]]:
-    """``(where, record)`` for each record of a file's text: one JSON value per line (JSON lines), or one JSON array
-    of them (Alpaca's ``alpaca_data.json``, what ``datasets.load_dataset("json")`` also reads).
-
-    Raises:
-        UserError: ``file:line`` (or ``file: record N``) of the first value that is not JSON.
-    """
-    if text.lstrip().startswith("["):
-        try:
-            values = json.loads(text)
-        except json.JSONDecodeError as e:
-            if e.msg != "Extra data":  # "Extra data": JSON lines, the first of them an array
-                raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-        else:
-            for i, value in enumerate(values, 1):
-                yield f"{path}: record {i}", value
-            return
-    yield from _json_lines(enumerate(_lines(text), 1), path)
-
-
 ONE_VALUE_READ = 64 << 20
 """The largest file read whole to tell whether a first line that is not JSON opens one JSON object spread over its
 lines (a pretty-printed record); a larger one is said as its first bad line, not read whole for the message."""
@@ -203,8 +183,13 @@ def _whole(path: Path) -> str:
 
 
 def _json_file_records(path: Path) -> Iterator[tuple[str, object]]:
-    """A JSON file's records, JSON lines read a line at a time (the file is never held whole); a file that opens
-    with ``[`` (one JSON array) is read whole."""
+    """``(where, record)`` for each record of a JSON file: one JSON value per line (JSON lines), read a line at a
+    time (the file is never held whole), or one JSON array of them (Alpaca's ``alpaca_data.json``, what
+    ``datasets.load_dataset("json")`` also reads), read whole.
+
+    Raises:
+        UserError: ``file:line`` (or ``file: record N``) of the first value that is not JSON.
+    """
     lines = utf8_lines(path, "data.source", _FIX, compressed=True)
     numbered = enumerate(lines, 1)
     for lineno, line in numbered:
@@ -212,22 +197,19 @@ def _json_file_records(path: Path) -> Iterator[tuple[str, object]]:
             break
     else:
         return
-    if line.lstrip().startswith("["):
-        lines.close()
-        yield from _json_records(_whole(path), path)
+    if not line.lstrip().startswith("["):
+        yield from _json_lines(chain([(lineno, line)], numbered), path)
         return
-    yield from _json_lines(chain([(lineno, line)], numbered), path)
-
-
-def _lines(text: str) -> Iterator[str]:
-    """The lines of ``text`` one at a time (``split`` would hold them all beside it), split at ``\\n`` only: not
-    ``splitlines()``, as a JSON string may hold U+2028."""
-    start = 0
-    while start <= len(text):
-        end = text.find("\n", start)
-        end = len(text) if end < 0 else end
-        yield text[start:end]
-        start = end + 1
+    lines.close()
+    try:
+        values = json.loads(_whole(path))
+    except json.JSONDecodeError as e:
+        if e.msg != "Extra data":  # "Extra data": JSON lines, the first of them an array
+            raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        yield from _json_lines(enumerate(utf8_lines(path, "data.source", _FIX, compressed=True), 1), path)
+        return
+    for i, value in enumerate(values, 1):
+        yield f"{path}: record {i}", value
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
