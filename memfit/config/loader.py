@@ -211,8 +211,9 @@ _CONTAINERS = {
 """Leading bytes of binary files a data source is often given as, and what they are."""
 
 
-def _compression(head: bytes, path: Path, what: str, compressed: bool):
-    """The module that opens a file starting with ``head`` (gzip, bz2, lzma), or None for plain bytes.
+def _compression(head: bytes, path: Path, what: str, compressed: bool) -> tuple[str, Any] | None:
+    """The format's name and the module that opens a file starting with ``head`` (gzip, bz2, lzma), or None for
+    plain bytes.
 
     Raises:
         UserError: the file is compressed and ``compressed`` is false.
@@ -221,12 +222,11 @@ def _compression(head: bytes, path: Path, what: str, compressed: bool):
         if head.startswith(magic):
             if not compressed:
                 raise UserError(f"{what}: '{path}' is {name}-compressed, not text; decompress it")
-            return module
+            return name, module
     return None
 
 
-def _decompress_error(module, path: Path, what: str, error: Exception) -> UserError:
-    name = next(name for name, m in _COMPRESSED.values() if m is module)
+def _decompress_error(name: str, path: Path, what: str, error: Exception) -> UserError:
     return UserError(f"{what}: '{path}' is {name}-compressed but cannot be decompressed ({error})")
 
 
@@ -268,12 +268,12 @@ def read_utf8(path: Path, what: str, fix: str, compressed: bool = False) -> str:
         data = Path(path).read_bytes()
     except OSError as e:
         raise UserError(f"{what}: cannot read '{path}' ({e.strerror})") from None
-    module = _compression(data[:8], path, what, compressed)
-    if module is not None:
+    packed = _compression(data[:8], path, what, compressed)
+    if packed is not None:
         try:
-            data = module.decompress(data)
+            data = packed[1].decompress(data)
         except (OSError, EOFError, ValueError, lzma.LZMAError) as e:
-            raise _decompress_error(module, path, what, e) from None
+            raise _decompress_error(packed[0], path, what, e) from None
     return _utf8(data, path, what, fix)
 
 
@@ -289,9 +289,9 @@ def utf8_lines(path: Path, what: str, fix: str, compressed: bool = False) -> Ite
     except OSError as e:
         raise UserError(f"{what}: cannot read '{path}' ({e.strerror})") from None
     with fh:
-        module = _compression(fh.read(8), path, what, compressed)
+        packed = _compression(fh.read(8), path, what, compressed)
         fh.seek(0)
-        stream = fh if module is None else module.open(fh)
+        stream = fh if packed is None else packed[1].open(fh)
 
         def line(raw: bytes, offset: int, lineno: int) -> str:
             return _utf8(raw, path, what, fix, offset, lineno).removesuffix("\n")
@@ -304,8 +304,8 @@ def utf8_lines(path: Path, what: str, fix: str, compressed: bool = False) -> Ite
                 pending = raw, offset, lineno
                 offset += len(raw)
         except (OSError, EOFError, lzma.LZMAError) as e:
-            if module is None:
+            if packed is None:
                 raise UserError(f"{what}: cannot read '{path}' ({getattr(e, 'strerror', None) or e})") from None
-            raise _decompress_error(module, path, what, e) from None
+            raise _decompress_error(packed[0], path, what, e) from None
         if pending is not None:
             yield line(*pending)
