@@ -159,8 +159,9 @@ class LoraConfig:
         "block scales (QLoRA; one process or DDP; needs the lowbit extra)",
     )
     target_modules: list = _f(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        "names of the Linear modules that get adapters (all-linear: every one but the output head, as PEFT reads it)",
+        ["all-linear"],
+        "names of the Linear modules that get adapters (all-linear: every one but the output head, as PEFT reads it: "
+        "a Llama's seven projections, Phi-3's fused ones, a mixture of experts' attention)",
     )
 
 

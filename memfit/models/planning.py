@@ -30,6 +30,42 @@ SHAPE = (*(f.name for f in fields(ModelShape)), "tie_word_embeddings")
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP, as its step-time model reads it: ``count`` experts of ``intermediate`` each, of
+    which ``per_token`` run for each token, beside a shared MLP of ``shared_intermediate`` that every token runs (0:
+    none). A dense model is one expert, always run."""
+
+    count: int = 1
+    per_token: int = 1
+    intermediate: int = 0  # 0: the config's intermediate_size
+    shared_intermediate: int = 0
+
+    @classmethod
+    def of(cls, config) -> Experts:
+        """A transformers config's experts: Mixtral's and gpt-oss's ``num_local_experts``, Qwen-MoE's and OLMoE's
+        ``num_experts``, DeepSeek's ``n_routed_experts`` (with ``moe_intermediate_size`` where it is given, and a
+        shared MLP of ``shared_expert_intermediate_size`` or ``n_shared_experts`` experts)."""
+        count = next((v for k in _EXPERT_COUNTS if isinstance(v := getattr(config, k, None), int) and v > 1), 1)
+        if count == 1:
+            return cls()
+        intermediate = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        shared = getattr(config, "shared_expert_intermediate_size", None) or 0
+        shared = shared or (getattr(config, "n_shared_experts", None) or 0) * intermediate
+        per_token = getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", None) or 1
+        return cls(count, min(per_token, count), intermediate, shared)
+
+
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def experts(config: PlanningConfig) -> Experts:
+    """The experts of a planning config (a preset's: one, dense)."""
+    if isinstance(config, Preset):
+        return Experts()
+    return config.experts if isinstance(config, ReadConfig) else Experts.of(config)
+
+
+@dataclass(frozen=True)
 class ReadConfig(ModelShape):
     """A checkpoint's or a ``config.json``'s model config as the planner reads it: its shape, the file it came from
     and the JSON of the transformers config transformers read it as (``config_key``)."""
@@ -38,13 +74,20 @@ class ReadConfig(ModelShape):
     path: str
     attn_implementation: str
     json: str
+    experts: Experts = Experts()
 
     @classmethod
     def of(cls, path: Path, attn_implementation: str, config: PretrainedConfig) -> ReadConfig:
         """``config`` (transformers', as read from ``path``) as plain data."""
         values = {name: getattr(config, name, None) for name in SHAPE}
         values["num_key_value_heads"] = values["num_key_value_heads"] or config.num_attention_heads
-        return cls(**values, path=str(path), attn_implementation=attn_implementation, json=_transformers_key(config))
+        key, moe = _transformers_key(config), Experts.of(config)
+        return cls(**values, path=str(path), attn_implementation=attn_implementation, json=key, experts=moe)
+
+    @classmethod
+    def parsed(cls, data: dict) -> ReadConfig:
+        """A read config from its cache entry (``asdict``'s)."""
+        return cls(**{**data, "experts": Experts(**data["experts"])})
 
 
 if TYPE_CHECKING:
@@ -116,7 +159,7 @@ def _read(model: str, name: str, attn_implementation: str) -> PretrainedConfig:
 
 def _load(key: str) -> ReadConfig | None:
     """The config cache's entry ``key``, or None (not cached, off, or damaged: said in one line and removed)."""
-    return read_entry(cache_root("MEMFIT_CONFIG_CACHE", "configs"), key, "config", lambda data: ReadConfig(**data))
+    return read_entry(cache_root("MEMFIT_CONFIG_CACHE", "configs"), key, "config", ReadConfig.parsed)
 
 
 def _read_file(path: Path, attn_implementation: str, built: bool = True) -> PretrainedConfig:

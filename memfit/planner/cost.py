@@ -1,7 +1,8 @@
 """A step-time model for ranking candidates: compute at an assumed utilisation plus communication.
 
     FLOPs per token, forward = 2 x (weights of every matmul, lm_head included) + 2 x layers x T x hidden
-                               (causal attention: QK^T and AV, half the square each)
+                               (causal attention: QK^T and AV, half the square each); in a mixture of experts
+                               the MLP weights a token runs through: the router's, its experts' and a shared MLP's
     training = forward x (3 for a full fine-tune: backward is twice the forward; 2 with LoRA: frozen
                weights need no weight gradients) + the recomputed forward of checkpointed modules
                (and of the output projection when the loss is chunked).
@@ -32,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.config.strategy import Strategy
+from memfit.models.planning import experts
 
 MFU = 0.40  # assumed model-FLOPs utilisation at bf16/fp16
 FP32_SLOWDOWN = 4.0  # fp32 matmuls vs the bf16 peak (TF32 on NVIDIA is ~2x, MI200 fp32 matrix ~4x)
@@ -46,20 +48,27 @@ MIXED = ("bf16-mixed", "fp16-mixed")  # autocast over fp32 trained weights: a lo
 class Shape:
     layers: int
     hidden: int
-    intermediate: int
+    intermediate: int  # of each expert in a mixture of experts
     heads: int
     kv_heads: int
     vocab: int
+    experts: int = 1  # a mixture of experts: how many each layer holds, how many run per token, and a shared MLP
+    active_experts: int = 1
+    shared_intermediate: int = 0
 
     @classmethod
     def of(cls, config) -> "Shape":
+        moe = experts(config)
         return cls(
             config.num_hidden_layers,
             config.hidden_size,
-            config.intermediate_size,
+            moe.intermediate or config.intermediate_size,
             config.num_attention_heads,
             config.num_key_value_heads or config.num_attention_heads,
             config.vocab_size,
+            moe.count,
+            moe.per_token,
+            moe.shared_intermediate,
         )
 
     @property
@@ -67,9 +76,19 @@ class Shape:
         head_dim = self.hidden // self.heads
         return self.hidden * self.hidden * 2 + 2 * self.hidden * self.kv_heads * head_dim  # q, o + k, v
 
+    def _mlp(self, experts: int) -> int:
+        router = self.hidden * self.experts if self.experts > 1 else 0
+        return 3 * self.hidden * (experts * self.intermediate + self.shared_intermediate) + router
+
     @property
     def mlp_weights(self) -> int:
-        return 3 * self.hidden * self.intermediate
+        """A layer's MLP weights held: every expert's (and the router's) in a mixture of experts."""
+        return self._mlp(self.experts)
+
+    @property
+    def active_mlp_weights(self) -> int:
+        """A layer's MLP weights each token runs through: in a mixture of experts, ``active_experts`` of them."""
+        return self._mlp(self.active_experts)
 
     @property
     def matmul_weights(self) -> int:
@@ -80,8 +99,8 @@ def step_flops(shape: Shape, tokens: int, seq_len: int, lora: bool, strategy: St
     """Training FLOPs for ``tokens`` tokens (one optimizer step on one rank): forward, backward and what
     checkpointing and a chunked loss recompute (each chunk's output projection runs again in backward)."""
     attn_core = 2 * seq_len * shape.hidden  # per token per layer
-    layer_fwd = 2 * (shape.attn_weights + shape.mlp_weights) + attn_core
-    mlp_fwd = 2 * shape.mlp_weights
+    layer_fwd = 2 * (shape.attn_weights + shape.active_mlp_weights) + attn_core
+    mlp_fwd = 2 * shape.active_mlp_weights
     fwd = shape.layers * layer_fwd + 2 * shape.vocab * shape.hidden
     whole, mlp_only = recomputed_layers(shape, strategy)
     recompute = whole * layer_fwd + mlp_only * mlp_fwd

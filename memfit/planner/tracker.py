@@ -41,6 +41,9 @@ Known limitations:
     - Storages resized in place (``UntypedStorage.resize_``, used by FSDP) keep their first size.
     - Tensors created before the tracker starts count only if passed to ``track`` (parameters,
       buffers, inputs, existing optimizer state).
+    - A mixture of experts' ``_grouped_mm`` holds its output alone, as a device kernel does; the CPU kernel computes
+      a bf16 one in an fp32 buffer of the output's size first (a CPU run's bf16 experts: measured 3.2% more
+      temporaries than traced at a 2-layer, 4-expert model's backward peak under full checkpointing).
 """
 
 from __future__ import annotations
@@ -59,6 +62,17 @@ from memfit.strategies.host_optimizer import host_tensors, observing_host
 from memfit.strategies.offload import Offloaded, observing
 from memfit.strategies.optimizer import running_slice_updates
 from memfit.strategies.tensors import plain_tensors, state_tensors
+
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
+
+
+def _grouped_mm_any_dtype(args: tuple, kwargs: dict) -> torch.Tensor:
+    """``aten._grouped_mm`` (a mixture-of-experts' experts in transformers) on fake tensors of any dtype: its meta
+    kernel states CUDA's bf16-only rule, while the CPU kernel a real step runs takes fp32 too. The output is the one
+    of bf16 copies, at its true shape, in the dtype the CPU kernel gives (``out_dtype``, else the inputs')."""
+    dtype = kwargs.pop("out_dtype", None) or args[0].dtype
+    bf16 = [a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    return _GROUPED_MM(*bf16, **kwargs).to(dtype)
 
 
 def _storage(t: torch.Tensor):
@@ -323,6 +337,8 @@ class StepTracker(TorchDispatchMode):
             # run its handler with this mode on, so those ops (and their temporaries) are seen one by one
             with self:
                 out = type(sub).__torch_dispatch__(func, types, args, kwargs)
+        elif func is _GROUPED_MM and isinstance(args[0], FakeTensor) and args[0].dtype != torch.bfloat16:
+            out = _grouped_mm_any_dtype(args, kwargs)
         else:
             out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:

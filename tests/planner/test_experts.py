@@ -1,0 +1,123 @@
+"""Mixtures of experts (Mixtral, Qwen-MoE, OLMoE): traced as the profiler measures them, their experts read from
+each config family, and their step-time model's FLOPs against a FLOP counter on real tensors."""
+
+from dataclasses import asdict
+
+import pytest
+import torch
+import transformers
+from support.measured import assert_within_3pct_per_category
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM
+
+from memfit.config.schema import LoraConfig
+from memfit.config.strategy import CheckpointPolicy, Strategy
+from memfit.models.planning import Experts, ReadConfig, config_for_planning, experts
+from memfit.models.presets import preset, preset_config
+from memfit.planner.cost import Shape, step_flops
+from memfit.planner.measure import measured_steady_step
+from memfit.planner.trace import StepSpec, trace_step
+from memfit.strategies.lora import apply_lora, target_names
+from memfit.strategies.precision import precision_policy
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,  # small, so that the experts' bytes are not lost beside the logits'
+    max_position_embeddings=256,
+)
+
+
+def _moe(family: str):
+    if family == "mixtral":
+        return transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2)
+    if family == "qwen2-moe":  # a shared expert beside the routed ones
+        return transformers.Qwen2MoeConfig(
+            **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=64
+        )
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    return transformers.Qwen3MoeConfig(**SMALL, head_dim=16, **experts)
+
+
+FAMILIES = ["mixtral", "qwen2-moe", "qwen3-moe"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "precision, ac", [("fp32", "none"), ("bf16-mixed", "ffn"), ("fp32", "full"), ("bf16-pure", "none")]
+)
+def test_a_mixture_of_experts_traces_as_the_profiler_measures_it(family, precision, ac):
+    """transformers runs the experts through ``aten._grouped_mm``, whose meta kernel takes bf16 only: every fp32
+    trace of a mixture of experts failed, so `memfit plan` ended in a traceback and `train` ran without its fit
+    check. Now traced (the CPU kernel takes fp32, as the real step shows) within the planner's bar."""
+    policy = CheckpointPolicy.parse(ac)
+    strategy = Strategy(activation_checkpointing=policy, precision=precision, optimizer="foreach", micro_batch_size=4)
+    spec = StepSpec(_moe(family), 128, strategy)
+    assert_within_3pct_per_category(trace_step(spec).peak, measured_steady_step(spec))
+
+
+def test_lora_on_a_mixture_of_experts_adapts_its_attention_by_default_and_traces_as_measured():
+    """The default adapters were the seven Llama projections by name, which a mixture of experts lacks (its experts
+    are 3-D weights): LoRA on Mixtral or Phi-3 was refused until the user named its modules. The default is now
+    every Linear but the output head (PEFT's all-linear), the same seven on a Llama."""
+    spec = StepSpec(_moe("mixtral"), 128, Strategy(optimizer="foreach", micro_batch_size=4), LoraConfig(enabled=True))
+    assert_within_3pct_per_category(trace_step(spec).peak, measured_steady_step(spec))
+    fp32 = precision_policy("fp32")
+    adapted = {
+        name.rsplit(".", 1)[-1]
+        for name, m in apply_lora(
+            AutoModelForCausalLM.from_config(_moe("mixtral")), LoraConfig(enabled=True), fp32
+        ).named_modules()
+        if hasattr(m, "lora_A")
+    }
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    llama = AutoModelForCausalLM.from_config(preset_config("tiny"))
+    assert set(target_names(llama, LoraConfig().target_modules)) == {
+        *("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    }
+    phi3 = AutoModelForCausalLM.from_config(transformers.Phi3Config(**SMALL, pad_token_id=0))
+    assert set(target_names(phi3, LoraConfig().target_modules)) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+
+
+def test_experts_are_read_from_each_config_family(tmp_path):
+    assert Experts.of(_moe("mixtral")) == Experts(4, 2, 96, 0)
+    assert Experts.of(_moe("qwen2-moe")) == Experts(4, 2, 48, 64)
+    assert Experts.of(_moe("qwen3-moe")) == Experts(8, 2, 32, 0)
+    deepseek = transformers.DeepseekV3Config(
+        **SMALL, n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=24, n_shared_experts=2
+    )
+    assert Experts.of(deepseek) == Experts(16, 4, 24, 48)
+    assert Experts.of(preset_config("tiny")) == Experts() == experts(preset("tiny"))
+    _moe("qwen2-moe").save_pretrained(tmp_path)
+    read = config_for_planning(str(tmp_path))
+    assert isinstance(read, ReadConfig) and experts(read) == Experts(4, 2, 48, 64)
+    assert ReadConfig.parsed(asdict(read)) == read  # as the config cache keeps it
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_step_time_model_counts_the_flops_of_the_experts_a_token_runs_through(family):
+    """Against torch's FLOP counter on a real forward (``_grouped_mm``: 2 x rows x K x N, each row through one
+    expert), the matmuls but attention's core, which the cost model estimates as causal: a mixture of experts was
+    charged one expert's MLP per token, and its weights (ZeRO's traffic, FSDP's root share) one expert's."""
+    config = _moe(family)
+    model = AutoModelForCausalLM.from_config(config)
+    B, T = 2, 32
+
+    def grouped_mm(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm})
+    with counter, torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (B, T)))
+    counted = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    matmuls = sum(n for op, n in counted.items() if "attention" not in op)
+    shape = Shape.of(config)
+    attention_core = shape.layers * 2 * T * shape.hidden  # the cost model's causal half-square
+    forward = step_flops(shape, B * T, T, lora=True, strategy=Strategy()) / 2  # LoRA: training = 2 x forward
+    extra = shape.layers * 2 * B * T * shape.hidden if family == "qwen2-moe" else 0  # its shared expert's gate, h -> 1
+    assert forward - B * T * attention_core == matmuls - extra
+    held = sum(p.numel() for p in model.model.layers[0].mlp.parameters())
+    assert shape.mlp_weights + (shape.hidden if family == "qwen2-moe" else 0) == held
