@@ -963,6 +963,64 @@ def _(tmp):
     return ok and empty_or_absent(tmp / "run"), line
 
 
+# -- 35: the thirty-fifth session's round (architectures beyond Llama) ----------------------------------------
+
+_SMALL = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=49152, max_position_embeddings=512,
+)  # fmt: skip
+_ARCHS = {
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "phi3": ("Phi3Config", dict(pad_token_id=0)),
+}
+
+
+def _config(tmp: Path, arch: str) -> Path:
+    """A small random ``config.json`` of ``arch`` (written by transformers, as a user's would be)."""
+    cls, extra = _ARCHS[arch]
+    code = f"import sys, transformers as T; T.{cls}(**{_SMALL!r}, **{extra!r}).save_pretrained(sys.argv[1])"
+    subprocess.run([sys.executable, "-c", code, str(tmp / arch)], check=True, capture_output=True)
+    return tmp / arch / "config.json"
+
+
+for _arch in ("mixtral", "qwen3_moe"):
+
+    @probe("35", f"plan a {_arch} config.json (a traceback: the grouped matmul's fake kernel refused fp32)")
+    def _(tmp, arch=_arch):
+        r = memfit("plan", "--model", str(_config(tmp, arch)), "--gpu-mem", "8GiB", "--seq-len", "64", cwd=tmp)
+        return r.code == 0 and "Traceback" not in r.err and "candidates fit" in r.out, f"exit {r.code}"
+
+
+@probe("35", "train a mixtral config.json: the fit check runs (the planner failed, a traceback logged)")
+def _(tmp):
+    r = train(tmp, f"model.source=random:{_config(tmp, 'mixtral')}")
+    ok = r.code == 0 and "planner: predicted step peak" in r.out and "planner failed" not in r.out
+    return ok and "Traceback" not in r.err, f"exit {r.code}"
+
+
+@probe("35", "LoRA on a Phi-3 and a mixtral with the default targets (refused: no module q_proj / gate_proj)")
+def _(tmp):
+    archs = ("phi3", "mixtral")
+    runs = [
+        train(tmp, f"model.source=random:{_config(tmp, a)}", "lora.enabled=true", f"output.dir={tmp / a}-run")
+        for a in archs
+    ]
+    return all(r.code == 0 for r in runs), f"exits {[r.code for r in runs]}"
+
+
+@probe("35", "LoRA on a mixtral's expert weights (lora.target_parameters): trained, exported; a bad name one line")
+def _(tmp):
+    model = f"model.source=random:{_config(tmp, 'mixtral')}"
+    experts = "lora.target_parameters=experts.gate_up_proj,experts.down_proj"
+    r = train(tmp, model, "lora.enabled=true", experts, "output.export=true")
+    exported = tmp / "run" / "export" / "adapter_config.json"
+    adapted = json.loads(exported.read_text()).get("target_parameters") if exported.is_file() else None
+    bad = train(tmp, model, "lora.enabled=true", "lora.target_parameters=gate_upp", f"output.dir={tmp / 'bad'}")
+    ok, line = one_error_line(bad, "'gate_upp' is no weight of this model")
+    return r.code == 0 and adapted == ["experts.gate_up_proj", "experts.down_proj"] and ok, line
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="run the probes whose name contains this, or of this item (e.g. 23)")

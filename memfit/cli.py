@@ -31,9 +31,13 @@ def add_plan_parser(sub) -> None:
     what.add_argument(
         "--global-batch", type=int, help="sequences per optimizer step across all GPUs (default: GPUs x 4)"
     )
-    what.add_argument("--lora", action="store_true", help="LoRA fine-tune (all attention and MLP projections)")
+    what.add_argument("--lora", action="store_true", help="LoRA fine-tune (every Linear but the output head)")
     what.add_argument("--lora-rank", type=int, help="with --lora: LoRA rank r (default 16)")
     what.add_argument("--lora-targets", help="with --lora: comma-separated modules to adapt, e.g. q_proj,v_proj")
+    what.add_argument(
+        "--lora-parameters",
+        help="with --lora: comma-separated 3-D expert weights to adapt, e.g. experts.gate_up_proj,experts.down_proj",
+    )
     what.add_argument("--lora-alpha", type=float, help="with --lora: LoRA alpha (default 2 x rank)")
     what.add_argument("--config", help="a memfit train YAML: model, seq_len, LoRA and its strategies become pins")
     what.add_argument(

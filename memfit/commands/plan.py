@@ -129,6 +129,11 @@ def _from_deepspeed(path: str, req: PlanRequest) -> None:
     req.engine = "deepspeed"
 
 
+def _names(listed: str) -> list[str]:
+    """A comma-separated flag's names."""
+    return [t.strip() for t in listed.split(",") if t.strip()]
+
+
 def plan_request(ns) -> PlanRequest:
     """The request the flags, ``--config`` and ``--deepspeed`` describe, with every pin parsed.
 
@@ -155,10 +160,17 @@ def plan_request(ns) -> PlanRequest:
         if ns.lora_alpha is not None:
             lora.alpha = ns.lora_alpha
         if ns.lora_targets is not None:
-            lora.target_modules = [t.strip() for t in ns.lora_targets.split(",") if t.strip()]
+            lora.target_modules = _names(ns.lora_targets)
+        if ns.lora_parameters is not None:
+            lora.target_parameters = _names(ns.lora_parameters)
+            if not lora.target_parameters:
+                raise UserError(
+                    "--lora-parameters must name at least one weight, e.g. experts.gate_up_proj,experts.down_proj "
+                    f"(got '{ns.lora_parameters}')"
+                )
         if lora.rank < 1:
             raise UserError(f"--lora-rank must be >= 1 (got {lora.rank})")
-        if not lora.target_modules:
+        if not lora.target_modules and not lora.target_parameters:
             raise UserError(
                 f"--lora-targets must name at least one module, e.g. q_proj,v_proj (got '{ns.lora_targets}')"
             )
@@ -170,7 +182,7 @@ def plan_request(ns) -> PlanRequest:
     else:
         given = [
             f
-            for f in ("--lora-rank", "--lora-targets", "--lora-alpha")
+            for f in ("--lora-rank", "--lora-targets", "--lora-parameters", "--lora-alpha")
             if getattr(ns, f[2:].replace("-", "_")) is not None
         ]
         if given:

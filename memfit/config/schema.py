@@ -163,6 +163,11 @@ class LoraConfig:
         "names of the Linear modules that get adapters (all-linear: every one but the output head, as PEFT reads it: "
         "a Llama's seven projections, Phi-3's fused ones, a mixture of experts' attention)",
     )
+    target_parameters: list = _f(
+        [],
+        "names of weights that are not Linear modules' to get adapters, as PEFT's target_parameters reads them: a "
+        "mixture of experts' 3-D expert weights (experts.gate_up_proj, experts.down_proj)",
+    )
 
 
 @dataclass
@@ -454,7 +459,10 @@ def check(cfg: RunConfig) -> RunConfig:
     _need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optimizer.beta1/beta2 must be in [0, 1) (got {o.beta1}, {o.beta2})")
     _need(0 <= o.min_lr_ratio <= 1, f"optimizer.min_lr_ratio must be in [0, 1] (got {o.min_lr_ratio})")
     _need(0 <= lo.dropout < 1, f"lora.dropout must be in [0, 1) (got {lo.dropout})")
-    _need(len(lo.target_modules) > 0, "lora.target_modules must name at least one module (got [])")
+    _need(
+        len(lo.target_modules) > 0 or len(lo.target_parameters) > 0,
+        "lora.target_modules must name at least one module (got []), or lora.target_parameters a weight",
+    )
     _choice("lora.quantize_base", lo.quantize_base, QUANTIZED_BASES)
     _need(
         lo.quantize_base == "none" or lo.enabled,

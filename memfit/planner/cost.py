@@ -91,13 +91,24 @@ class Shape:
         return self._mlp(self.active_experts)
 
     @property
+    def routed_weights(self) -> int:
+        """A layer's routed experts' weights each token runs through (none in a dense model)."""
+        return 3 * self.hidden * self.active_experts * self.intermediate if self.experts > 1 else 0
+
+    @property
     def matmul_weights(self) -> int:
         return self.layers * (self.attn_weights + self.mlp_weights) + self.vocab * self.hidden
 
 
-def step_flops(shape: Shape, tokens: int, seq_len: int, lora: bool, strategy: Strategy) -> float:
+def step_flops(
+    shape: Shape, tokens: int, seq_len: int, lora: bool, strategy: Strategy, lora_experts: bool = False
+) -> float:
     """Training FLOPs for ``tokens`` tokens (one optimizer step on one rank): forward, backward and what
-    checkpointing and a chunked loss recompute (each chunk's output projection runs again in backward)."""
+    checkpointing and a chunked loss recompute (each chunk's output projection runs again in backward).
+
+    ``lora_experts``: LoRA on a mixture of experts' expert weights (``lora.target_parameters``), whose backward
+    computes the gradient of each adapted expert stack whole (PEFT folds the adapters into it): the routed experts'
+    matmuls cost a full fine-tune's backward."""
     attn_core = 2 * seq_len * shape.hidden  # per token per layer
     layer_fwd = 2 * (shape.attn_weights + shape.active_mlp_weights) + attn_core
     mlp_fwd = 2 * shape.active_mlp_weights
@@ -106,7 +117,8 @@ def step_flops(shape: Shape, tokens: int, seq_len: int, lora: bool, strategy: St
     recompute = whole * layer_fwd + mlp_only * mlp_fwd
     if strategy.loss_chunks:
         recompute += 2 * shape.vocab * shape.hidden
-    return tokens * (fwd * (2 if lora else 3) + recompute)
+    experts = 2 * shape.layers * shape.routed_weights if lora and lora_experts else 0
+    return tokens * (fwd * (2 if lora else 3) + experts + recompute)
 
 
 def recomputed_layers(shape: Shape, strategy: Strategy) -> tuple[int, int]:

@@ -33,13 +33,20 @@ def lora_label(lora: LoraConfig | None) -> str:
     and alpha."""
     if lora is None:
         return ""
-    if list(lora.target_modules) == LoraConfig().target_modules and lora.alpha == 2.0 * lora.rank:
+    default = LoraConfig()
+    targets = (lora.target_modules, lora.target_parameters) == (default.target_modules, default.target_parameters)
+    if targets and lora.alpha == 2.0 * lora.rank:
         return " + LoRA"
-    return f" + LoRA r={lora.rank} on {','.join(lora.target_modules)} (alpha {lora.alpha:g})"
+    return (
+        f" + LoRA r={lora.rank} on {','.join([*lora.target_modules, *lora.target_parameters])} (alpha {lora.alpha:g})"
+    )
 
 
 def _lora_dict(lora: LoraConfig) -> dict[str, Any]:
-    return {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules)}
+    adapted = {"target_modules": list(lora.target_modules)}
+    if lora.target_parameters:
+        adapted["target_parameters"] = list(lora.target_parameters)
+    return {"rank": lora.rank, "alpha": lora.alpha, **adapted}
 
 
 def candidate_dict(c: Candidate, limits: Limits | None = None) -> dict[str, Any]:

@@ -497,7 +497,8 @@ def modelled_step_time_s(strategy: Strategy, w: Workload, c: Cluster, mem: StepM
     shape = Shape.of(w.model_config)
     lowp_param_bytes = shape.matmul_weights * (4 if strategy.precision == "fp32" else 2)
     tokens = strategy.micro_batch_size * strategy.grad_accum_steps * w.seq_len
-    flops = step_flops(shape, tokens, w.seq_len, w.lora is not None, strategy)
+    lora_experts = w.lora is not None and bool(w.lora.target_parameters)
+    flops = step_flops(shape, tokens, w.seq_len, w.lora is not None, strategy, lora_experts)
     trained_bytes = lowp_param_bytes if w.lora is None else 0  # LoRA: adapters only, negligible
     comm = comm_bytes_per_step(
         lowp_param_bytes, trained_bytes, strategy.zero_stage, c.world_size, strategy.grad_accum_steps

@@ -49,6 +49,28 @@ def target_names(model: torch.nn.Module, names: list[str]) -> list[str]:
     return list(dict.fromkeys(n for name in names for n in (linear if name == ALL_LINEAR else [name])))
 
 
+def adaptable_weights(model: torch.nn.Module) -> set[str]:
+    """``<module>.<weight>`` of every weight of 3 or more dimensions (a mixture of experts' stacked experts:
+    ``experts.gate_up_proj``), which ``lora.target_parameters`` may name."""
+    return {".".join(name.split(".")[-2:]) for name, p in model.named_parameters() if p.dim() >= 3}
+
+
+def check_target_parameters(model: torch.nn.Module, names: list[str]) -> None:
+    """Each of ``lora.target_parameters`` names some weight's last name components, as PEFT matches them.
+
+    Raises:
+        UserError: naming the first that names none, with the weights it could name.
+    """
+    held = [name for name, _ in model.named_parameters()]
+    for target in names:
+        if not any(name == target or name.endswith(f".{target}") for name in held):
+            weights = adaptable_weights(model)
+            where = f"; available: {', '.join(sorted(weights))}" if weights else " (it has no 3-D expert weights)"
+            raise UserError(
+                f"lora.target_parameters: '{target}' is no weight of this model{did_you_mean(target, weights)}{where}"
+            )
+
+
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig, precision: Precision):
     """Wrap ``model`` (built in ``precision.param_dtype``) with PEFT LoRA adapters; the frozen weights are then
     cast to ``precision.frozen_dtype``.
@@ -64,11 +86,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, precision: Precision):
                 f"lora.target_modules: '{target}' is not a Linear module of this model"
                 f"{did_you_mean(target, available)}; available: {', '.join(sorted(available))}"
             )
+    check_target_parameters(model, cfg.target_parameters)
     peft_config = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=targets,
+        target_parameters=list(cfg.target_parameters) or None,
         task_type="CAUSAL_LM",
     )
     with warnings.catch_warnings():  # PEFT asks transformers a deprecated question; not ours to fix

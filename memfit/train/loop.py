@@ -401,9 +401,11 @@ class Trainer:
         ranks = ""
         if ctx.distributed:
             ranks = f" x {ctx.world_size} ranks ({self.kind}, ZeRO-{cfg.distributed.zero_stage}, {ctx.backend})"
+        lora_weights = cfg.lora.enabled and cfg.lora.target_parameters  # a mixture of experts' expert weights
         display.log(
             f"memfit train: {cfg.model.source} on {label}{ranks}, "
             f"{'LoRA r=' + str(cfg.lora.rank) if cfg.lora.enabled else 'full fine-tune'}"
+            f"{' with ' + ', '.join(cfg.lora.target_parameters) if lora_weights else ''}"
             f"{', base NF4' if self.strategy.quantize_base == 'nf4' else ''}, "
             f"AdamW {self.strategy.adamw_label()}"
             f"{' stepped in backward' if self.strategy.optimizer_in_backward else ''}"

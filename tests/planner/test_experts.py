@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from memfit.config.schema import LoraConfig
 from memfit.config.strategy import CheckpointPolicy, Strategy
+from memfit.errors import UserError
 from memfit.models.planning import Experts, ReadConfig, config_for_planning, experts
 from memfit.models.presets import preset, preset_config
 from memfit.planner.cost import Shape, step_flops
@@ -121,3 +122,44 @@ def test_the_step_time_model_counts_the_flops_of_the_experts_a_token_runs_throug
     assert forward - B * T * attention_core == matmuls - extra
     held = sum(p.numel() for p in model.model.layers[0].mlp.parameters())
     assert shape.mlp_weights + (shape.hidden if family == "qwen2-moe" else 0) == held
+
+
+def test_lora_on_the_expert_weights_traces_as_measured_and_is_charged_a_full_backward_through_the_experts():
+    """``lora.target_parameters`` (PEFT's): adapters on the 3-D expert weights, which PEFT folds into each expert
+    stack per forward, so the stack's gradient is computed whole. The trace against the profiler; and what the
+    step-time model adds for it against what torch's FLOP counter counts more over a real forward and backward than
+    with the experts frozen (the embeddings trained in both, so that backward runs through every layer; the fold
+    itself, weight-sized, not counted)."""
+    lora = LoraConfig(enabled=True, target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    for strategy in (Strategy(optimizer="foreach", micro_batch_size=4), Strategy(precision="bf16-mixed")):
+        spec = StepSpec(_moe("mixtral"), 128, strategy, lora)
+        assert_within_3pct_per_category(trace_step(spec).peak, measured_steady_step(spec))
+    config = _moe("mixtral")
+    B, T = 2, 32
+
+    def grouped_mm(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+    def counted(adapted: bool) -> int:
+        model = AutoModelForCausalLM.from_config(config).requires_grad_(False)
+        if adapted:
+            model = apply_lora(model, lora, precision_policy("fp32"))
+        model.get_input_embeddings().weight.requires_grad_(True)
+        counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm})
+        with counter:
+            model(torch.randint(0, config.vocab_size, (B, T))).logits.float().sum().backward()
+        return sum(n for op, n in counter.get_flop_counts()["Global"].items() if "bmm" not in str(op))
+
+    shape = Shape.of(config)
+    modelled = [step_flops(shape, B * T, T, True, Strategy(), lora_experts=on) for on in (False, True)]
+    assert modelled[1] - modelled[0] == counted(True) - counted(False) > 0
+
+
+def test_a_target_parameter_that_names_no_weight_is_one_line_with_the_weights_it_could_name():
+    fp32 = precision_policy("fp32")
+    moe = AutoModelForCausalLM.from_config(_moe("qwen3-moe"))
+    with pytest.raises(UserError, match=r"'gate_up' is no weight of this model; available: experts\.down_proj, exp"):
+        apply_lora(moe, LoraConfig(enabled=True, target_parameters=["gate_up"]), fp32)
+    dense = AutoModelForCausalLM.from_config(preset_config("tiny"))
+    with pytest.raises(UserError, match=r"'experts\.gate_up_proj' is no weight of this model \(it has no 3-D expert"):
+        apply_lora(dense, LoraConfig(enabled=True, target_parameters=["experts.gate_up_proj"]), fp32)
