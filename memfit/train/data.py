@@ -240,7 +240,7 @@ def _renders(tokenizer, messages: list[dict] | str, where: str, loss_on: str) ->
     if isinstance(messages, str):
         return [messages]
     texts = [render(messages)]
-    check_tool_calls_rendered(messages, texts[0], where)
+    check_tool_calls_rendered(messages, texts[0], where, render)
     for k in _scored(messages, loss_on):
         texts.append(render(messages[:k], prompt=True))
         if k != len(messages) - 1:

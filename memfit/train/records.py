@@ -8,7 +8,7 @@ it is not one.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain
 from pathlib import Path
 
@@ -83,21 +83,29 @@ def _tool_call_names(message: dict) -> list[str]:
     return [n for n in names if isinstance(n, str) and n]
 
 
-def check_tool_calls_rendered(messages: list[dict], rendered: str, where: str) -> None:
+def check_tool_calls_rendered(messages: list[dict], rendered: str, where: str, render: Callable) -> None:
     """Refuse a conversation whose tool calls the chat template leaves out (SmolLM2's renders ``content`` only): the
-    answer that calls a tool would be trained as what its content says, often nothing.
+    answer that calls a tool would be trained as what its content says, often nothing. ``rendered`` is the whole
+    conversation's rendering, ``render`` renders another; a template leaves the calls out where the conversation
+    without them renders alike (one that refuses it reads them).
 
     Raises:
-        UserError: naming the record, the message and the call missing from the rendering.
+        UserError: naming the record, the first message that calls a tool and its call.
     """
-    for k, m in enumerate(messages):
-        missing = [n for n in _tool_call_names(m) if n not in rendered]
-        if missing:
-            raise UserError(
-                f"{where}: message {k + 1} calls {missing[0]}, but the model's chat template leaves its tool_calls "
-                "out (it would be trained as its content alone); give a model whose template renders tool calls, or "
-                "write the call into 'content'"
-            )
+    calling = [k for k, m in enumerate(messages) if _tool_call_names(m)]
+    if not calling:
+        return
+    try:
+        alike = render([{key: v for key, v in m.items() if key != "tool_calls"} for m in messages]) == rendered
+    except UserError:
+        alike = False
+    if alike:
+        k = calling[0]
+        raise UserError(
+            f"{where}: message {k + 1} calls {_tool_call_names(messages[k])[0]}, but the model's chat template leaves "
+            "its tool_calls out (it would be trained as its content alone); give a model whose template renders tool "
+            "calls, or write the call into 'content'"
+        )
 
 
 _CHAT_KEYS = {"messages", "conversations", "prompt", "response", "instruction", "output"}

@@ -622,6 +622,11 @@ def test_tool_calls_are_trained_where_the_template_renders_them_and_refused_wher
     src = Path(_write_jsonl(tmp_path / "t.jsonl", [json.dumps(talk)] * 3))
     with pytest.raises(UserError, match=r"t.jsonl:1: message 2 calls add_numbers, but the model's chat template"):
         data.chat_records([src], tokenizer, None)
+    named = copy.deepcopy(talk)  # the function's name in the text: the check looked for the name anywhere
+    named["messages"][0]["content"] = "Use add_numbers: 2+3?"
+    src_named = Path(_write_jsonl(tmp_path / "n.jsonl", [json.dumps(named)] * 3))
+    with pytest.raises(UserError, match=r"n.jsonl:1: message 2 calls add_numbers, but the model's chat template"):
+        data.chat_records([src_named], tokenizer, None)
     renders_calls = copy.deepcopy(tokenizer)
     renders_calls.chat_template = tokenizer.chat_template.replace(
         "message['content'] + '<|im_end|>'",
@@ -632,6 +637,7 @@ def test_tool_calls_are_trained_where_the_template_renders_them_and_refused_wher
     ids, labels = data.chat_records([src], renders_calls, None)[0]
     scored = renders_calls.decode([i for i, lab in zip(ids, labels) if lab != IGNORE_INDEX])
     assert "add_numbers" in scored and "5." in scored  # the call is an answer the loss is taken on
+    assert len(data.chat_records([src_named], renders_calls, None)) == 3
 
 
 @pytest.mark.parametrize("packing", ["plain", "gzip", "bz2", "xz"])
