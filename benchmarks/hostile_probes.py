@@ -1021,6 +1021,21 @@ def _(tmp):
     return r.code == 0 and adapted == ["experts.gate_up_proj", "experts.down_proj"] and ok, line
 
 
+@probe("35", "a tool call named in the user's text, on a template that drops calls: one line (trained as empty)")
+def _(tmp):
+    call = {"type": "function", "function": {"name": "add_numbers", "arguments": {"a": 2, "b": 3}}}
+    talk = [
+        {"role": "user", "content": "Use add_numbers: 2+3?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "5."},
+    ]
+    (tmp / "tools.jsonl").write_text("\n".join(json.dumps({"messages": talk}) for _ in range(12)) + "\n")
+    r = train(tmp, f"data.source={tmp / 'tools.jsonl'}", "data.max_documents=null")
+    ok, line = one_error_line(r, "message 2 calls add_numbers, but the model's chat template leaves its tool_calls")
+    return ok and empty_or_absent(tmp / "run"), line
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="run the probes whose name contains this, or of this item (e.g. 23)")
