@@ -7,6 +7,11 @@ that variable set to ``off`` (or ``0``, ``false``, ``no``) turns the cache off, 
 one, and a leading ``~`` is the home directory. Entries are gzipped JSON named by a SHA-256. Writers write a temporary
 file in the same directory and rename it into place (atomic on POSIX), so concurrent writers never leave half an
 entry and the last one wins; an entry that cannot be read is said in one line on stderr and removed.
+
+Each cache directory keeps at most ``MEMFIT_CACHE_LIMIT`` bytes of entries (default ``CACHE_LIMIT``; ``off``: no
+limit): past it, a write removes the entries least recently read or written (a read marks its entry's time), and
+temporary files that a killed writer left an hour ago or more. Keys name memfit's source and the library versions, so
+without a limit every upgrade would leave the old entries behind for good.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from memfit.errors import UserError
-from memfit.units import switch
+from memfit.units import GIB, parse_memory, switch
 
 LIBRARIES = ("torch", "transformers", "peft", "torchao")
 """The libraries whose versions change what memfit traces and predicts."""
@@ -104,6 +110,79 @@ def digest(described: Any) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
 
 
+CACHE_LIMIT = 4 * GIB
+"""Bytes of entries each cache directory (traces, plans, configs, data) keeps unless ``MEMFIT_CACHE_LIMIT`` says."""
+
+_STALE_TMP_S = 3600
+
+
+def cache_limit() -> int | None:
+    """``MEMFIT_CACHE_LIMIT`` in bytes (``8GiB``, ``512MiB``, ...; ``off``: None, no limit), else ``CACHE_LIMIT``.
+
+    Raises:
+        UserError: neither a size nor ``off``.
+    """
+    setting = os.environ.get("MEMFIT_CACHE_LIMIT", "").strip()
+    if not setting:
+        return CACHE_LIMIT
+    if switch(setting) is False:
+        return None
+    try:
+        return parse_memory(setting, "MEMFIT_CACHE_LIMIT")
+    except UserError:
+        raise UserError(
+            f"MEMFIT_CACHE_LIMIT must be a size such as 8GiB or 512MiB, or off for no limit (got '{setting}')"
+        ) from None
+
+
+_HELD: dict[Path, int] = {}
+"""Bytes of entries each cache directory held when this process last counted them, with what it wrote since."""
+
+
+def _entries(root: Path) -> list[tuple[float, int, Path]]:
+    """``root``'s entries, least recently used first, as (time, bytes, path); a writer's temporary file an hour old
+    or more is removed (its writer was killed before the rename)."""
+    out, now = [], time.time()
+    for path in root.iterdir():
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if path.name.startswith(".tmp-") and now - st.st_mtime >= _STALE_TMP_S:
+            path.unlink(missing_ok=True)
+        elif path.name.endswith(".json.gz") and not path.name.startswith("."):
+            out.append((st.st_mtime, st.st_size, path))
+    return sorted(out)
+
+
+def keep_within_limit(root: Path, written: Path, size: int) -> None:
+    """After ``written`` (``size`` bytes) went into ``root``: remove the least recently used other entries until
+    ``root`` holds at most ``cache_limit()`` bytes. The directory is counted at this process's first write and again
+    whenever what it wrote since would pass the limit."""
+    limit = cache_limit()
+    if limit is None:
+        return
+    held = _HELD.get(root)
+    if held is not None and held + size <= limit:
+        _HELD[root] = held + size
+        return
+    try:
+        entries = _entries(root)
+    except OSError:
+        return
+    total = sum(n for _, n, _ in entries)
+    for _, n, path in entries:
+        if total <= limit:
+            break
+        if path != written:
+            try:
+                path.unlink()
+            except OSError:
+                continue
+            total -= n
+    _HELD[root] = total
+
+
 def read_entry(root: Path | None, key: str, what: str, parse: Callable[[Any], Any] = lambda data: data) -> Any | None:
     """Entry ``key`` as ``parse`` makes it from the decoded JSON, or None: not cached, the cache off, or damaged (not
     gzipped JSON, or ``parse`` raised ValueError, KeyError or TypeError: said in one line on stderr, naming ``what``
@@ -116,10 +195,15 @@ def read_entry(root: Path | None, key: str, what: str, parse: Callable[[Any], An
     except OSError:
         return None
     try:
-        return parse(json.loads(gzip.decompress(raw)))
+        value = parse(json.loads(gzip.decompress(raw)))
     except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
         drop_damaged(path, what, e)
         return None
+    try:
+        os.utime(path)  # read now: the last the limit removes
+    except OSError:
+        pass  # a cache another user owns, or read-only: read, not marked
+    return value
 
 
 def drop_damaged(path: Path, what: str, error: Exception) -> None:
@@ -148,6 +232,7 @@ def write_entry(root: Path | None, key: str, value: Any) -> None:
             tmp = fh.name
             fh.write(data)
         os.replace(tmp, root / f"{key}.json.gz")
+        keep_within_limit(root, root / f"{key}.json.gz", len(data))
     except OSError as e:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)

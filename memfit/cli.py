@@ -12,6 +12,7 @@ import logging
 import sys
 
 from memfit.allocator.conf import check_version_flags
+from memfit.cache import cache_limit
 from memfit.config.shipped import DEFAULT_CONFIG
 from memfit.config.strategy import levers
 from memfit.errors import UserError, print_user_error
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_version_flags(getattr(ns, "hip_version", None), getattr(ns, "torch_version", None))
         check_no_empty_paths(ns)
+        cache_limit()  # a MEMFIT_CACHE_LIMIT that is no size: said before any work
         if ns.command == "plan":  # a question asked before is answered from the plan cache, torch not imported
             from memfit.commands.plan_cache import answer
 

@@ -3,6 +3,7 @@ traced again, concurrent writers leave a whole entry, and the key changes with e
 
 import gzip
 import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,55 @@ def test_an_empty_cache_setting_is_the_default_and_bad_worker_counts_are_one_lin
     monkeypatch.setenv("MEMFIT_PLAN_WORKERS", "two")
     with pytest.raises(UserError, match=r"MEMFIT_PLAN_WORKERS must be a whole number of processes \(got 'two'\)"):
         plan_workers()
+
+
+def test_each_cache_directory_keeps_within_its_limit_removing_what_was_least_recently_used(tmp_path, monkeypatch):
+    """Keys name memfit's source and the library versions, so every upgrade left the old entries behind for good (and
+    a killed writer its temporary file). A write now removes the entries least recently read or written past
+    ``MEMFIT_CACHE_LIMIT`` (default 4 GiB a directory), never the one it wrote; a read marks its entry."""
+    from memfit import cache
+
+    monkeypatch.setattr(cache, "_HELD", {})
+    monkeypatch.setenv("MEMFIT_CACHE_LIMIT", "2KiB")
+    root = tmp_path / "c"
+    root.mkdir()
+    for age, name in enumerate(["old", "read", "new"]):
+        (root / f"{name}.json.gz").write_bytes(b"x" * 1000)
+        os.utime(root / f"{name}.json.gz", (1000 + age, 1000 + age))
+    (root / ".tmp-killed.json.gz").write_bytes(b"x" * 5000)
+    os.utime(root / ".tmp-killed.json.gz", (1000, 1000))
+    (root / ".tmp-writing.json.gz").write_bytes(b"x")  # a writer at work now
+    cache.write_entry(root, "read", {"v": 1})  # written (or read) now: the most recent; 2,030 bytes held
+    assert cache.read_entry(root, "read", "test") == {"v": 1}
+    cache.write_entry(root, "big", {"v": "y" * 200_000})  # gzipped, some 250 bytes: past 2 KiB, "old" goes
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".tmp-writing.json.gz",
+        "big.json.gz",
+        "new.json.gz",
+        "read.json.gz",
+    ]
+    assert sum(p.stat().st_size for p in root.glob("*.json.gz")) <= 2 * 1024
+    monkeypatch.setattr(cache, "_HELD", {})
+    monkeypatch.setenv("MEMFIT_CACHE_LIMIT", "1KiB")  # one entry over it alone: the one written stays
+    cache.write_entry(root, "alone", {"v": os.urandom(2000).hex()})
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-writing.json.gz", "alone.json.gz"]
+    monkeypatch.setenv("MEMFIT_CACHE_LIMIT", "off")
+    assert cache.cache_limit() is None
+    monkeypatch.delenv("MEMFIT_CACHE_LIMIT")
+    assert cache.cache_limit() == 4 << 30
+
+
+def test_a_cache_limit_that_is_no_size_is_one_line_before_any_work(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MEMFIT_CACHE_LIMIT": "lots"}
+    r = subprocess.run(
+        [sys.executable, "-m", "memfit.cli", "plan", "--model", "tiny"], capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "memfit: error: MEMFIT_CACHE_LIMIT must be a size such as 8GiB or 512MiB, or off for no limit (got 'lots')"
+    )
 
 
 def test_a_switch_word_is_never_a_directory_and_a_leading_tilde_is_home(tmp_path, monkeypatch):
