@@ -4,10 +4,12 @@ the embedded SmolLM2 tokenizer. Each measurement is a fresh process: its peak re
 loading, what stays resident after, and the bytes of the rows. With ``--cache`` the data cache is on (a fresh
 directory): a first load that tokenizes and writes the entry, then a second that reads it.
 
-    python benchmarks/data_memory.py [--copies 10] [--seq-len 2048] [--cache] [--code DIR]
+    python benchmarks/data_memory.py [--copies 10] [--seq-len 2048] [--cache] [--code DIR] [--format parquet|json]
 
 ``--code DIR`` measures the memfit at DIR (a worktree of another commit, e.g. ``git worktree add /tmp/old HEAD~3``)
-instead of this one. Prints one JSON line per load.
+instead of this one. ``--format parquet`` writes the same records as one Parquet file (pyarrow's default row groups),
+``--format json`` as one JSON array on one line (``json.dump``'s default), and loads that. Prints one JSON line per
+load.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--cache", action="store_true", help="data cache on: a first load and a second")
     ap.add_argument("--code", type=Path, default=ROOT, help="the memfit tree to measure (default: this one)")
+    ap.add_argument("--format", choices=("jsonl", "parquet", "json"), default="jsonl")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from memfit.train.plays import plays_chat_file
@@ -61,6 +64,18 @@ def main() -> None:
         with open(source, "wb") as fh:
             for _ in range(a.copies):
                 fh.write(one)
+        if a.format != "jsonl":
+            records = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+            source.unlink()
+            source = source.with_suffix(f".{a.format}")
+            if a.format == "json":
+                source.write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
+            else:
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+
+                pq.write_table(pa.Table.from_pylist(records), source)
+            del records
         env = {**os.environ, "PYTHONPATH": str(a.code.resolve())}
         env["MEMFIT_DATA_CACHE"] = str(Path(tmp) / "cache") if a.cache else "off"
         for load in ("first", "second") if a.cache else ("uncached",):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bz2
 import dataclasses
+import functools
 import gzip
 import lzma
 import os
@@ -277,12 +278,24 @@ def read_utf8(path: Path, what: str, fix: str, compressed: bool = False) -> str:
     return _utf8(data, path, what, fix)
 
 
-def utf8_lines(path: Path, what: str, fix: str, compressed: bool = False) -> Iterator[str]:
-    """The lines of a user's file (split at ``\\n`` only, without it), read, decompressed and checked as
-    ``read_utf8`` does but a line at a time, so that the file is never held whole (a JSON lines file of records).
+def _whole_characters(raw: bytes) -> int:
+    """How many of ``raw``'s bytes end at a character's end: all but a UTF-8 sequence that its end cuts."""
+    for back in range(1, min(4, len(raw)) + 1):
+        byte = raw[-back]
+        if byte < 0x80:
+            return len(raw)
+        if byte >= 0xC0:  # the lead byte of a sequence of 2, 3 or 4
+            return len(raw) if back >= (2 if byte < 0xE0 else 3 if byte < 0xF0 else 4) else len(raw) - back
+    return len(raw)  # continuation bytes alone: not UTF-8, which decoding says
+
+
+def utf8_pieces(path: Path, what: str, fix: str, compressed: bool = False, longest: int = -1) -> Iterator[str]:
+    """The text of a user's file a line at a time (each with its ``\n``), read, decompressed and checked as
+    ``read_utf8`` does, so that the file is never held whole (a JSON lines file of records). With ``longest`` > 0,
+    a longer line comes in pieces of about that many bytes, cut between characters (a JSON array on one line).
 
     Raises:
-        UserError: as ``read_utf8``, at the first bad line.
+        UserError: as ``read_utf8``, at the first bad piece.
     """
     try:
         fh = open(path, "rb")
@@ -292,20 +305,37 @@ def utf8_lines(path: Path, what: str, fix: str, compressed: bool = False) -> Ite
         packed = _compression(fh.read(8), path, what, compressed)
         fh.seek(0)
         stream = fh if packed is None else packed[1].open(fh)
-
-        def line(raw: bytes, offset: int, lineno: int) -> str:
-            return _utf8(raw, path, what, fix, offset, lineno).removesuffix("\n")
-
-        offset, pending = 0, None
+        offset, lineno, carry, pending = 0, 1, b"", None
         try:
-            for lineno, raw in enumerate(stream, 1):
-                if pending is not None:  # a line is read once the next is: a truncated file's cut last line is never
-                    yield line(*pending)  # read (nor its cut character said to be not UTF-8) before the error
-                pending = raw, offset, lineno
+            for raw in iter(functools.partial(stream.readline, longest), b""):
+                raw, carry = carry + raw, b""
+                if not raw.endswith(b"\n"):
+                    whole = _whole_characters(raw)
+                    raw, carry = raw[:whole], raw[whole:]
+                if pending is not None:  # a piece is read once the next is: a truncated file's cut end is never
+                    yield _utf8(*pending)  # read (nor its cut character said to be not UTF-8) before the error
+                pending = raw, path, what, fix, offset, lineno
                 offset += len(raw)
+                lineno += raw.count(b"\n")
         except (OSError, EOFError, lzma.LZMAError) as e:
             if packed is None:
                 raise UserError(f"{what}: cannot read '{path}' ({getattr(e, 'strerror', None) or e})") from None
             raise _decompress_error(packed[0], path, what, e) from None
+        if carry:  # the file ends inside a character
+            pending = (pending[0] + carry, *pending[1:]) if pending else (carry, path, what, fix, offset, lineno)
         if pending is not None:
-            yield line(*pending)
+            yield _utf8(*pending)
+
+
+def utf8_lines(path: Path, what: str, fix: str, compressed: bool = False) -> Iterator[str]:
+    """The lines of a user's file (split at ``\n`` only, without it), as ``utf8_pieces`` reads them.
+
+    Raises:
+        UserError: as ``read_utf8``, at the first bad line.
+    """
+    pieces = utf8_pieces(path, what, fix, compressed)
+    try:
+        for piece in pieces:
+            yield piece.removesuffix("\n")
+    finally:
+        pieces.close()

@@ -7,12 +7,12 @@ it is not one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator
-from itertools import chain
 from pathlib import Path
 
-from memfit.config.loader import read_utf8, utf8_lines
+from memfit.config.loader import read_utf8, utf8_lines, utf8_pieces
 from memfit.config.schema import data_suffix
 from memfit.errors import UserError, first_line
 
@@ -190,38 +190,117 @@ def _whole(path: Path) -> str:
     return read_utf8(path, "data.source", _FIX, compressed=True)
 
 
+JSON_PIECE = 1 << 20
+"""Bytes of a JSON array's text read at a time: a minified array is one line, read in pieces of about this size."""
+
+
+def _json_array(path: Path, text: str, pieces: Iterator[str]) -> Iterator[tuple[str, object]]:
+    """``(where, record)`` for each value of the JSON array that ``text`` opens and ``pieces`` (the rest of the file)
+    go on with, each decoded once the text read reaches its end: the array is never held whole.
+
+    Raises:
+        UserError: ``file:line`` of the first text that is not JSON (a value not whole within ``ONE_VALUE_READ``
+            characters is said as the decoder finds it there).
+    """
+    decode = json.JSONDecoder().raw_decode
+    buf, pos, line, column, more = text, 0, 1, 0, True  # buf[0] is at ``line``, after ``column`` of its characters
+
+    def read() -> bool:
+        """Drop what is decoded and add at least as much text as is left (a piece at least); False at the end."""
+        nonlocal buf, pos, line, column, more
+        newline = buf.rfind("\n", 0, pos)
+        line, column = line + buf.count("\n", 0, pos), pos - newline - 1 if newline >= 0 else column + pos
+        added, want = [], max(len(buf) - pos, 1)
+        while more and sum(map(len, added)) < want:
+            piece = next(pieces, None)
+            more = piece is not None
+            added += [piece] if more else []
+        buf, pos = buf[pos:] + "".join(added), 0
+        return bool(added)
+
+    def error(message: str, at: int) -> UserError:
+        newline = buf.rfind("\n", 0, at)
+        where = f"{line + buf.count(chr(10), 0, at)}: not valid JSON ({message} at column "
+        return UserError(f"{path}:{where}{at - newline if newline >= 0 else column + at + 1})")
+
+    def next_character() -> str:
+        nonlocal pos
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n":
+                pos += 1
+            if pos < len(buf) or not read():
+                return buf[pos : pos + 1]
+
+    next_character()
+    pos += 1  # the array's "["
+    closed, count = next_character() == "]", 0
+    while not closed:
+        if not next_character():
+            raise error("Expecting value", pos)
+        while True:
+            try:
+                value, end = decode(buf, pos)
+            except json.JSONDecodeError as e:
+                if len(buf) - pos < ONE_VALUE_READ and read():
+                    continue
+                raise error(e.msg, e.pos) from None
+            if end < len(buf) or not read():  # at the end of what is read, a number may go on
+                break
+        pos, count = end, count + 1
+        yield f"{path}: record {count}", value
+        after = next_character()
+        if after not in (",", "]"):
+            raise error("Expecting ',' delimiter", pos)
+        pos += 1
+        closed = after == "]"
+    if closed and count == 0:
+        pos += 1
+    if next_character():
+        raise error("Extra data", pos)
+
+
 def _json_file_records(path: Path) -> Iterator[tuple[str, object]]:
     """``(where, record)`` for each record of a JSON file: one JSON value per line (JSON lines), read a line at a
-    time (the file is never held whole), or one JSON array of them (Alpaca's ``alpaca_data.json``, what
-    ``datasets.load_dataset("json")`` also reads), read whole.
+    time, or one JSON array of them (Alpaca's ``alpaca_data.json``, what ``datasets.load_dataset("json")`` also
+    reads), read a value at a time, a minified one too: the file is never held whole.
 
     Raises:
         UserError: ``file:line`` (or ``file: record N``) of the first value that is not JSON.
     """
-    lines = utf8_lines(path, "data.source", _FIX, compressed=True)
-    numbered = enumerate(lines, 1)
-    for lineno, line in numbered:
-        if line.strip():
+    pieces = utf8_pieces(path, "data.source", _FIX, compressed=True, longest=JSON_PIECE)
+    head = ""
+    for first in pieces:
+        head += first
+        if head.strip():
             break
     else:
         return
-    if not line.lstrip().startswith("["):
-        yield from _json_lines(chain([(lineno, line)], numbered), path)
-        return
-    lines.close()
-    try:
-        values = json.loads(_whole(path))
-    except json.JSONDecodeError as e:
-        if e.msg != "Extra data":  # "Extra data": JSON lines, the first of them an array
-            raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not head.lstrip().startswith("[") or (first.endswith("\n") and _lines_of_arrays(first, pieces)):
+        pieces.close()  # JSON lines (the first of them an array, followed by more: records that are arrays)
         yield from _json_lines(enumerate(utf8_lines(path, "data.source", _FIX, compressed=True), 1), path)
         return
-    for i, value in enumerate(values, 1):
-        yield f"{path}: record {i}", value
+    with contextlib.closing(pieces):
+        yield from _json_array(path, head, pieces)
+
+
+def _lines_of_arrays(first: str, pieces: Iterator[str]) -> bool:
+    """Whether a file whose first line (``first``, whole) is a JSON array by itself has more after it (JSON lines
+    whose records are arrays; ``pieces`` is the rest, read only as far as its first text)."""
+    try:
+        json.loads(first)
+    except json.JSONDecodeError:
+        return False
+    return any(piece.strip() for piece in pieces)
+
+
+PARQUET_BATCH = 1024
+"""Rows of a Parquet file made Python records at a time: the file's columns are read a row group at a time, never
+the whole table as Python objects."""
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
-    """``(where, record)`` for each row of a Parquet file (as the Hub keeps datasets), a dict of its columns.
+    """``(where, record)`` for each row of a Parquet file (as the Hub keeps datasets), a dict of its columns, read a
+    batch of rows at a time.
 
     Raises:
         UserError: pyarrow is not installed, or the file is not Parquet.
@@ -233,11 +312,14 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
             f"data.source: '{path}' is Parquet, which needs pyarrow: pip install 'memfit[data]' (or pyarrow)"
         ) from None
     try:
-        table = pq.read_table(path)
+        batches = pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH)
+        i = 0
+        for batch in batches:
+            for record in batch.to_pylist():
+                i += 1
+                yield f"{path}: row {i}", record
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
         raise UserError(f"data.source: '{path}' is not a readable Parquet file ({first_line(e)})") from None
-    for i, record in enumerate(table.to_pylist(), 1):
-        yield f"{path}: row {i}", record
 
 
 def file_records(path: Path) -> Iterator[tuple[str, object]]:

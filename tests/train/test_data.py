@@ -548,6 +548,56 @@ def test_parquet_records_are_the_rows_of_their_json_lines(tmp_path, tokenizer):
         load_dataset(DataConfig(source=str(tmp_path / "bad.parquet"), seq_len=64), tokenizer)
 
 
+@pytest.mark.parametrize("indent", [None, 2], ids=["minified", "indented"])
+def test_a_json_array_is_read_a_value_at_a_time_as_the_whole_text_decodes(tmp_path, monkeypatch, indent):
+    """A JSON array file was read whole and decoded whole (a 1.9 GB array of a million conversations: the text and
+    every record as Python objects at once). It is now decoded a value at a time as its text is read, in pieces of
+    7 bytes here: values, characters of 2 to 4 bytes and numbers cut between pieces are the whole text's, and the
+    first text that is not JSON is said at the line and column ``json.loads`` gives."""
+    from memfit.train import records as rec
+
+    monkeypatch.setattr(rec, "JSON_PIECE", 7)
+    values = [
+        {"prompt": f"é{i} 😀 ü", "response": "x" * i, "n": 1234567890123 + i, "f": [1.5e-7, None, True]}
+        for i in range(3)
+    ]
+    values += [{"a": {"b": ["ü" * 9]}}, 98765432109876543210]
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(values, indent=indent, ensure_ascii=False), encoding="utf-8")
+    got = list(rec.file_records(path))
+    assert [v for _, v in got] == values and [w for w, _ in got][-1] == f"{path}: record 5"
+    path.write_text("[ ]\n")
+    assert list(rec.file_records(path)) == []
+    text = json.dumps(values, indent=indent, ensure_ascii=False)
+    for bad in (text.replace('"n"', '"n" 5', 2), text.replace("}, ", "} ", 1).replace("},\n", "}\n", 1), text + " 4"):
+        path.write_text(bad, encoding="utf-8")
+        with pytest.raises(json.JSONDecodeError) as want:
+            json.loads(bad)
+        e = want.value
+        with pytest.raises(UserError) as said:
+            list(rec.file_records(path))
+        assert str(said.value) == f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})"
+
+
+def test_parquet_rows_are_read_a_batch_at_a_time_as_the_whole_table_reads(tmp_path, monkeypatch):
+    """A Parquet file was read whole and made Python records whole (``read_table(...).to_pylist()``): a Hub dataset
+    of a few hundred thousand conversations held them all as Python objects before the first was tokenized. Its
+    rows are now read a batch at a time, across row groups, and are the whole table's rows, in order."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    from memfit.train import records as rec
+
+    monkeypatch.setattr(rec, "PARQUET_BATCH", 4)
+    rows = [{"prompt": f"q{i}", "response": "a" * i, "n": i} for i in range(13)]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=5)
+    assert pq.ParquetFile(path).metadata.num_row_groups == 3
+    got = list(rec.file_records(path))
+    assert [r for _, r in got] == pq.read_table(path).to_pylist() == rows
+    assert [w for w, _ in got] == [f"{path}: row {i}" for i in range(1, 14)]
+
+
 def test_parquet_without_pyarrow_names_the_extra(tmp_path, tokenizer, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # what an install without the data extra sees
     (tmp_path / "d.parquet").write_bytes(b"PAR1" + bytes(40))
