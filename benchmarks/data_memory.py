@@ -5,6 +5,7 @@ loading, what stays resident after, and the bytes of the rows. With ``--cache`` 
 directory): a first load that tokenizes and writes the entry, then a second that reads it.
 
     python benchmarks/data_memory.py [--copies 10] [--seq-len 2048] [--cache] [--code DIR] [--format parquet|json]
+                                     [--max-documents N]
 
 ``--code DIR`` measures the memfit at DIR (a worktree of another commit, e.g. ``git worktree add /tmp/old HEAD~3``)
 instead of this one. ``--format parquet`` writes the same records as one Parquet file (pyarrow's default row groups),
@@ -38,7 +39,8 @@ def rss(field):
 tok = load_tokenizer(ModelSource("hf", path=embedded_checkpoint_dir()))
 before = rss("VmRSS:")
 t = time.perf_counter()
-ds = load_dataset(DataConfig(source=sys.argv[1], seq_len=int(sys.argv[2])), tok)
+limit = int(sys.argv[3]) if sys.argv[3] != "all" else None
+ds = load_dataset(DataConfig(source=sys.argv[1], seq_len=int(sys.argv[2]), max_documents=limit), tok)
 seconds = time.perf_counter() - t
 rows = sum(x.numel() * x.element_size() for x in (ds.tokens, ds.labels, ds.positions) if x is not None)
 print(json.dumps({"seconds": round(seconds, 1), "rows": len(ds), "records": ds.records,
@@ -54,6 +56,7 @@ def main() -> None:
     ap.add_argument("--cache", action="store_true", help="data cache on: a first load and a second")
     ap.add_argument("--code", type=Path, default=ROOT, help="the memfit tree to measure (default: this one)")
     ap.add_argument("--format", choices=("jsonl", "parquet", "json"), default="jsonl")
+    ap.add_argument("--max-documents", type=int, help="data.max_documents: the first records only")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from memfit.train.plays import plays_chat_file
@@ -80,7 +83,7 @@ def main() -> None:
         env["MEMFIT_DATA_CACHE"] = str(Path(tmp) / "cache") if a.cache else "off"
         for load in ("first", "second") if a.cache else ("uncached",):
             done = subprocess.run(
-                [sys.executable, "-c", CHILD, str(source), str(a.seq_len)],
+                [sys.executable, "-c", CHILD, str(source), str(a.seq_len), str(a.max_documents or "all")],
                 env=env,
                 cwd=tmp,  # not a checkout: ``-c`` puts the working directory before PYTHONPATH
                 capture_output=True,
@@ -88,7 +91,8 @@ def main() -> None:
                 check=True,
             )
             result = json.loads(done.stdout.strip().splitlines()[-1])
-            info = {"load": load, "code": str(a.code), "file_bytes": source.stat().st_size}
+            info = {"load": load, "code": str(a.code), "file_bytes": source.stat().st_size, "format": a.format}
+            info["max_documents"] = a.max_documents
             print(json.dumps({**info, **result}), flush=True)
 
 

@@ -58,6 +58,50 @@ class Experts:
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
+def layer_kinds(config: PretrainedConfig) -> tuple[int, ...]:
+    """For each decoder layer of a transformers ``config``, the index of its kind: layers alike in their weights'
+    names and shapes are one kind. A mixture of experts' dense first layers (DeepSeek's ``first_k_dense_replace``,
+    Qwen-MoE's ``mlp_only_layers``) or dense layers between its sparse ones (``decoder_sparse_step``) are a kind of
+    their own. The model is built on the meta device: no memory, about a second for a 30B one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from memfit.models.load import decoder_layers
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    kinds: dict[tuple, int] = {}
+    return tuple(
+        kinds.setdefault(tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()), len(kinds))
+        for layer in decoder_layers(model, "--model")
+    )
+
+
+_KINDS: dict[str, tuple[int, ...]] = {}
+
+
+def layer_prefix(config: PlanningConfig) -> int | None:
+    """How many first decoder layers differ from the rest, which are all of one kind (0: every layer alike, as in a
+    Llama); None where the rest are not (layers of two kinds in turn). A read config keeps its layers' kinds; a
+    transformers config's are found once per process."""
+    if isinstance(config, Preset):
+        return 0
+    if isinstance(config, ReadConfig):
+        kinds = config.layers
+    elif Experts.of(config).count > 1:  # dense Llama-family stacks are alike throughout
+        key = _transformers_key(config)
+        kinds = _KINDS[key] if key in _KINDS else _KINDS.setdefault(key, layer_kinds(config))
+    else:
+        kinds = ()
+    if not kinds:
+        return 0
+    last = kinds[-1]
+    prefix = len(kinds)
+    while prefix and kinds[prefix - 1] == last:
+        prefix -= 1
+    return prefix if last not in kinds[:prefix] else None
+
+
 def experts(config: PlanningConfig) -> Experts:
     """The experts of a planning config (a preset's: one, dense)."""
     if isinstance(config, Preset):
@@ -75,6 +119,7 @@ class ReadConfig(ModelShape):
     attn_implementation: str
     json: str
     experts: Experts = Experts()
+    layers: tuple[int, ...] = ()  # each decoder layer's kind (``layer_kinds``)
 
     @classmethod
     def of(cls, path: Path, attn_implementation: str, config: PretrainedConfig) -> ReadConfig:
@@ -82,12 +127,15 @@ class ReadConfig(ModelShape):
         values = {name: getattr(config, name, None) for name in SHAPE}
         values["num_key_value_heads"] = values["num_key_value_heads"] or config.num_attention_heads
         key, moe = _transformers_key(config), Experts.of(config)
-        return cls(**values, path=str(path), attn_implementation=attn_implementation, json=key, experts=moe)
+        kinds = layer_kinds(config) if moe.count > 1 else ()  # dense Llama-family stacks are alike throughout
+        return cls(
+            **values, path=str(path), attn_implementation=attn_implementation, json=key, experts=moe, layers=kinds
+        )
 
     @classmethod
     def parsed(cls, data: dict) -> ReadConfig:
         """A read config from its cache entry (``asdict``'s)."""
-        return cls(**{**data, "experts": Experts(**data["experts"])})
+        return cls(**{**data, "experts": Experts(**data["experts"]), "layers": tuple(data["layers"])})
 
 
 if TYPE_CHECKING:

@@ -24,6 +24,7 @@ from typing import Any
 
 from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.errors import UserError
+from memfit.models.planning import layer_prefix
 from memfit.planner import trace_cache
 from memfit.planner.categories import StepMemory
 from memfit.planner.sharding import ShardingSpec, per_rank_moments
@@ -130,8 +131,12 @@ class Predictor:
     def _optimizer_depths(self) -> tuple[int, ...]:
         """Depths traced for clipping and the optimizer step: at any depth they hold every parameter, gradient and
         state, and the largest step's temporaries (of one parameter, or of all in a foreach or fused step), so their
-        peaks are linear in depth from one layer on (``test_update_moments_extrapolate_from_one_and_two_layers``)."""
-        return (1, 2) if self.depth > 2 else (self.depth,)
+        peaks are linear in depth from one layer on (``test_update_moments_extrapolate_from_one_and_two_layers``),
+        or from the first layer like the rest (``layer_prefix``); layers of two kinds in turn: the model whole."""
+        prefix = layer_prefix(self.base.model_config)
+        if prefix is None or self.depth <= prefix + 2:
+            return (self.depth,)
+        return prefix + 1, prefix + 2
 
     def _step_depths(self, spec: StepSpec) -> tuple[int, ...]:
         """Depths traced for forward and backward: the model whole when shallow, else two to extrapolate."""

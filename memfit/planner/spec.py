@@ -70,10 +70,21 @@ def extrapolation_depths(spec: StepSpec) -> tuple[int, int]:
     backward's prefetch of the copies back reaches up to ``PREFETCH`` entries back, which with full
     checkpointing (one entry per layer) is ``PREFETCH`` layers, so the traces start at ``PREFETCH + 2`` layers
     (rounded up to whole groups); shallower, the last layer's and the loss's op sequences change with depth.
+
+    First layers unlike the rest (a mixture of experts' dense ones: ``layer_prefix``) are traced in both, as whole
+    groups; layers of two kinds in turn cannot be extrapolated from a shallow stack: both depths are the model's
+    own, so the model is traced whole.
     """
+    from memfit.models.planning import layer_prefix
+
+    depth = spec.model_config.num_hidden_layers
+    prefix = layer_prefix(spec.model_config)
+    if prefix is None:
+        return depth, depth
     ac = spec.strategy.activation_checkpointing
     group = ac.every if ac.kind == "every_k" and ac.every > 1 else 1
     low = group if group > 1 else 2
     if spec.strategy.activation_offload:
         low = -(-(PREFETCH + 2) // group) * group
+    low += -(-prefix // group) * group
     return low, low + group

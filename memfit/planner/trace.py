@@ -8,7 +8,9 @@ state that step creates is then added to the forward and backward phases, as in 
 (``Timeline.steady``). Nothing real is allocated, so a 70B step costs seconds.
 
 Decoder layers are identical, so the planner traces ``a`` and ``b`` layers and extrapolates each
-category of each phase's peak linearly to the full depth (``extrapolated_step``).
+category of each phase's peak linearly to the full depth (``extrapolated_step``). A mixture of experts' first
+layers may differ from the rest (dense ones): both traces hold them (``spec.extrapolation_depths``); layers of two
+kinds in turn are traced at full depth.
 
 Known limitations:
     - Kernels are CPU kernels (fake CUDA tensors fail in backward): CUDA-only choices such as the

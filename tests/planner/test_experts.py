@@ -13,10 +13,11 @@ from transformers import AutoModelForCausalLM
 from memfit.config.schema import LoraConfig
 from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.errors import UserError
-from memfit.models.planning import Experts, ReadConfig, config_for_planning, experts
+from memfit.models.planning import Experts, ReadConfig, config_for_planning, experts, layer_prefix
 from memfit.models.presets import preset, preset_config
 from memfit.planner.cost import Shape, step_flops
 from memfit.planner.measure import measured_steady_step
+from memfit.planner.predict import Predictor
 from memfit.planner.trace import StepSpec, trace_step
 from memfit.strategies.lora import apply_lora, target_names
 from memfit.strategies.precision import precision_policy
@@ -163,3 +164,51 @@ def test_a_target_parameter_that_names_no_weight_is_one_line_with_the_weights_it
     dense = AutoModelForCausalLM.from_config(preset_config("tiny"))
     with pytest.raises(UserError, match=r"'experts\.gate_up_proj' is no weight of this model \(it has no 3-D expert"):
         apply_lora(dense, LoraConfig(enabled=True, target_parameters=["experts.gate_up_proj"]), fp32)
+
+
+def _unlike(kind: str):
+    deep = {**SMALL, "num_hidden_layers": 7}
+    qwen3 = dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    if kind == "dense-first":  # Qwen3-MoE's mlp_only_layers
+        return transformers.Qwen3MoeConfig(**deep, **qwen3, mlp_only_layers=[0, 1])
+    if kind == "in-turn":  # a sparse layer every second one
+        return transformers.Qwen3MoeConfig(**deep, **qwen3, decoder_sparse_step=2)
+    mla = dict(q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    return transformers.DeepseekV3Config(  # multi-head latent attention, 2 dense layers first, a shared expert
+        **{**deep, "num_key_value_heads": 4},
+        **mla,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+    )
+
+
+@pytest.mark.parametrize("kind, prefix", [("dense-first", 2), ("in-turn", None), ("deepseek-v3", 2)])
+@pytest.mark.parametrize("ac", ["none", "every_k:2"])
+def test_decoder_layers_unlike_the_rest_are_predicted_as_the_whole_model_traces(kind, prefix, ac):
+    """The planner traced 2 and 3 layers and extrapolated the third's bytes to every layer: where a mixture of
+    experts' first layers are dense (DeepSeek's first_k_dense_replace, Qwen-MoE's mlp_only_layers) or its sparse
+    layers come in turn with dense ones, the layers added were not the model's (a 7-layer Qwen3-MoE with a sparse
+    layer every second one: parameters predicted 20% short). First layers unlike the rest are now traced in both
+    depths; layers in turn trace the model whole. The prediction equals the full-depth trace, category by category,
+    and (DeepSeek-V3) the profiler's measurement within the bar."""
+    config = _unlike(kind)
+    assert layer_prefix(config) == prefix
+    policy = CheckpointPolicy.parse(ac)
+    spec = StepSpec(config, 64, Strategy(activation_checkpointing=policy, optimizer="foreach", micro_batch_size=2))
+    predicted, whole = Predictor(spec).predict(spec.strategy).peak, trace_step(spec).peak
+    assert predicted.as_dict() == whole.as_dict()
+    if kind == "deepseek-v3" and ac == "none":
+        assert_within_3pct_per_category(predicted, measured_steady_step(spec))
+
+
+def test_a_read_config_keeps_its_layers_kinds(tmp_path):
+    _unlike("in-turn").save_pretrained(tmp_path)
+    read = config_for_planning(str(tmp_path))
+    assert read.layers == (0, 1, 0, 1, 0, 1, 0) and layer_prefix(read) is None
+    assert ReadConfig.parsed(asdict(read)) == read
+    assert layer_prefix(preset("llama2-7b")) == 0
