@@ -47,6 +47,9 @@ Parts measured on 2026-11-30 (benchmarks/RESULTS.md) or by an earlier issue, run
   replay), three steps, the predicted and measured peak and step time.
 - ``on-oom``: the ``oom`` cell with ``train.on_oom=next``: the switches it made and whether it ends.
 - ``restart``: ``train.restart_on`` with the whole run's allocator trace recorded.
+- ``bench-moe`` (no issue: the thirty-fifth session's mixtures of experts): ``memfit bench`` on a Mixtral-8x7B-shaped
+  model of 4 layers (LoRA on its attention, bf16-mixed and bf16-pure, AC none and full), the planner's prediction
+  (the experts' grouped matmuls traced on CPU) beside ``torch.cuda.max_memory_allocated()``.
 
 ``--budget-s`` bounds the whole run: each part's time limit is clipped to what is left, and a part with
 under 30 s left is skipped. Work files live in a temporary directory, so only the summaries, tables and
@@ -476,7 +479,20 @@ def part_script(s, out: Path, log, name: str, args: list[str], timeout_s: int) -
     return {"status": "ok", "result": json.loads(lines[-1]), "table": "\n".join(lines[:-1]).strip()}
 
 
-def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
+def moe_config(s) -> str:
+    """A Mixtral-8x7B-shaped ``config.json`` (4 of its 32 layers: 5.6B parameters, 8 experts of which 2 run per
+    token) written into the work directory, as ``random:<path>`` (the tiny mixture of experts with ``--smoke``)."""
+    from transformers import MixtralConfig
+
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8)
+    if s.smoke:
+        shape = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+    config = MixtralConfig(**shape, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000)
+    config.save_pretrained(s.work / "mixtral")
+    return f"model.source=random:{s.work / 'mixtral' / 'config.json'}"
+
+
+def part_bench(s, out: Path, log, name: str, matrix: list[str], extra: tuple[str, ...] = ()) -> dict:
     bench_out = s.work / name
     cmd = [
         sys.executable,
@@ -493,6 +509,7 @@ def part_bench(s, out: Path, log, name: str, matrix: list[str]) -> dict:
         str(bench_out),
         "--set",
         *s.base,
+        *extra,
         "output.export=false",
     ]
     proc = _run(cmd, s.bench_timeout, log)
@@ -562,6 +579,7 @@ def main() -> int:
     ap.add_argument("--layout-worker", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--diag-worker", metavar="JSON", help=argparse.SUPPRESS)
     ns = ap.parse_args()
+    ns.smoke = bool(ns.smoke)
     if ns.layout_worker:
         layout_worker(ns.layout_worker)
         return 0
@@ -617,6 +635,7 @@ def main() -> int:
         ns.packing += ["--reps", "1", "--steps", "3", "--warmup", "1"]
         ns.throughput = ["--model", "random:tiny", "--seq-len", "64", "--reps", "1", "--steps", "3", "--warmup", "1"]
         ns.throughput += ["--runners", "memfit,plain,hf", "--ac", "", "--data", source]
+        ns.moe = ["--ac", "none,full", "--precision", "fp32", "--micro-batch", "2", "--lora", "true"]
         ns.steps, ns.bench_timeout = 2, 300
     else:
         ns.base = [
@@ -686,6 +705,7 @@ def main() -> int:
         ns.throughput = ["--model", "random:llama2-7b", "--device", "cuda", "--precision", "bf16-mixed"]
         ns.throughput += ["--seq-len", "1024", "--batch", "4", "--steps", "10", "--reps", "2"]
         ns.throughput += ["--runners", "memfit,plain,hf", "--ac", "", "--data", source]
+        ns.moe = ["--ac", "none,full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "true"]
         ns.steps, ns.bench_timeout = 3, 190
     import torch
 
@@ -715,6 +735,7 @@ def main() -> int:
         "auto": lambda log: part_auto(ns, out, log),
         "on-oom": lambda log: part_on_oom(ns, out, log),
         "restart": lambda log: part_restart(ns, out, log),
+        "bench-moe": lambda log: part_bench(ns, out, log, "bench_moe", ns.moe, (moe_config(ns),)),
         "packing": lambda log: part_script(ns, out, log, "packing", ns.packing, 300),
         "throughput": lambda log: part_script(ns, out, log, "train_throughput", ns.throughput, 300),
     }
