@@ -106,12 +106,25 @@ def token_loss_sum(
         inputs.update(position_ids=positions[:, :-1], use_cache=False)
     if chunked is not None:
         with precision.autocast(device), chunked.targets(labels[:, 1:]):
-            return model(**inputs).logits  # the summed loss, chunk by chunk
+            output = model(**inputs)
+        return output.logits + router_loss(model, output, labels)  # the summed loss, chunk by chunk
     with precision.autocast(device):
-        logits = model(**inputs).logits  # (B, T, V)
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        output = model(**inputs)
+    summed = F.cross_entropy(
+        output.logits.float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+    return summed + router_loss(model, output, labels)
+
+
+def router_loss(model, output, labels: torch.Tensor) -> torch.Tensor | float:
+    """A mixture of experts' load-balancing loss, where its config asks for it (``output_router_logits``), as
+    transformers adds it to the mean token loss (``router_aux_loss_coef`` x ``aux_loss``), here weighted by the
+    batch's supervised tokens as the summed token loss is (so the step's mean is the mean loss plus it); else 0."""
+    aux = getattr(output, "aux_loss", None)
+    if aux is None:
+        return 0.0
+    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)  # DeepSpeed's
+    return getattr(config, "router_aux_loss_coef", 0.0) * aux.float() * supervised_tokens(labels)
 
 
 def batch_loss_sum(model, batch: tuple[torch.Tensor, ...], precision, device, chunked=None) -> torch.Tensor:

@@ -212,3 +212,29 @@ def test_a_read_config_keeps_its_layers_kinds(tmp_path):
     assert read.layers == (0, 1, 0, 1, 0, 1, 0) and layer_prefix(read) is None
     assert ReadConfig.parsed(asdict(read)) == read
     assert layer_prefix(preset("llama2-7b")) == 0
+
+
+def test_the_routers_load_balancing_loss_is_trained_where_the_config_asks_for_it():
+    """memfit takes its token loss from the logits, so a config with ``output_router_logits: true`` (a mixture of
+    experts' load-balancing loss, ``router_aux_loss_coef`` x ``aux_loss`` in transformers' loss) trained without it.
+    The step's mean loss now adds it; without the setting it is the mean token loss alone. Its memory (every layer's
+    router logits, kept for the loss) traces as the profiler measures it."""
+    from memfit.step.loss import token_loss_sum
+    from memfit.strategies.precision import precision_policy
+
+    tokens = torch.randint(0, SMALL["vocab_size"], (2, 33), generator=torch.Generator().manual_seed(0))
+    fp32, cpu = precision_policy("fp32"), torch.device("cpu")
+    for asked in (False, True):
+        config = _moe("mixtral")
+        config.output_router_logits, config.router_aux_loss_coef = asked, 0.25
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        mean = token_loss_sum(model, tokens, tokens, fp32, cpu) / tokens[:, 1:].numel()
+        output = model(input_ids=tokens[:, :-1])
+        plain = torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), tokens[:, 1:].flatten())
+        want = plain + 0.25 * output.aux_loss if asked else plain
+        assert output.aux_loss is None if not asked else float(output.aux_loss.detach()) > 0.1
+        torch.testing.assert_close(mean, want)
+        if asked:
+            spec = StepSpec(config, 128, Strategy(optimizer="foreach", micro_batch_size=4))
+            assert_within_3pct_per_category(trace_step(spec).peak, measured_steady_step(spec))
