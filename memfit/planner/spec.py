@@ -11,6 +11,7 @@ import numpy as np
 from memfit.config.schema import LoraConfig
 from memfit.config.strategy import OFFLOAD_PREFETCH as PREFETCH
 from memfit.config.strategy import Strategy
+from memfit.models.planning import layer_prefix
 
 if TYPE_CHECKING:
     from memfit.models.planning import PlanningConfig
@@ -75,8 +76,6 @@ def extrapolation_depths(spec: StepSpec) -> tuple[int, int]:
     groups; layers of two kinds in turn cannot be extrapolated from a shallow stack: both depths are the model's
     own, so the model is traced whole.
     """
-    from memfit.models.planning import layer_prefix
-
     depth = spec.model_config.num_hidden_layers
     prefix = layer_prefix(spec.model_config)
     if prefix is None:

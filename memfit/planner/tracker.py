@@ -63,7 +63,7 @@ from memfit.strategies.offload import Offloaded, observing
 from memfit.strategies.optimizer import running_slice_updates
 from memfit.strategies.tensors import plain_tensors, state_tensors
 
-_GROUPED_MM = torch.ops.aten._grouped_mm.default
+_GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)  # torch 2.8 on
 
 
 def _grouped_mm_any_dtype(args: tuple, kwargs: dict) -> torch.Tensor:
