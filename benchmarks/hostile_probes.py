@@ -946,13 +946,12 @@ def _(tmp):
     return r.code == 0 and "note: --mem 100000GiB is more than this machine's" in r.out, f"exit {r.code}"
 
 
-@probe(
-    "34", "OpenAI tool calls, content null, on a template without tools: one line (refused for null / trained empty)"
-)
-def _(tmp):
+def _tool_call_dropped(tmp: Path, question: str) -> tuple[bool, str]:
+    """Chat records whose answer calls add_numbers (OpenAI's tool_calls, content null) after ``question``, trained on
+    SmolLM2's template, which renders content only: one line naming the call, no run directory."""
     call = {"type": "function", "function": {"name": "add_numbers", "arguments": {"a": 2, "b": 3}}}
     talk = [
-        {"role": "user", "content": "2+3?"},
+        {"role": "user", "content": question},
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "content": "5"},
         {"role": "assistant", "content": "5."},
@@ -961,6 +960,13 @@ def _(tmp):
     r = train(tmp, f"data.source={tmp / 'tools.jsonl'}", "data.max_documents=null")
     ok, line = one_error_line(r, "message 2 calls add_numbers, but the model's chat template leaves its tool_calls")
     return ok and empty_or_absent(tmp / "run"), line
+
+
+@probe(
+    "34", "OpenAI tool calls, content null, on a template without tools: one line (refused for null / trained empty)"
+)
+def _(tmp):
+    return _tool_call_dropped(tmp, "2+3?")
 
 
 # -- 35: the thirty-fifth session's round (architectures beyond Llama) ----------------------------------------
@@ -1024,17 +1030,7 @@ def _(tmp):
 
 @probe("35", "a tool call named in the user's text, on a template that drops calls: one line (trained as empty)")
 def _(tmp):
-    call = {"type": "function", "function": {"name": "add_numbers", "arguments": {"a": 2, "b": 3}}}
-    talk = [
-        {"role": "user", "content": "Use add_numbers: 2+3?"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "content": "5"},
-        {"role": "assistant", "content": "5."},
-    ]
-    (tmp / "tools.jsonl").write_text("\n".join(json.dumps({"messages": talk}) for _ in range(12)) + "\n")
-    r = train(tmp, f"data.source={tmp / 'tools.jsonl'}", "data.max_documents=null")
-    ok, line = one_error_line(r, "message 2 calls add_numbers, but the model's chat template leaves its tool_calls")
-    return ok and empty_or_absent(tmp / "run"), line
+    return _tool_call_dropped(tmp, "Use add_numbers: 2+3?")
 
 
 def main() -> int:
