@@ -57,12 +57,12 @@ def _build_fake_model(spec: StepSpec, num_layers: int, fake_mode: FakeTensorMode
         config.layer_types = config.layer_types[:num_layers]
     config.use_cache = False
     precision = precision_policy(spec.strategy.precision)
-    with torch.device("meta"):
+    with torch.device("meta"):  # the adapters too: PEFT would allocate and initialise them for real
         model = AutoModelForCausalLM.from_config(config, dtype=precision.param_dtype)
-    if spec.lora is not None:
-        with warnings.catch_warnings():  # each trace worker would repeat PEFT's advice on an adapted tied head
-            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*", category=UserWarning)
-            model = apply_lora(model, spec.lora, precision)
+        if spec.lora is not None:
+            with warnings.catch_warnings():  # each trace worker would repeat PEFT's advice on an adapted tied head
+                warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*", category=UserWarning)
+                model = apply_lora(model, spec.lora, precision)
     with fake_mode:
         model.to_empty(device=CPU)
         quantize_base(model, spec.strategy.quantize_base)  # from (fake) values, as a real run does
