@@ -373,11 +373,10 @@ def run(ns, answered: Answered | None = None) -> int:
         raise UserError(
             f"nothing fits on {gpu.name}: the closest candidate ({closest.strategy.label()}) {closest.why_not()}; "
             + ("give it more host memory (--host-mem), or " if not closest.fits_host else "")
-            + (
-                "try LoRA, more --mem, or a shorter --seq-len"
-                if gpu.is_cpu
-                else "try LoRA, more GPUs with ZeRO, or a shorter --seq-len"
-            )
+            + ("try " if req.lora else "try LoRA, ")
+            + ("more --mem" if gpu.is_cpu else "more GPUs with ZeRO")
+            + (", a lower --lora-rank" if req.lora else "")
+            + ", or a shorter --seq-len"
             + _with_more_host_memory(result.pruned)
         )
     if ns.explain is not None:

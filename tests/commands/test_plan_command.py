@@ -341,6 +341,7 @@ def test_the_cpu_runtime_share_is_read_with_torch_and_transformers_loaded():
         (["--device", "cpu", "--explain", "1", "--simulate"], "a --device cpu plan has none"),
         (["--device", "cpu", "--precision", "fp16-mixed"], "a CPU run has no fp16 loss scaling"),
         (["--device", "cpu", "--mem", "1MiB"], "try LoRA, more --mem, or a shorter --seq-len"),
+        (["--device", "cpu", "--mem", "1MiB", "--lora"], "try more --mem, a lower --lora-rank, or a shorter"),
     ],
 )
 def test_plan_device_cpu_errors_are_one_line(capsys, extra, message):
