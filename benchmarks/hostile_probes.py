@@ -1,5 +1,5 @@
 """The hostile-user probes (issue 19's, the twenty-second, twenty-third, twenty-fifth, twenty-sixth,
-thirty-third and thirty-fourth sessions'), re-runnable:
+thirty-third to thirty-sixth sessions'), re-runnable:
 each a real ``memfit`` command in a fresh directory, judged by the promise "one clear line, non-zero exit, nothing
 half-written" (or, where the input is legitimate, that it works: resume however the path is spelled, train longer,
 retry with another port).
@@ -1031,6 +1031,38 @@ def _(tmp):
 @probe("35", "a tool call named in the user's text, on a template that drops calls: one line (trained as empty)")
 def _(tmp):
     return _tool_call_dropped(tmp, "Use add_numbers: 2+3?")
+
+
+# -- 36: the thirty-sixth session's round (files nested past the parsers' recursion) ---------------------------
+
+_DEEP = "[" * 100_000  # a hostile or broken file: json and PyYAML recurse once a bracket
+
+
+@probe("36", "a JSON or YAML file nested 100,000 deep (config, data, config.json, DeepSpeed JSON, report): one line")
+def _(tmp):
+    (tmp / "deep.yaml").write_text("model:\n  source: " + _DEEP + "\n")
+    (tmp / "deep.jsonl").write_text(_DEEP + "\n")
+    (tmp / "deep.json").write_text(_DEEP)
+    (tmp / "ckpt").mkdir()
+    (tmp / "ckpt" / "config.json").write_text(_DEEP)
+    runs = [
+        memfit("train", "deep.yaml", cwd=tmp),
+        train(tmp, f"data.source={tmp / 'deep.jsonl'}"),
+        memfit("plan", "--model", "ckpt", "--gpu", "h100", cwd=tmp),
+        memfit("plan", "--model", "tiny", "--gpu", "h100", "--deepspeed", "deep.json", cwd=tmp),
+        memfit("report", "deep.json", cwd=tmp),
+    ]
+    said = [one_error_line(r, "nested too deeply to read") for r in runs]
+    bad = [line for ok, line in said if not ok]
+    return not bad and empty_or_absent(tmp / "run"), (bad or [said[-1][1]])[0]
+
+
+@probe("36", "plan --lora where nothing fits: the hint names --lora-rank and --seq-len (it said 'try LoRA')")
+def _(tmp):
+    r = memfit("plan", "--model", "llama2-70b", "--gpu-mem", "8GiB", "--lora", "--seq-len", "64", cwd=tmp)
+    said = r.out + r.err
+    ok = r.code != 0 and "Traceback" not in r.err and "--lora-rank" in said and "try LoRA" not in said
+    return ok, (said.strip().splitlines() or [""])[-1][:300]
 
 
 def main() -> int:

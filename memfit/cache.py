@@ -196,7 +196,7 @@ def read_entry(root: Path | None, key: str, what: str, parse: Callable[[Any], An
         return None
     try:
         value = parse(json.loads(gzip.decompress(raw)))
-    except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
+    except (OSError, EOFError, ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: nested deep
         drop_damaged(path, what, e)
         return None
     try:

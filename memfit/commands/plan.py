@@ -15,7 +15,7 @@ from rich.console import Console
 from memfit.allocator.whatif import as_trace, compare, replay_allocations
 from memfit.commands.frag import check_replay_options, render_whatif
 from memfit.commands.plan_cache import Answered
-from memfit.config.loader import load_config, read_utf8
+from memfit.config.loader import json_value, load_config, read_utf8
 from memfit.config.schema import EMBEDDED_MODEL, LoraConfig
 from memfit.config.shipped import resolve_config_path
 from memfit.config.strategy import Strategy, levers
@@ -100,7 +100,7 @@ def _from_deepspeed(path: str, req: PlanRequest) -> None:
     if not p.is_file():
         raise UserError(f"--deepspeed: '{path}' {not_a_file(p)}; give a DeepSpeed JSON file")
     try:
-        ds = json.loads(read_utf8(p, "--deepspeed", "save it as UTF-8 JSON"))
+        ds = json_value(read_utf8(p, "--deepspeed", "save it as UTF-8 JSON"))
     except json.JSONDecodeError as e:
         raise UserError(f"--deepspeed {path}:{e.lineno}: not valid JSON ({e.msg})") from None
     where = f"--deepspeed {path}: "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from memfit.config.loader import json_value
 from memfit.errors import UserError, not_a_file
 from memfit.pages.html import write_page
 
@@ -53,7 +54,7 @@ def build(path: Path, kind: str, ns):
         from memfit.pages.plan import plan_page
 
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json_value(path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"'{path}' is not readable JSON ({e}); write it with memfit plan ... --json > plan.json")
         return plan_page(data, str(path))

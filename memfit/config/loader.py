@@ -10,6 +10,7 @@ import bz2
 import dataclasses
 import functools
 import gzip
+import json
 import lzma
 import os
 import typing
@@ -129,7 +130,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     section, key = dotted.split(".")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):  # taken as the text it is, which the key's type then checks
         value = raw
     return section, key, value
 
@@ -158,6 +159,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             mark = getattr(e, "problem_mark", None)
             where = f"{p}:{mark.line + 1}" if mark else str(p)
             raise UserError(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+        except RecursionError:
+            raise UserError(f"{p}: not valid YAML ({TOO_DEEP}); give a config of memfit's sections and keys") from None
         if not isinstance(data, dict):
             raise UserError(f"{p}: the top level must be a mapping of sections (got {type(data).__name__})")
         _apply(cfg, data, str(p))
@@ -255,6 +258,20 @@ def _utf8(data: bytes, path: Path, what: str, fix: str, offset: int = 0, line: i
             f"{what}: '{path}' is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {at}, line {line}); {fix}"
         ) from None
     return text.removeprefix("\ufeff") if offset == 0 else text
+
+
+TOO_DEEP = "nested too deeply to read"
+"""What a JSON or YAML value nested past Python's recursion limit (a thousand or so brackets, as only a hostile or
+broken file holds) is said to be: the parsers recurse once a level, and the ``RecursionError`` was a traceback."""
+
+
+def json_value(text: str | bytes) -> Any:
+    """``json.loads(text)``, a value nested too deeply for it raised as the ``JSONDecodeError`` every reader already
+    answers with one line (``TOO_DEEP``, at line 1, column 1)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError(TOO_DEEP, "", 0) from None
 
 
 def read_utf8(path: Path, what: str, fix: str, compressed: bool = False) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from memfit.config.loader import read_utf8
+from memfit.config.loader import json_value, read_utf8
 from memfit.config.schema import RunConfig
 from memfit.errors import UserError, not_a_file
 from memfit.strategies.precision import Precision
@@ -194,7 +194,7 @@ def read_ds(path: Path) -> dict[str, Any]:
         UserError: unreadable JSON, not an object, or a section of the wrong type.
     """
     try:
-        ds = json.loads(read_utf8(path, "distributed.deepspeed_config", "save it as UTF-8 JSON"))
+        ds = json_value(read_utf8(path, "distributed.deepspeed_config", "save it as UTF-8 JSON"))
     except json.JSONDecodeError as e:
         raise UserError(f"distributed.deepspeed_config: cannot read '{path}' as JSON ({e})") from None
     if not isinstance(ds, dict):

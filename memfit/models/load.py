@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import math
 import os
 import shutil
@@ -31,6 +30,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from memfit.cache import cache_dir, cache_write_error, make_cache_dir
+from memfit.config.loader import TOO_DEEP, json_value
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
 from memfit.errors import UserError, first_line, hub_hint
 from memfit.models.planning import transformers_config
@@ -147,14 +147,18 @@ def load_tokenizer(src: ModelSource):
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise UserError(
-            f"model.source: the tokenizer in '{path}' cannot be loaded ({first_line(e)}); re-save it with "
-            "save_pretrained"
+            f"model.source: the tokenizer in '{path}' cannot be loaded ({_why(e)}); re-save it with save_pretrained"
         ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _why(e: BaseException) -> str:
+    """What a library's refusal of a file says, in one line (a JSON file nested too deeply for its parser, too)."""
+    return TOO_DEEP if isinstance(e, RecursionError) else first_line(e)
 
 
 def read_config(path: Path, what: str = "model.source", *, built: bool = True):
@@ -168,10 +172,10 @@ def read_config(path: Path, what: str = "model.source", *, built: bool = True):
     try:
         _check_rope_type(PretrainedConfig.get_config_dict(path)[0], f"{what}: '{shown}'")
         config = AutoConfig.from_pretrained(path)  # AttributeError: a dtype torch lacks
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, *_CONFIG_CHECKS) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, *_CONFIG_CHECKS) as e:
         why = e.__cause__ if isinstance(e, _CONFIG_CHECKS) and e.__cause__ else e  # the check's own words
         raise UserError(
-            f"{what}: '{shown}' is not a usable model config ({first_line(why)}); "
+            f"{what}: '{shown}' is not a usable model config ({_why(why)}); "
             "fix it or re-save the checkpoint with save_pretrained"
         ) from None
     sizes = {f.name: getattr(config, f.name, None) for f in fields(ModelShape)}
@@ -272,7 +276,7 @@ def check_weights(path: Path) -> None:
                 why = f"{size} bytes, no safetensors header"
             else:
                 try:
-                    header = json.loads(fh.read(n))
+                    header = json_value(fh.read(n))
                     end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
                 except (ValueError, KeyError, TypeError, IndexError, AttributeError):
                     why = "its header is not safetensors JSON"
@@ -377,7 +381,7 @@ def check_generation_config(path: Path) -> None:
     end-of-turn tokens, a sampling temperature) than the checkpoint's."""
     f = path / "generation_config.json"
     try:
-        value = json.loads(f.read_text(encoding="utf-8"))
+        value = json_value(f.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors

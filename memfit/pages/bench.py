@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from memfit.config.loader import json_value
 from memfit.errors import UserError
 from memfit.pages.html import Page, Series, paragraph, table
 from memfit.telemetry.bench import Cell as BenchCell
@@ -30,7 +31,7 @@ def read_cells(bench_dir: Path) -> tuple[list[dict[str, Any]], str]:
     if not path.is_file():
         raise UserError(f"'{bench_dir}' has no results.json: give a directory that memfit bench wrote")
     try:
-        cells = json.loads(path.read_text(encoding="utf-8"))
+        cells = json_value(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"'{path}' is not readable JSON ({e}); run memfit bench again") from None
     if not isinstance(cells, list) or not all(isinstance(c, dict) and "name" in c and "status" in c for c in cells):

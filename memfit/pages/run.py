@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from memfit.config.loader import json_value
 from memfit.errors import UserError
 from memfit.pages.html import Cell, Page, Series, key_values, paragraph, pre, table
 from memfit.units import GIB
@@ -46,7 +47,7 @@ def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], int]:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = json_value(line)
         except json.JSONDecodeError:
             skipped += 1
             continue

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from memfit.config.loader import json_value
+
 
 class MetricsLog:
     """Append-only JSONL of records; on resume, records after the checkpoint's step are dropped."""
@@ -18,7 +20,7 @@ class MetricsLog:
         if keep_through_step is not None and path.is_file():
             for line in path.read_text().splitlines():
                 try:
-                    rec = json.loads(line)
+                    rec = json_value(line)
                 except json.JSONDecodeError:
                     break  # a torn last line from a killed run
                 if rec.get("step", 0) <= keep_through_step and rec.get("kind") != "summary":
@@ -46,7 +48,7 @@ class NullLog:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [json_value(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from memfit.config.loader import json_value
 from memfit.errors import UserError
 from memfit.safe_files import read_torch, refusal
 
@@ -121,7 +122,7 @@ class TrainerState:
 
     @classmethod
     def read(cls, directory: Path) -> "TrainerState":
-        return cls(**json.loads((directory / "trainer_state.json").read_text()))
+        return cls(**json_value((directory / "trainer_state.json").read_text()))
 
 
 def rng_state() -> dict[str, Any]:
@@ -197,7 +198,7 @@ def verify_checkpoint(path: Path) -> str | None:
     """Why the checkpoint at ``path`` cannot be trusted (a file missing, resized or changed since it was
     written, an unreadable state file), or None when it is intact."""
     try:
-        recorded = json.loads((path / MANIFEST).read_text())["files"]
+        recorded = json_value((path / MANIFEST).read_text())["files"]
     except FileNotFoundError:
         return _NO_MANIFEST
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):

@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from memfit.config.loader import read_utf8, utf8_lines, utf8_pieces
+from memfit.config.loader import TOO_DEEP, json_value, read_utf8, utf8_lines, utf8_pieces
 from memfit.config.schema import data_suffix
 from memfit.errors import UserError, first_line
 
@@ -171,7 +171,7 @@ def _json_lines(numbered: Iterator[tuple[int, str]], path: Path) -> Iterator[tup
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
+            value = json_value(line)
         except json.JSONDecodeError as e:
             if first and path.stat().st_size <= ONE_VALUE_READ and _is_one_json_value(_whole(path)):
                 raise UserError(
@@ -244,6 +244,8 @@ def _json_array(path: Path, text: str, pieces: Iterator[str]) -> Iterator[tuple[
                 if len(buf) - pos < ONE_VALUE_READ and read():
                     continue
                 raise error(e.msg, e.pos) from None
+            except RecursionError:
+                raise error(TOO_DEEP, pos) from None
             if end < len(buf) or not read():  # at the end of what is read, a number may go on
                 break
         pos, count = end, count + 1
@@ -287,7 +289,7 @@ def _lines_of_arrays(first: str, pieces: Iterator[str]) -> bool:
     """Whether a file whose first line (``first``, whole) is a JSON array by itself has more after it (JSON lines
     whose records are arrays; ``pieces`` is the rest, read only as far as its first text)."""
     try:
-        json.loads(first)
+        json_value(first)
     except json.JSONDecodeError:
         return False
     return any(piece.strip() for piece in pieces)
@@ -331,7 +333,7 @@ def file_records(path: Path) -> Iterator[tuple[str, object]]:
 
 def _is_one_json_value(text: str) -> bool:
     try:
-        json.loads(text)
+        json_value(text)
     except json.JSONDecodeError:
         return False
     return True

@@ -408,11 +408,12 @@ def test_a_config_json_with_impossible_sizes_is_one_line(capsys, tmp_path, confi
         ({"zero_optimization": {"offload_optimizer": 1}}, "zero_optimization.offload_optimizer must be a JSON object"),
         ({"gradient_accumulation_steps": "x"}, 'gradient_accumulation_steps must be a whole number >= 1 or "auto"'),
         ({"train_micro_batch_size_per_gpu": 0}, "train_micro_batch_size_per_gpu must be a whole number"),
+        ("[" * 100_000, "ds.json:1: not valid JSON (nested too deeply to read)"),  # was a RecursionError
     ],
 )
 def test_a_deepspeed_json_of_the_wrong_shape_is_one_line(capsys, tmp_path, ds, message):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps(ds))
+    path.write_text(ds if isinstance(ds, str) else json.dumps(ds))
     code, _, err = _plan(capsys, "--model", "tiny", "--gpu", "h100", "--deepspeed", str(path))
     assert code == 2 and message in err and "\n" not in err
 

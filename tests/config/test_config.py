@@ -95,6 +95,17 @@ def test_bad_yaml_names_file_and_line(tmp_path):
         load_config(p)
 
 
+def test_a_config_nested_past_the_parsers_recursion_is_one_line(tmp_path):
+    """Fifty thousand brackets (a hostile or broken file) were a ``RecursionError`` traceback from the YAML parser;
+    as an override's value they are the text they are, which the key's type then refuses."""
+    p = tmp_path / "deep.yaml"
+    p.write_text("model:\n  source: " + "[" * 50_000 + "\n")
+    with pytest.raises(UserError, match=r"deep.yaml: not valid YAML \(nested too deeply to read\)"):
+        load_config(p)
+    with pytest.raises(UserError, match="train.max_steps"):
+        load_config(None, ["train.max_steps=" + "[" * 50_000])
+
+
 def test_ac_policy_is_parsed_once_at_config_load_into_a_typed_value():
     assert CheckpointPolicy.parse("none") == CheckpointPolicy("none", 1)
     assert CheckpointPolicy.parse("ffn") == CheckpointPolicy("ffn", 1)

@@ -192,6 +192,7 @@ PLAN_WITHOUT_PEAKS = {
         (lambda p: (p / "notes.txt").write_text("hello") and p / "notes.txt", "neither a pickle nor JSON"),
         (lambda p: (p / "x.json").write_text('{"a": 1}') and p / "x.json", "is not the output of memfit plan --json"),
         (lambda p: (p / "y.json").write_text("{oops") and p / "y.json", "is not readable JSON"),
+        (lambda p: (p / "d.json").write_text("[" * 100_000) and p / "d.json", "JSON (nested too deeply to read"),
         (lambda p: (p / "z.json").write_text(json.dumps(PLAN_WITHOUT_PEAKS)) and p / "z.json", "a candidate has no"),
     ],
 )

@@ -199,6 +199,18 @@ def test_a_json_file_that_is_not_records_names_where(tmp_path, tokenizer, text, 
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["deep.jsonl", "deep.json"])
+def test_a_record_nested_past_the_parsers_recursion_is_one_line(tmp_path, tokenizer, name):
+    """A line (or array) of a hundred thousand brackets was a ``RecursionError`` traceback from ``json``."""
+    (tmp_path / name).write_text('{"prompt": "a", "response": "b"}\n' + "[" * 100_000 + "\n")
+    with pytest.raises(UserError, match=rf"{name}:2: not valid JSON \(nested too deeply to read") as e:
+        load_dataset(DataConfig(source=str(tmp_path / name), seq_len=32), tokenizer)
+    assert "\n" not in str(e.value)
+    (tmp_path / "array.json").write_text('[{"prompt": "a", "response": "b"}, ' + "[" * 100_000)
+    with pytest.raises(UserError, match=r"array.json:1: not valid JSON \(nested too deeply to read"):
+        load_dataset(DataConfig(source=str(tmp_path / "array.json"), seq_len=32), tokenizer)
+
+
 def test_a_big_file_whose_first_line_is_not_json_is_not_read_whole_for_the_message(tmp_path, monkeypatch):
     """Telling a pretty-printed object from a bad first line reads the file whole: only up to ONE_VALUE_READ."""
     from memfit.train import records

@@ -43,7 +43,11 @@ def test_planning_a_config_json_is_planning_that_architecture(small_config):
 
 @pytest.mark.parametrize(
     "text, needle",
-    [("{not json", "is not a usable model config"), ('{"model_type": "no-such-arch"}', "is not a usable model config")],
+    [
+        ("{not json", "is not a usable model config"),
+        ('{"model_type": "no-such-arch"}', "is not a usable model config"),
+        ("[" * 100_000, r"is not a usable model config \(nested too deeply to read\)"),  # was a RecursionError
+    ],
 )
 def test_a_bad_config_is_one_line(tmp_path, text, needle):
     bad = tmp_path / "config.json"
