@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,12 +33,15 @@ SHAPE = (*(f.name for f in fields(ModelShape)), "tie_word_embeddings")
 class Experts:
     """A mixture-of-experts MLP, as its step-time model reads it: ``count`` experts of ``intermediate`` each, of
     which ``per_token`` run for each token, beside a shared MLP of ``shared_intermediate`` that every token runs (0:
-    none). A dense model is one expert, always run."""
+    none), in all decoder layers but ``dense_layers`` of them, which hold a dense MLP of the config's
+    ``intermediate_size`` (DeepSeek's first ``first_k_dense_replace``, Qwen-MoE's ``mlp_only_layers`` and those
+    between its ``decoder_sparse_step``). A dense model is one expert, always run."""
 
     count: int = 1
     per_token: int = 1
     intermediate: int = 0  # 0: the config's intermediate_size
     shared_intermediate: int = 0
+    dense_layers: int = 0  # found by building the model (``layer_kinds``): ``Experts.of`` reads the config only
 
     @classmethod
     def of(cls, config) -> Experts:
@@ -58,11 +61,12 @@ class Experts:
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
-def layer_kinds(config: PretrainedConfig) -> tuple[int, ...]:
+def layer_kinds(config: PretrainedConfig) -> tuple[tuple[int, ...], int]:
     """For each decoder layer of a transformers ``config``, the index of its kind: layers alike in their weights'
     names and shapes are one kind. A mixture of experts' dense first layers (DeepSeek's ``first_k_dense_replace``,
     Qwen-MoE's ``mlp_only_layers``) or dense layers between its sparse ones (``decoder_sparse_step``) are a kind of
-    their own. The model is built on the meta device: no memory, about a second for a 30B one."""
+    their own. And how many layers hold no experts (no weight under an ``experts`` module). The model is built on
+    the meta device: no memory, about a second for a 30B one."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -71,13 +75,23 @@ def layer_kinds(config: PretrainedConfig) -> tuple[int, ...]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     kinds: dict[tuple, int] = {}
+    layers = decoder_layers(model, "--model")
+    dense = sum(not any("experts" in name.split(".") for name, _ in layer.named_parameters()) for layer in layers)
     return tuple(
         kinds.setdefault(tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()), len(kinds))
-        for layer in decoder_layers(model, "--model")
-    )
+        for layer in layers
+    ), dense
 
 
-_KINDS: dict[str, tuple[int, ...]] = {}
+_KINDS: dict[str, tuple[tuple[int, ...], int]] = {}
+
+
+def _stack(config: PretrainedConfig) -> tuple[tuple[int, ...], int]:
+    """``layer_kinds`` of a transformers config with experts, found once per process; a dense one's: none, none."""
+    if Experts.of(config).count == 1:  # dense Llama-family stacks are alike throughout
+        return (), 0
+    key = _transformers_key(config)
+    return _KINDS[key] if key in _KINDS else _KINDS.setdefault(key, layer_kinds(config))
 
 
 def layer_prefix(config: PlanningConfig) -> int | None:
@@ -86,13 +100,7 @@ def layer_prefix(config: PlanningConfig) -> int | None:
     transformers config's are found once per process."""
     if isinstance(config, Preset):
         return 0
-    if isinstance(config, ReadConfig):
-        kinds = config.layers
-    elif Experts.of(config).count > 1:  # dense Llama-family stacks are alike throughout
-        key = _transformers_key(config)
-        kinds = _KINDS[key] if key in _KINDS else _KINDS.setdefault(key, layer_kinds(config))
-    else:
-        kinds = ()
+    kinds = config.layers if isinstance(config, ReadConfig) else _stack(config)[0]
     if not kinds:
         return 0
     last = kinds[-1]
@@ -103,10 +111,12 @@ def layer_prefix(config: PlanningConfig) -> int | None:
 
 
 def experts(config: PlanningConfig) -> Experts:
-    """The experts of a planning config (a preset's: one, dense)."""
+    """The experts of a planning config (a preset's: one, dense), its dense layers counted."""
     if isinstance(config, Preset):
         return Experts()
-    return config.experts if isinstance(config, ReadConfig) else Experts.of(config)
+    if isinstance(config, ReadConfig):
+        return config.experts
+    return replace(Experts.of(config), dense_layers=_stack(config)[1])
 
 
 @dataclass(frozen=True)
@@ -126,10 +136,15 @@ class ReadConfig(ModelShape):
         """``config`` (transformers', as read from ``path``) as plain data."""
         values = {name: getattr(config, name, None) for name in SHAPE}
         values["num_key_value_heads"] = values["num_key_value_heads"] or config.num_attention_heads
-        key, moe = _transformers_key(config), Experts.of(config)
-        kinds = layer_kinds(config) if moe.count > 1 else ()  # dense Llama-family stacks are alike throughout
+        kinds, dense = _stack(config)
+        moe = replace(Experts.of(config), dense_layers=dense)
         return cls(
-            **values, path=str(path), attn_implementation=attn_implementation, json=key, experts=moe, layers=kinds
+            **values,
+            path=str(path),
+            attn_implementation=attn_implementation,
+            json=_transformers_key(config),
+            experts=moe,
+            layers=kinds,
         )
 
     @classmethod

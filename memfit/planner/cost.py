@@ -55,6 +55,8 @@ class Shape:
     experts: int = 1  # a mixture of experts: how many each layer holds, how many run per token, and a shared MLP
     active_experts: int = 1
     shared_intermediate: int = 0
+    dense_layers: int = 0  # a mixture of experts' layers of one dense MLP of dense_intermediate instead
+    dense_intermediate: int = 0
 
     @classmethod
     def of(cls, config) -> "Shape":
@@ -69,6 +71,8 @@ class Shape:
             moe.count,
             moe.per_token,
             moe.shared_intermediate,
+            moe.dense_layers,
+            config.intermediate_size,
         )
 
     @property
@@ -76,28 +80,34 @@ class Shape:
         head_dim = self.hidden // self.heads
         return self.hidden * self.hidden * 2 + 2 * self.hidden * self.kv_heads * head_dim  # q, o + k, v
 
-    def _mlp(self, experts: int) -> int:
+    def _per_layer(self, sparse: int, dense: int) -> float:
+        """A sparse layer's ``sparse`` and a dense one's ``dense``, averaged over the decoder's layers."""
+        return (sparse * (self.layers - self.dense_layers) + dense * self.dense_layers) / self.layers
+
+    def _mlp(self, experts: int) -> float:
         router = self.hidden * self.experts if self.experts > 1 else 0
-        return 3 * self.hidden * (experts * self.intermediate + self.shared_intermediate) + router
+        sparse = 3 * self.hidden * (experts * self.intermediate + self.shared_intermediate) + router
+        return self._per_layer(sparse, 3 * self.hidden * self.dense_intermediate)
 
     @property
-    def mlp_weights(self) -> int:
-        """A layer's MLP weights held: every expert's (and the router's) in a mixture of experts."""
+    def mlp_weights(self) -> float:
+        """A layer's MLP weights held: every expert's (and the router's) in a mixture of experts; averaged over the
+        layers where some are dense (as are all the per-layer sizes here: their sums over the stack are exact)."""
         return self._mlp(self.experts)
 
     @property
-    def active_mlp_weights(self) -> int:
+    def active_mlp_weights(self) -> float:
         """A layer's MLP weights each token runs through: in a mixture of experts, ``active_experts`` of them."""
         return self._mlp(self.active_experts)
 
     @property
-    def routed_weights(self) -> int:
+    def routed_weights(self) -> float:
         """A layer's routed experts' weights each token runs through (none in a dense model)."""
-        return 3 * self.hidden * self.active_experts * self.intermediate if self.experts > 1 else 0
+        return self._per_layer(3 * self.hidden * self.active_experts * self.intermediate, 0) if self.experts > 1 else 0
 
     @property
     def matmul_weights(self) -> int:
-        return self.layers * (self.attn_weights + self.mlp_weights) + self.vocab * self.hidden
+        return round(self.layers * (self.attn_weights + self.mlp_weights)) + self.vocab * self.hidden
 
 
 def step_flops(

@@ -104,12 +104,13 @@ def test_experts_are_read_from_each_config_family(tmp_path):
     assert ReadConfig.parsed(asdict(read)) == read  # as the config cache keeps it
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "dense-first", "in-turn"])
 def test_the_step_time_model_counts_the_flops_of_the_experts_a_token_runs_through(family):
     """Against torch's FLOP counter on a real forward (``_grouped_mm``: 2 x rows x K x N, each row through one
     expert), the matmuls but attention's core, which the cost model estimates as causal: a mixture of experts was
-    charged one expert's MLP per token, and its weights (ZeRO's traffic, FSDP's root share) one expert's."""
-    config = _moe(family)
+    charged one expert's MLP per token, and its weights (ZeRO's traffic, FSDP's root share) one expert's; its dense
+    layers (Qwen3-MoE's ``mlp_only_layers``, those between its ``decoder_sparse_step``) were charged as sparse."""
+    config = _moe(family) if family in FAMILIES else _unlike(family)
     model = AutoModelForCausalLM.from_config(config)
     B, T = 2, 32
 
@@ -123,8 +124,22 @@ def test_the_step_time_model_counts_the_flops_of_the_experts_a_token_runs_throug
     forward = step_flops(shape, B * T, T, lora=True, strategy=Strategy()) / 2  # LoRA: training = 2 x forward
     extra = shape.layers * 2 * B * T * shape.hidden if family == "qwen2-moe" else 0  # its shared expert's gate, h -> 1
     assert forward - B * T * attention_core == matmuls - extra
-    held = sum(p.numel() for p in model.model.layers[0].mlp.parameters())
-    assert shape.mlp_weights + (shape.hidden if family == "qwen2-moe" else 0) == held
+    held = sum(p.numel() for layer in model.model.layers for p in layer.mlp.parameters())
+    assert shape.layers * (shape.mlp_weights + (shape.hidden if family == "qwen2-moe" else 0)) == held
+
+
+def test_deepseeks_dense_first_layers_are_charged_their_own_mlp():
+    """DeepSeek-V3's first ``first_k_dense_replace`` layers hold one MLP of ``intermediate_size``, not its experts:
+    the step-time model charged them every expert held (FSDP's root share, ZeRO's traffic) and the routed ones run.
+    Its MLA attention is not the cost model's (it counts grouped-query attention's projections): the MLPs alone."""
+    config = _unlike("deepseek-v3")
+    model = AutoModelForCausalLM.from_config(config)
+    shape = Shape.of(config)
+    assert shape.dense_layers == 2 and experts(config).dense_layers == 2
+    weights = sum(p.numel() for layer in model.model.layers for p in layer.mlp.parameters() if p.dim() >= 2)
+    assert shape.layers * shape.mlp_weights == weights  # its router's score bias (1-D) is no matmul
+    runs = 3 * SMALL["hidden_size"] * (2 * SMALL["intermediate_size"] + 5 * (2 * 32 + 32)) + 5 * 8 * 64
+    assert shape.layers * shape.active_mlp_weights == runs  # 2 dense; 5 of 2 routed + 1 shared, and the router
 
 
 def test_lora_on_the_expert_weights_traces_as_measured_and_is_charged_a_full_backward_through_the_experts():
