@@ -1057,6 +1057,19 @@ def _(tmp):
     return not bad and empty_or_absent(tmp / "run"), (bad or [said[-1][1]])[0]
 
 
+@probe("36", "a model whose chat template is no Jinja (broken; nested 5,000 deep): one line naming the model's")
+def _(tmp):
+    model = _tiny_checkpoint(tmp)
+    (tmp / "chat.jsonl").write_text((json.dumps({"prompt": "a", "response": "b"}) + "\n") * 4)
+    said = []
+    for template in ("{% if %}", "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}"):
+        (model / "chat_template.jinja").write_text(template)
+        r = train(tmp, f"model.source={model}", f"data.source={tmp / 'chat.jsonl'}", "data.max_documents=null")
+        said.append(one_error_line(r, "model.source: the model's chat template is not a usable Jinja"))
+    bad = [line for ok, line in said if not ok]
+    return not bad and empty_or_absent(tmp / "run"), (bad or [said[-1][1]])[0]
+
+
 @probe("36", "plan --lora where nothing fits: the hint names --lora-rank and --seq-len (it said 'try LoRA')")
 def _(tmp):
     r = memfit("plan", "--model", "llama2-70b", "--gpu-mem", "8GiB", "--lora", "--seq-len", "64", cwd=tmp)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 
-from memfit.config.loader import read_utf8
+from memfit.config.loader import TOO_DEEP, read_utf8
 from memfit.config.schema import RECORD_SUFFIXES, TEXT_SUFFIXES, DataConfig, data_files
 from memfit.errors import UserError, first_line, hub_hint, not_a_file
 from memfit.step.loss import IGNORE_INDEX
@@ -228,12 +228,18 @@ def _renders(tokenizer, messages: list[dict] | str, where: str, loss_on: str) ->
 
     Raises:
         UserError: the chat template refuses the conversation (``raise_exception`` in it, e.g. roles that do not
-            alternate).
+            alternate), or is no template (not Jinja, or nested past the parser's recursion): the model's, said so.
     """
 
     def render(part: list[dict], prompt: bool = False) -> str:
         try:
             return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=prompt)
+        except (TemplateSyntaxError, RecursionError) as e:
+            why = f"line {e.lineno}: {e.message}" if isinstance(e, TemplateSyntaxError) else TOO_DEEP
+            raise UserError(
+                f"model.source: the model's chat template is not a usable Jinja template ({why}); fix it "
+                "(chat_template.jinja, or chat_template in tokenizer_config.json) or give a model with a working one"
+            ) from None
         except TemplateError as e:
             raise UserError(f"{where}: the model's chat template refuses this conversation ({first_line(e)})") from None
 

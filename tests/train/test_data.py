@@ -139,6 +139,21 @@ def test_bad_record_names_file_and_line(tmp_path, tokenizer, line, reason):
         load_dataset(DataConfig(source=src, seq_len=32), tokenizer)
 
 
+@pytest.mark.parametrize(
+    "template, why",
+    [("{% if %}", r"line 1: Expected an expression"), ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "nested too")],
+)
+def test_a_chat_template_that_does_not_compile_is_said_to_be_the_models(
+    tmp_path, tokenizer, monkeypatch, template, why
+):
+    """A broken template was "data.jsonl:1: the model's chat template refuses this conversation", as if the record
+    were at fault; one nested past Jinja's parser was a RecursionError traceback."""
+    monkeypatch.setattr(tokenizer, "chat_template", template)
+    src = _write_jsonl(tmp_path / "d.jsonl", [json.dumps({"prompt": "a", "response": "b"})] * 2)
+    with pytest.raises(UserError, match=rf"^model.source: the model's chat template is not a usable Jinja .*\({why}"):
+        load_dataset(DataConfig(source=src, seq_len=32), tokenizer)
+
+
 def test_missing_data_source():
     with pytest.raises(UserError, match="data.source: 'nope.txt' does not exist"):
         load_dataset(DataConfig(source="nope.txt"), tokenizer=None)
