@@ -1070,6 +1070,27 @@ def _(tmp):
     return not bad and empty_or_absent(tmp / "run"), (bad or [said[-1][1]])[0]
 
 
+@probe("36", "LoRA on a mixtral's expert weights on 2 ranks, FSDP2 ZeRO-3 and DeepSpeed ZeRO-2: trained, exported")
+def _(tmp):
+    (tmp / "ds.json").write_text('{"zero_optimization": {"stage": 2}}')
+    lora = ["lora.enabled=true", "lora.target_parameters=experts.gate_up_proj,experts.down_proj", "output.export=true"]
+    engines = {
+        "fsdp2": ["distributed.zero_stage=3"],
+        "deepspeed": ["distributed.engine=deepspeed", f"distributed.deepspeed_config={tmp / 'ds.json'}"],
+    }
+    model = f"model.source=random:{_config(tmp, 'mixtral')}"
+    said = []
+    for engine, extra in engines.items():
+        r = memfit(
+            "train", "tiny-cpu", "--nproc-per-node", "2", *TINY, model, *lora, *extra, f"output.dir={tmp / engine}",
+            cwd=tmp, env={"DS_ACCELERATOR": "cpu"},
+        )  # fmt: skip
+        export = tmp / engine / "export" / "adapter_model.safetensors"
+        said.append((r.code == 0 and export.is_file() and b"experts.base_layer.lora_A" in export.read_bytes(), r))
+    bad = [f"exit {r.code}: {(r.err.strip().splitlines() or [''])[-1]}" for ok, r in said if not ok]
+    return not bad, (bad or ["both trained and exported the experts' adapters"])[0][:300]
+
+
 @probe("36", "plan --lora where nothing fits: the hint names --lora-rank and --seq-len (it said 'try LoRA')")
 def _(tmp):
     r = memfit("plan", "--model", "llama2-70b", "--gpu-mem", "8GiB", "--lora", "--seq-len", "64", cwd=tmp)

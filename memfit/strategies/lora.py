@@ -85,7 +85,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, precision: Precision):
         if target not in available:
             raise UserError(
                 f"lora.target_modules: '{target}' is not a Linear module of this model"
-                f"{did_you_mean(target, available)}; available: {', '.join(sorted(available))}"
+                f"{did_you_mean(target, available)}; available: {', '.join(sorted(available))}, or {ALL_LINEAR} "
+                "(every one but the output head)"
             )
     check_target_parameters(model, cfg.target_parameters)
     peft_config = PeftLoraConfig(
