@@ -1091,6 +1091,15 @@ def _(tmp):
     return not bad, (bad or ["both trained and exported the experts' adapters"])[0][:300]
 
 
+@probe("36", "plan --lora-rank 100000 on a 7B, train lora.rank=65 on tiny: one line (traced a minute, then 'no fit')")
+def _(tmp):
+    plan = memfit("plan", "--model", "llama2-7b", "--gpu", "h100", "--lora", "--lora-rank", "100000", cwd=tmp)
+    said = [one_error_line(plan, "lora.rank 100000 is above every adapted weight's smaller side (at most 4096")]
+    said.append(one_error_line(train(tmp, "lora.enabled=true", "lora.rank=65"), "give lora.rank <= 64"))
+    bad = [line for ok, line in said if not ok]
+    return not bad and empty_or_absent(tmp / "run"), (bad or [said[0][1]])[0]
+
+
 @probe("36", "plan --lora where nothing fits: the hint names --lora-rank and --seq-len (it said 'try LoRA')")
 def _(tmp):
     r = memfit("plan", "--model", "llama2-70b", "--gpu-mem", "8GiB", "--lora", "--seq-len", "64", cwd=tmp)

@@ -72,6 +72,32 @@ def check_target_parameters(model: torch.nn.Module, names: list[str]) -> None:
             )
 
 
+def check_rank(model: torch.nn.Module, rank: int, modules: list[str], parameters: list[str]) -> None:
+    """A rank above every adapted weight's smaller side adds memory and compute, not capacity: an update ``B @ A``
+    of an ``out x in`` weight has rank at most ``min(out, in)``. PEFT takes it (a plan of rank 100,000 on Llama-2-7B
+    traced for a minute before saying nothing fits).
+
+    Raises:
+        UserError: naming the largest rank that some adapted weight can use.
+    """
+    sides = [
+        min(m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in modules
+    ]
+    sides += [
+        min(p.shape[-2:])
+        for name, p in model.named_parameters()
+        if p.dim() >= 2 and any(name == t or name.endswith(f".{t}") for t in parameters)
+    ]
+    widest = max(sides, default=rank)
+    if rank > widest:
+        raise UserError(
+            f"lora.rank {rank} is above every adapted weight's smaller side (at most {widest} here): an update of such "
+            f"a weight has rank at most that, so a larger one adds memory, not capacity; give lora.rank <= {widest}"
+        )
+
+
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig, precision: Precision):
     """Wrap ``model`` (built in ``precision.param_dtype``) with PEFT LoRA adapters; the frozen weights are then
     cast to ``precision.frozen_dtype``.
@@ -89,6 +115,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, precision: Precision):
                 "(every one but the output head)"
             )
     check_target_parameters(model, cfg.target_parameters)
+    check_rank(model, cfg.rank, targets, cfg.target_parameters)
     peft_config = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,

@@ -283,6 +283,7 @@ def test_plan_takes_lora_targets_and_alpha_and_shows_them(capsys, tmp_path):
         (["--lora-rank", "8", "--lora-alpha", "16"], "--lora-rank, --lora-alpha describe LoRA adapters: give --lora"),
         (["--lora", "--lora-targets", "qq_proj"], "'qq_proj' is not a Linear module of this model (did you mean"),
         (["--lora", "--lora-targets", "gate_up_proj"], "v_proj, or all-linear (every one but the output head)"),
+        (["--lora", "--lora-rank", "65"], "lora.rank 65 is above every adapted weight's smaller side (at most 64"),
     ],
 )
 def test_plan_refuses_bad_lora_flags_in_one_line(capsys, args, message):

@@ -175,6 +175,9 @@ def test_a_target_parameter_that_names_no_weight_is_one_line_with_the_weights_it
     moe = AutoModelForCausalLM.from_config(_moe("qwen3-moe"))
     with pytest.raises(UserError, match=r"'gate_up' is no weight of this model; available: experts\.down_proj, exp"):
         apply_lora(moe, LoraConfig(enabled=True, target_parameters=["gate_up"]), fp32)
+    experts_only = LoraConfig(enabled=True, rank=65, target_modules=[], target_parameters=["experts.gate_up_proj"])
+    with pytest.raises(UserError, match=r"lora.rank 65 is above every adapted weight's smaller side \(at most 64 here"):
+        apply_lora(moe, experts_only, fp32)  # 8 experts' gate and up projections: 64 x 64 each
     dense = AutoModelForCausalLM.from_config(preset_config("tiny"))
     with pytest.raises(UserError, match=r"'experts\.gate_up_proj' is no weight of this model \(it has no 3-D expert"):
         apply_lora(dense, LoraConfig(enabled=True, target_parameters=["experts.gate_up_proj"]), fp32)
