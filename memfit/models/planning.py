@@ -61,6 +61,35 @@ class Experts:
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
+@dataclass(frozen=True)
+class Attention:
+    """A decoder layer's attention as its step-time model reads it: its projections' ``weights``, and the widths of
+    its queries (and keys) and of its values over all heads, which its core's FLOPs grow with. In grouped-query
+    attention both are heads x ``head_dim``, which a config may set apart from ``hidden_size / heads`` (Qwen3's
+    and Gemma's do: Qwen3-30B-A3B's are twice its hidden size); DeepSeek's multi-head latent attention projects
+    through low ranks (``q_lora_rank``, ``kv_lora_rank``) to query heads of ``qk_nope_head_dim +
+    qk_rope_head_dim`` and value heads of ``v_head_dim``."""
+
+    weights: int
+    q_width: int
+    v_width: int
+
+    @classmethod
+    def of(cls, config) -> Attention:
+        """A model config's attention (a preset's or a transformers config's)."""
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        kv_rank = getattr(config, "kv_lora_rank", None)
+        if kv_rank:  # multi-head latent attention
+            rope, nope, v = config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
+            q_rank = getattr(config, "q_lora_rank", None)
+            q = (hidden + heads * (nope + rope)) * q_rank if q_rank else hidden * heads * (nope + rope)
+            kv = hidden * (kv_rank + rope) + kv_rank * heads * (nope + v)
+            return cls(q + kv + heads * v * hidden, heads * (nope + rope), heads * v)
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(2 * hidden * (heads + kv_heads) * head_dim, heads * head_dim, heads * head_dim)  # q, o; k, v
+
+
 def layer_kinds(config: PretrainedConfig) -> tuple[tuple[int, ...], int]:
     """For each decoder layer of a transformers ``config``, the index of its kind: layers alike in their weights'
     names and shapes are one kind. A mixture of experts' dense first layers (DeepSeek's ``first_k_dense_replace``,
@@ -110,6 +139,11 @@ def layer_prefix(config: PlanningConfig) -> int | None:
     return prefix if last not in kinds[:prefix] else None
 
 
+def attention(config: PlanningConfig) -> Attention:
+    """The attention of a planning config."""
+    return config.attention if isinstance(config, ReadConfig) and config.attention else Attention.of(config)
+
+
 def experts(config: PlanningConfig) -> Experts:
     """The experts of a planning config (a preset's: one, dense), its dense layers counted."""
     if isinstance(config, Preset):
@@ -130,6 +164,7 @@ class ReadConfig(ModelShape):
     json: str
     experts: Experts = Experts()
     layers: tuple[int, ...] = ()  # each decoder layer's kind (``layer_kinds``)
+    attention: Attention | None = None  # None: a config cached before it was kept (read as ``Attention.of``)
 
     @classmethod
     def of(cls, path: Path, attn_implementation: str, config: PretrainedConfig) -> ReadConfig:
@@ -145,12 +180,16 @@ class ReadConfig(ModelShape):
             json=_transformers_key(config),
             experts=moe,
             layers=kinds,
+            attention=Attention.of(config),
         )
 
     @classmethod
     def parsed(cls, data: dict) -> ReadConfig:
         """A read config from its cache entry (``asdict``'s)."""
-        return cls(**{**data, "experts": Experts(**data["experts"]), "layers": tuple(data["layers"])})
+        attention = Attention(**data["attention"]) if data.get("attention") else None
+        return cls(
+            **{**data, "experts": Experts(**data["experts"]), "layers": tuple(data["layers"]), "attention": attention}
+        )
 
 
 if TYPE_CHECKING:

@@ -1,7 +1,8 @@
 """A step-time model for ranking candidates: compute at an assumed utilisation plus communication.
 
-    FLOPs per token, forward = 2 x (weights of every matmul, lm_head included) + 2 x layers x T x hidden
-                               (causal attention: QK^T and AV, half the square each); in a mixture of experts
+    FLOPs per token, forward = 2 x (weights of every matmul, lm_head included) + layers x T x (query width +
+                               value width, over all heads: 2 x hidden in a Llama) (causal attention: QK^T and
+                               AV, half the square each); in a mixture of experts
                                the MLP weights a token runs through: the router's, its experts' and a shared MLP's
     training = forward x (3 for a full fine-tune: backward is twice the forward; 2 with LoRA: frozen
                weights need no weight gradients) + the recomputed forward of checkpointed modules
@@ -33,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.config.strategy import Strategy
-from memfit.models.planning import experts
+from memfit.models.planning import attention, experts
 
 MFU = 0.40  # assumed model-FLOPs utilisation at bf16/fp16
 FP32_SLOWDOWN = 4.0  # fp32 matmuls vs the bf16 peak (TF32 on NVIDIA is ~2x, MI200 fp32 matrix ~4x)
@@ -49,8 +50,8 @@ class Shape:
     layers: int
     hidden: int
     intermediate: int  # of each expert in a mixture of experts
-    heads: int
-    kv_heads: int
+    attn_weights: int  # a layer's attention projections (``planning.Attention``)
+    attn_width: int  # its queries' and values' widths over all heads, summed: what its core's FLOPs grow with
     vocab: int
     experts: int = 1  # a mixture of experts: how many each layer holds, how many run per token, and a shared MLP
     active_experts: int = 1
@@ -60,13 +61,13 @@ class Shape:
 
     @classmethod
     def of(cls, config) -> "Shape":
-        moe = experts(config)
+        moe, attn = experts(config), attention(config)
         return cls(
             config.num_hidden_layers,
             config.hidden_size,
             moe.intermediate or config.intermediate_size,
-            config.num_attention_heads,
-            config.num_key_value_heads or config.num_attention_heads,
+            attn.weights,
+            attn.q_width + attn.v_width,
             config.vocab_size,
             moe.count,
             moe.per_token,
@@ -74,11 +75,6 @@ class Shape:
             moe.dense_layers,
             config.intermediate_size,
         )
-
-    @property
-    def attn_weights(self) -> int:
-        head_dim = self.hidden // self.heads
-        return self.hidden * self.hidden * 2 + 2 * self.hidden * self.kv_heads * head_dim  # q, o + k, v
 
     def _per_layer(self, sparse: int, dense: int) -> float:
         """A sparse layer's ``sparse`` and a dense one's ``dense``, averaged over the decoder's layers."""
@@ -119,7 +115,7 @@ def step_flops(
     ``lora_experts``: LoRA on a mixture of experts' expert weights (``lora.target_parameters``), whose backward
     computes the gradient of each adapted expert stack whole (PEFT folds the adapters into it): the routed experts'
     matmuls cost a full fine-tune's backward."""
-    attn_core = 2 * seq_len * shape.hidden  # per token per layer
+    attn_core = seq_len * shape.attn_width  # per token per layer: 2 x T x width for QK^T and AV, each half causal
     layer_fwd = 2 * (shape.attn_weights + shape.active_mlp_weights) + attn_core
     mlp_fwd = 2 * shape.active_mlp_weights
     fwd = shape.layers * layer_fwd + 2 * shape.vocab * shape.hidden

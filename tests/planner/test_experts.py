@@ -104,42 +104,44 @@ def test_experts_are_read_from_each_config_family(tmp_path):
     assert ReadConfig.parsed(asdict(read)) == read  # as the config cache keeps it
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "dense-first", "in-turn"])
+def _config(family: str):
+    """A mixture of experts of ``family``, or one unlike the rest in its layers (``_unlike``), or a Qwen3-MoE whose
+    ``head_dim`` is twice ``hidden_size / heads`` (as Qwen3-30B-A3B's is)."""
+    if family in FAMILIES:
+        return _moe(family)
+    if family == "wide-heads":
+        experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+        return transformers.Qwen3MoeConfig(**SMALL, head_dim=32, **experts)
+    return _unlike(family)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "dense-first", "in-turn", "wide-heads", "deepseek-v3"])
 def test_the_step_time_model_counts_the_flops_of_the_experts_a_token_runs_through(family):
     """Against torch's FLOP counter on a real forward (``_grouped_mm``: 2 x rows x K x N, each row through one
-    expert), the matmuls but attention's core, which the cost model estimates as causal: a mixture of experts was
-    charged one expert's MLP per token, and its weights (ZeRO's traffic, FSDP's root share) one expert's; its dense
-    layers (Qwen3-MoE's ``mlp_only_layers``, those between its ``decoder_sparse_step``) were charged as sparse."""
-    config = _moe(family) if family in FAMILIES else _unlike(family)
-    model = AutoModelForCausalLM.from_config(config)
+    expert; eager attention, whose core is two batched matmuls over the full square, which the cost model halves as
+    causal): a mixture of experts was charged one expert's MLP per token, and its weights (ZeRO's traffic, FSDP's
+    root share) one expert's; its dense layers (DeepSeek's first ones, Qwen3-MoE's ``mlp_only_layers``, those
+    between its ``decoder_sparse_step``) were charged as sparse; attention was charged as ``hidden_size`` wide,
+    which a ``head_dim`` of its own (Qwen3's) or DeepSeek's latent attention is not."""
+    config = _config(family)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     B, T = 2, 32
 
     counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})
     with counter, torch.no_grad():
         model(torch.randint(0, config.vocab_size, (B, T)))
     counted = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
-    matmuls = sum(n for op, n in counted.items() if "attention" not in op)
+    core = counted.pop("aten.bmm")
     shape = Shape.of(config)
-    attention_core = shape.layers * 2 * T * shape.hidden  # the cost model's causal half-square
+    causal_core = shape.layers * B * T * T * shape.attn_width
     forward = step_flops(shape, B * T, T, lora=True, strategy=Strategy()) / 2  # LoRA: training = 2 x forward
     extra = shape.layers * 2 * B * T * shape.hidden if family == "qwen2-moe" else 0  # its shared expert's gate, h -> 1
-    assert forward - B * T * attention_core == matmuls - extra
-    held = sum(p.numel() for layer in model.model.layers for p in layer.mlp.parameters())
+    assert forward - causal_core == pytest.approx(sum(counted.values()) - extra, rel=1e-12)
+    assert core == 2 * causal_core
+    held = sum(p.numel() for layer in model.model.layers for p in layer.mlp.parameters() if p.dim() >= 2)
     assert shape.layers * (shape.mlp_weights + (shape.hidden if family == "qwen2-moe" else 0)) == held
-
-
-def test_deepseeks_dense_first_layers_are_charged_their_own_mlp():
-    """DeepSeek-V3's first ``first_k_dense_replace`` layers hold one MLP of ``intermediate_size``, not its experts:
-    the step-time model charged them every expert held (FSDP's root share, ZeRO's traffic) and the routed ones run.
-    Its MLA attention is not the cost model's (it counts grouped-query attention's projections): the MLPs alone."""
-    config = _unlike("deepseek-v3")
-    model = AutoModelForCausalLM.from_config(config)
-    shape = Shape.of(config)
-    assert shape.dense_layers == 2 and experts(config).dense_layers == 2
-    weights = sum(p.numel() for layer in model.model.layers for p in layer.mlp.parameters() if p.dim() >= 2)
-    assert shape.layers * shape.mlp_weights == weights  # its router's score bias (1-D) is no matmul
-    runs = 3 * SMALL["hidden_size"] * (2 * SMALL["intermediate_size"] + 5 * (2 * 32 + 32)) + 5 * 8 * 64
-    assert shape.layers * shape.active_mlp_weights == runs  # 2 dense; 5 of 2 routed + 1 shared, and the router
+    attention = sum(p.numel() for layer in model.model.layers for p in layer.self_attn.parameters() if p.dim() >= 2)
+    assert shape.layers * shape.attn_weights == attention
 
 
 def test_lora_on_the_expert_weights_traces_as_measured_and_is_charged_a_full_backward_through_the_experts():
