@@ -141,7 +141,7 @@ def layer_prefix(config: PlanningConfig) -> int | None:
 
 def attention(config: PlanningConfig) -> Attention:
     """The attention of a planning config."""
-    return config.attention if isinstance(config, ReadConfig) and config.attention else Attention.of(config)
+    return config.attention if isinstance(config, ReadConfig) else Attention.of(config)
 
 
 def experts(config: PlanningConfig) -> Experts:
@@ -162,34 +162,30 @@ class ReadConfig(ModelShape):
     path: str
     attn_implementation: str
     json: str
+    attention: Attention
     experts: Experts = Experts()
     layers: tuple[int, ...] = ()  # each decoder layer's kind (``layer_kinds``)
-    attention: Attention | None = None  # None: a config cached before it was kept (read as ``Attention.of``)
 
     @classmethod
     def of(cls, path: Path, attn_implementation: str, config: PretrainedConfig) -> ReadConfig:
         """``config`` (transformers', as read from ``path``) as plain data."""
         values = {name: getattr(config, name, None) for name in SHAPE}
         values["num_key_value_heads"] = values["num_key_value_heads"] or config.num_attention_heads
-        kinds, dense = _stack(config)
-        moe = replace(Experts.of(config), dense_layers=dense)
         return cls(
             **values,
             path=str(path),
             attn_implementation=attn_implementation,
             json=_transformers_key(config),
-            experts=moe,
-            layers=kinds,
             attention=Attention.of(config),
+            experts=experts(config),
+            layers=_stack(config)[0],
         )
 
     @classmethod
     def parsed(cls, data: dict) -> ReadConfig:
         """A read config from its cache entry (``asdict``'s)."""
-        attention = Attention(**data["attention"]) if data.get("attention") else None
-        return cls(
-            **{**data, "experts": Experts(**data["experts"]), "layers": tuple(data["layers"]), "attention": attention}
-        )
+        parts = {"attention": Attention(**data["attention"]), "experts": Experts(**data["experts"])}
+        return cls(**{**data, **parts, "layers": tuple(data["layers"])})
 
 
 if TYPE_CHECKING:

@@ -56,6 +56,11 @@ def adaptable_weights(model: torch.nn.Module) -> set[str]:
     return {".".join(name.split(".")[-2:]) for name, p in model.named_parameters() if p.dim() >= 3}
 
 
+def _names(name: str, target: str) -> bool:
+    """Whether ``target`` names the weight ``name``: its last name components, as PEFT's target_parameters match."""
+    return name == target or name.endswith(f".{target}")
+
+
 def check_target_parameters(model: torch.nn.Module, names: list[str]) -> None:
     """Each of ``lora.target_parameters`` names some weight's last name components, as PEFT matches them.
 
@@ -64,7 +69,7 @@ def check_target_parameters(model: torch.nn.Module, names: list[str]) -> None:
     """
     held = [name for name, _ in model.named_parameters()]
     for target in names:
-        if not any(name == target or name.endswith(f".{target}") for name in held):
+        if not any(_names(name, target) for name in held):
             weights = adaptable_weights(model)
             where = f"; available: {', '.join(sorted(weights))}" if weights else " (it has no 3-D expert weights)"
             raise UserError(
@@ -88,7 +93,7 @@ def check_rank(model: torch.nn.Module, rank: int, modules: list[str], parameters
     sides += [
         min(p.shape[-2:])
         for name, p in model.named_parameters()
-        if p.dim() >= 2 and any(name == t or name.endswith(f".{t}") for t in parameters)
+        if p.dim() >= 2 and any(_names(name, t) for t in parameters)
     ]
     widest = max(sides, default=rank)
     if rank > widest:
