@@ -238,24 +238,34 @@ _FAULTS_SCRIPT = """
 import json, resource, sys, torch
 from memfit.strategies.allocator import host_memory_kept
 
+def in_heap(address):  # whether an address lies in the heap glibc grows with brk (not in a mapping of its own)
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith("[heap]"):
+            start, end = (int(a, 16) for a in line.split()[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
 def faults(times, values=16 << 20):  # minor page faults while a block (64 MiB) is allocated, filled, freed, each time
-    out = []
+    out, heap = [], []
     for _ in range(times):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         block = torch.ones(values)
+        heap.append(in_heap(block.data_ptr()))
         del block
         out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    return out
+    return out, heap
 
 def resident():
     return int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 
-r = {"default": faults(3)}
+r = {}
+r["default"], r["default_heap"] = faults(3)
 with host_memory_kept(False):
-    r["opted_out"] = faults(3)
+    r["opted_out"], r["opted_out_heap"] = faults(3)
 with host_memory_kept(True):
-    r["kept"] = faults(8)
-    r["kept_large"] = faults(5, 9 << 26)  # 2.25 GiB: freed at the heap's top, over any trim threshold short of none
+    r["kept"], r["kept_heap"] = faults(16)
+    r["kept_large"], r["kept_large_heap"] = faults(6, 9 << 26)  # 2.25 GiB: freed at the heap's top
     r["resident_kept"] = resident()
 r["resident_after"] = resident()
 with host_memory_kept(True, resident() + (32 << 20)) as bound:  # a budget of 32 MiB over what is resident now
@@ -271,16 +281,27 @@ print(json.dumps(r))
 
 @pytest.mark.skipif(not GLIBC, reason="needs glibc's malloc (Linux)")
 def test_host_memory_kept_while_training_stops_each_step_faulting_its_blocks_in_again():
-    # in a fresh process: what glibc does with a block depends on the holes earlier tests left in the heap
+    """In a fresh process: what glibc does with a block depends on the holes earlier tests left in the heap.
+
+    Which holes the small allocations between blocks leave, and so how many times the kept heap grows before every
+    block fits one it has, varies with the process (Python's hash seed alone moves it: over 140 seeds here the heap
+    grew once, or twice in the first three blocks; a CI run once saw four growths in the first six). So the test pins
+    what glibc guarantees, block by block (where a block lives, that a freed block's pages stay), and bounds the
+    settling loosely: a few growths, then none."""
     done = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, check=True)
     r = json.loads(done.stdout.splitlines()[-1])
     pages = (64 << 20) // resource.getpagesize()
     # glibc's defaults (and the opt-out): a block over its mmap threshold (32 MiB at most) is mapped afresh and its
     # pages faulted in every time
+    assert not any(r["default_heap"] + r["opted_out_heap"]), r
     assert min(r["default"] + r["opted_out"]) >= pages // 2, r
-    # kept: the heap grows to hold the block, once or twice more while the holes settle (an aligned block may not fit
-    # a freed hole that a small allocation has since taken the end of), then every block reuses those pages
-    assert r["kept"][0] >= pages // 2 and sum(r["kept"]) <= 3 * pages and max(r["kept"][4:]) < pages // 20, r
+    # kept: every block is served from the heap, whose freed pages are never handed back while kept; the heap grows to
+    # hold the block, a few times more while the holes settle (a block may not fit a freed hole that a small
+    # allocation has since taken the start of), then every block reuses pages it has
+    assert all(r["kept_heap"] + r["kept_large_heap"]), r
+    grew = [n >= pages // 2 for n in r["kept"]]
+    assert grew[0] and sum(r["kept"]) <= 6 * pages and not any(grew[10:]), r
+    assert max(r["kept"][10:]) < pages // 20, r
     # a block freed at the heap's top is kept after its heap growths (a 2 GiB trim threshold re-faulted it each time)
     assert max(r["kept_large"][3:]) < pages // 20, r
     assert r["resident_kept"] - r["resident_after"] >= (64 << 20), r  # handed back to the kernel at the end
