@@ -33,7 +33,7 @@ from memfit.cache import cache_dir, cache_write_error, make_cache_dir
 from memfit.config.loader import TOO_DEEP, json_value
 from memfit.config.schema import EMBEDDED_MODEL, ModelConfig
 from memfit.errors import UserError, first_line, hub_hint
-from memfit.models.planning import transformers_config
+from memfit.models.planning import EXPERT_COUNTS, EXPERTS_PER_TOKEN, transformers_config
 from memfit.models.presets import PRESETS, ModelShape, preset, preset_config
 
 if TYPE_CHECKING:
@@ -170,7 +170,10 @@ def read_config(path: Path, what: str = "model.source", *, built: bool = True):
     """
     shown = path if path.is_file() else path / "config.json"
     try:
-        _check_rope_type(PretrainedConfig.get_config_dict(path)[0], f"{what}: '{shown}'")
+        raw = PretrainedConfig.get_config_dict(path)[0]
+        _check_rope_type(raw, f"{what}: '{shown}'")
+        _check_sizes(raw, f"{what}: '{shown}'")  # before transformers divides by them (0 heads: ZeroDivisionError)
+        _check_routing(raw, f"{what}: '{shown}'")
         config = AutoConfig.from_pretrained(path)  # AttributeError: a dtype torch lacks
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, *_CONFIG_CHECKS) as e:
         why = e.__cause__ if isinstance(e, _CONFIG_CHECKS) and e.__cause__ else e  # the check's own words
@@ -178,10 +181,7 @@ def read_config(path: Path, what: str = "model.source", *, built: bool = True):
             f"{what}: '{shown}' is not a usable model config ({_why(why)}); "
             "fix it or re-save the checkpoint with save_pretrained"
         ) from None
-    sizes = {f.name: getattr(config, f.name, None) for f in fields(ModelShape)}
-    wrong = [f"{k} {v!r}" for k, v in sizes.items() if v is not None and (type(v) is not int or v < 1)]
-    if wrong:
-        raise UserError(f"{what}: '{shown}' has {', '.join(wrong)}; every size must be a whole number >= 1")
+    sizes = _check_sizes({f.name: getattr(config, f.name, None) for f in fields(ModelShape)}, f"{what}: '{shown}'")
     rope = getattr(config, "rope_parameters", None)
     positive = {  # RoPE's base (transformers 5 keeps it in rope_parameters) and the norm's epsilon
         "rope_theta": rope.get("rope_theta") if isinstance(rope, dict) else getattr(config, "rope_theta", None),
@@ -202,6 +202,39 @@ def read_config(path: Path, what: str = "model.source", *, built: bool = True):
     if built:
         _check_it_builds(config, f"{what}: '{shown}'")
     return config
+
+
+def _check_sizes(config: dict, where: str) -> dict:
+    """The planner's sizes (``ModelShape``'s fields) of a config, as given in it (absent ones None).
+
+    Raises:
+        UserError: naming each one that is not a whole number >= 1.
+    """
+    sizes = {f.name: config.get(f.name) for f in fields(ModelShape)}
+    wrong = [f"{k} {v!r}" for k, v in sizes.items() if v is not None and (type(v) is not int or v < 1)]
+    if wrong:
+        raise UserError(f"{where} has {', '.join(wrong)}; every size must be a whole number >= 1")
+    return sizes
+
+
+def _check_routing(config: dict, where: str) -> None:
+    """A mixture of experts routes each token to between one and all of its experts (a top-k past them fails in
+    ``torch.topk`` at the first step; none leaves every MoE layer's output zero). A config without both numbers, or
+    with no experts and none per token (a dense Granite-4.0's), is left alone.
+
+    Raises:
+        UserError: naming the two numbers.
+    """
+    count = next(((k, config[k]) for k in EXPERT_COUNTS if isinstance(config.get(k), int)), None)
+    top = next(((k, config[k]) for k in EXPERTS_PER_TOKEN if config.get(k) is not None), None)
+    if count is None or top is None:
+        return
+    (top_key, top), (count_key, count) = top, count
+    if type(top) is not int or not (1 <= top <= count or top == count == 0):
+        raise UserError(
+            f"{where} routes each token to {top_key} {top!r} of its {count_key} {count} experts; "
+            f"{top_key} must be a whole number from 1 to {count_key}"
+        )
 
 
 def _check_it_builds(config, where: str) -> None:

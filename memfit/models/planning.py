@@ -48,17 +48,18 @@ class Experts:
         """A transformers config's experts: Mixtral's and gpt-oss's ``num_local_experts``, Qwen-MoE's and OLMoE's
         ``num_experts``, DeepSeek's ``n_routed_experts`` (with ``moe_intermediate_size`` where it is given, and a
         shared MLP of ``shared_expert_intermediate_size`` or ``n_shared_experts`` experts)."""
-        count = next((v for k in _EXPERT_COUNTS if isinstance(v := getattr(config, k, None), int) and v > 1), 1)
+        count = next((v for k in EXPERT_COUNTS if isinstance(v := getattr(config, k, None), int) and v > 1), 1)
         if count == 1:
             return cls()
         intermediate = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         shared = getattr(config, "shared_expert_intermediate_size", None) or 0
         shared = shared or (getattr(config, "n_shared_experts", None) or 0) * intermediate
-        per_token = getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", None) or 1
+        per_token = next((v for k in EXPERTS_PER_TOKEN if (v := getattr(config, k, None))), 1)
         return cls(count, min(per_token, count), intermediate, shared)
 
 
-_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+EXPERTS_PER_TOKEN = ("num_experts_per_tok", "experts_per_token")
 
 
 @dataclass(frozen=True)

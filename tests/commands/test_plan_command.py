@@ -352,6 +352,7 @@ def test_plan_device_cpu_errors_are_one_line(capsys, extra, message):
 
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 100}
+MIXTRAL = {"model_type": "mixtral", "num_attention_heads": 4, "num_local_experts": 4, "num_experts_per_tok": 2}
 
 
 @pytest.mark.parametrize(
@@ -361,6 +362,11 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "nu
         ({"num_attention_heads": 4, "num_key_value_heads": 3}, "4 attention heads, not a multiple of its 3 key/value"),
         ({"num_attention_heads": 3}, "config.json"),  # newer transformers refuse it themselves, older ones at the heads
         ({"num_attention_heads": 4, "num_hidden_layers": 0}, "num_hidden_layers 0"),
+        ({"num_attention_heads": 0}, "has num_attention_heads 0; every size"),  # a ZeroDivisionError traceback
+        # a traceback from torch.topk in the trace workers; 0 was planned without a word (every MoE output zero)
+        (MIXTRAL | {"num_local_experts": 0}, "routes each token to num_experts_per_tok 2 of its num_local_experts 0"),
+        (MIXTRAL | {"num_experts_per_tok": 5}, "num_experts_per_tok must be a whole number from 1 to"),
+        (MIXTRAL | {"num_experts_per_tok": 0}, "routes each token to num_experts_per_tok 0 of its num_local_experts 4"),
         (  # a traceback from the trace workers (KeyError: 'bogus') after transformers' warning
             {"num_attention_heads": 4, "rope_scaling": {"type": "bogus", "factor": 2.0}},
             "has rope_type 'bogus', which transformers does not know; use one of default, linear",
@@ -384,6 +390,10 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "nu
         "kv-heads",
         "heads",
         "no-layers",
+        "no-heads",
+        "no-experts",
+        "top-k-past-experts",
+        "top-k-0",
         "rope-type",
         "rope-factor",
         "hidden-act",
@@ -400,6 +410,14 @@ def test_a_config_json_with_impossible_sizes_is_one_line(capsys, tmp_path, confi
     path.write_text(json.dumps(LLAMA | config))
     code, _, err = _plan(capsys, "--model", str(path), "--gpu", "h100", "--seq-len", "64")
     assert code == 2 and message in err and "\n" not in err
+
+
+def test_a_config_with_no_experts_and_none_per_token_is_planned_as_dense(capsys, tmp_path):
+    """A dense model's config may say it has no experts and routes to none (a dense Granite-4.0's does)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA | {"num_attention_heads": 4, "num_local_experts": 0, "num_experts_per_tok": 0}))
+    code, out, _ = _plan(capsys, "--model", str(path), "--gpu", "h100", "--seq-len", "64", "--json")
+    assert code == 0 and json.loads(out)["fitting"], out[-500:]
 
 
 @pytest.mark.parametrize(
