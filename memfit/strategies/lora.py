@@ -12,6 +12,13 @@ absolute maximum quantized to int8 against one bf16 scale per ``scaler block`` o
 largest power of two that divides the block count). The embeddings, norms and output head stay as they were.
 A matmul dequantizes its weight to the input's dtype for that matmul (and again in backward), so a layer's
 weight exists at full width only while it is used.
+
+A mixture of experts' experts are 3-D weights (experts x out x in), not Linear modules. Each such frozen stack
+becomes NF4 tensors of whole experts behind a parametrization (``_Dequantized``): reading ``experts.gate_up_proj``
+dequantizes the stack, group by group, into a tensor the model's own code (transformers' grouped matmul) uses
+as it would the bf16 stack. Autograd would keep that tensor for backward in every layer; the experts' forward
+saves the NF4 groups in its place and dequantizes them again in backward (``_nf4_saved_tensors_hooks``). A stack that
+carries adapters (``lora.target_parameters``) stays as it is: PEFT adds its own parametrization there.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.utils.parametrize as parametrize
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -179,20 +187,120 @@ def quantize_base(model: torch.nn.Module, kind: str) -> int:
             f"lora.quantize_base {kind} needs torchao: pip install 'memfit[lowbit]' (or torchao); {first_line(e)}"
         ) from None
     count = 0
+    adapted = {(id(m.get_base_layer()), m.parameter_name) for m in model.modules() if hasattr(m, "parameter_name")}
     for layer in decoder_layers(model):
         for module in layer.modules():
             weight = getattr(module, "weight", None)
-            if not isinstance(module, torch.nn.Linear) or weight.requires_grad or weight.numel() % NF4_BLOCK:
-                continue
-            blocks = weight.numel() // NF4_BLOCK
-            scaler_block = next(b for b in NF4_SCALER_BLOCKS if blocks % b == 0)
-            nf4 = _fake_nf4(weight) if is_fake(weight) else None
-            if nf4 is None:
-                nf4 = to_nf4(weight.detach(), NF4_BLOCK, scaler_block)
-                _remember_layout(weight, nf4)
-            module.weight = torch.nn.Parameter(nf4, requires_grad=False)
-            count += 1
+            if isinstance(module, torch.nn.Linear) and not weight.requires_grad and weight.numel() % NF4_BLOCK == 0:
+                module.weight = torch.nn.Parameter(_nf4(weight, to_nf4), requires_grad=False)
+                count += 1
+            for name, stack in list(module.named_parameters(recurse=False)):
+                if _expert_stack(stack) and (id(module), name) not in adapted:
+                    _quantize_stack(module, name, stack, to_nf4)
+                    count += 1
     return count
+
+
+def _nf4(weight: torch.Tensor, to_nf4) -> torch.Tensor:
+    """``weight`` (2-D) as an NF4 tensor, in blocks of 64 values under the largest scaler block that divides them."""
+    blocks = weight.numel() // NF4_BLOCK
+    scaler_block = next(b for b in NF4_SCALER_BLOCKS if blocks % b == 0)
+    nf4 = _fake_nf4(weight) if is_fake(weight) else None
+    if nf4 is None:
+        nf4 = to_nf4(weight.detach(), NF4_BLOCK, scaler_block)
+        _remember_layout(weight, nf4)
+    return nf4
+
+
+def _expert_stack(p: torch.Tensor) -> bool:
+    """A frozen 3-D weight (experts x out x in: a mixture of experts' stacked projections), each expert of whole
+    64-value blocks."""
+    return p.dim() == 3 and not p.requires_grad and p.is_floating_point() and p[0].numel() % NF4_BLOCK == 0
+
+
+NF4_GROUP_VALUES = 1 << 26
+"""Values per NF4 tensor of an expert stack, at most (or one expert where an expert holds more): torchao's
+dequantization holds two 64-bit codes per byte of a tensor, 4x its bf16 size, while it runs; a stack dequantized
+group by group holds that for one group (512 MiB at most beside one expert's), not for the whole stack (7.5 GB
+for a Mixtral-8x7B layer's gate_up_proj), and a trace builds a few NF4 tensors a stack, not one per expert (128 a
+Qwen3-30B-A3B stack: its plan took 189 s, not 12)."""
+
+
+class _Dequantized(torch.nn.Module):
+    """The parametrization of a quantized expert stack, held as NF4 tensors of whole experts (``NF4_GROUP_VALUES``):
+    reading ``module.<name>`` dequantizes them, group by group, into a tensor of the stack's shape and dtype. That
+    tensor is marked with its source, so that autograd saves the NF4 groups for backward in its place
+    (``_nf4_saved_tensors_hooks``) and dequantizes them there."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, to_nf4):
+        super().__init__()
+        self.shape, self.dtype, self.to_nf4 = tuple(shape), dtype, to_nf4
+        experts, out, inner = self.shape
+        self.group = max(1, min(experts, NF4_GROUP_VALUES // (out * inner)))
+
+    def right_inverse(self, stack: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        groups = stack.detach().split(self.group)
+        return tuple(_nf4(g.reshape(-1, g.shape[-1]), self.to_nf4) for g in groups)
+
+    def forward(self, *groups: torch.Tensor) -> torch.Tensor:
+        stack = torch.empty(self.shape, dtype=self.dtype, device=groups[0].device)
+        for held, group in zip(stack.split(self.group), groups):
+            held.copy_(group.to(self.dtype).view(held.shape))
+        stack._memfit_nf4 = (groups, self)  # the _base of every view of it (an expert, a transpose)
+        return stack
+
+
+def _outer_saved_tensors_hooks() -> tuple | None:
+    """The saved-tensor hooks open where a module runs (activation checkpointing's, activation offloading's, the
+    planner's tracker's), which hooks opened inside it would otherwise hide: torch keeps only the innermost."""
+    try:
+        return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, TypeError, RuntimeError):  # a private API: a torch without it has none to pass on to
+        return None
+
+
+def _nf4_saved_tensors_hooks() -> torch.autograd.graph.saved_tensors_hooks:
+    """Hooks under which every dequantized stack that autograd saves for backward (the weight of a matmul whose input
+    needs a gradient) is saved as its NF4 groups and dequantized again when backward reads it: a layer's experts
+    exist at full width only while its matmuls run, as an NF4 Linear's weight does. Every other saved tensor goes to
+    the hooks open outside (so that checkpointing drops it, offloading moves it, the planner counts it)."""
+    outer_pack, outer_unpack = _outer_saved_tensors_hooks() or (None, None)
+
+    def pack(t: torch.Tensor):
+        root = t if t._base is None else t._base
+        source = getattr(root, "_memfit_nf4", None)
+        if source is not None:
+            return True, (source, t.size(), t.stride(), t.storage_offset())
+        return False, outer_pack(t) if outer_pack else t
+
+    def unpack(packed):
+        nf4, value = packed
+        if nf4:
+            (groups, stack), size, stride, offset = value
+            return stack(*groups).as_strided(size, stride, offset)
+        return outer_unpack(value) if outer_unpack else value
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _open_nf4_hooks(module: torch.nn.Module, args) -> None:
+    hooks = _nf4_saved_tensors_hooks()
+    hooks.__enter__()
+    module._nf4_hooks.append(hooks)
+
+
+def _close_nf4_hooks(module: torch.nn.Module, args, output) -> None:
+    module._nf4_hooks.pop().__exit__(None, None, None)
+
+
+def _quantize_stack(module: torch.nn.Module, name: str, stack: torch.Tensor, to_nf4) -> None:
+    """Store ``module.<name>`` (an expert stack) as NF4 groups of experts behind a ``_Dequantized`` parametrization, the
+    module's forward under ``_nf4_saved_tensors_hooks`` (module hooks, so that a copy of the module keeps them)."""
+    parametrize.register_parametrization(module, name, _Dequantized(stack.shape, stack.dtype, to_nf4), unsafe=True)
+    if not hasattr(module, "_nf4_hooks"):
+        module._nf4_hooks = []
+        module.register_forward_pre_hook(_open_nf4_hooks)
+        module.register_forward_hook(_close_nf4_hooks, always_call=True)
 
 
 _NF4_LAYOUTS: dict[tuple, tuple] = {}
