@@ -1,5 +1,5 @@
 """The hostile-user probes (issue 19's, the twenty-second, twenty-third, twenty-fifth, twenty-sixth,
-thirty-third to thirty-sixth sessions'), re-runnable:
+thirty-third to thirty-seventh sessions'), re-runnable:
 each a real ``memfit`` command in a fresh directory, judged by the promise "one clear line, non-zero exit, nothing
 half-written" (or, where the input is legitimate, that it works: resume however the path is spelled, train longer,
 retry with another port).
@@ -18,6 +18,7 @@ import gzip
 import json
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -979,6 +980,7 @@ _ARCHS = {
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
     "phi3": ("Phi3Config", dict(pad_token_id=0)),
+    "llama": ("LlamaConfig", {}),
 }
 
 
@@ -1106,6 +1108,63 @@ def _(tmp):
     said = r.out + r.err
     ok = r.code != 0 and "Traceback" not in r.err and "--lora-rank" in said and "try LoRA" not in said
     return ok, (said.strip().splitlines() or [""])[-1][:300]
+
+
+# -- 37: impossible model sizes and routing; QLoRA on a mixture of experts -------------------------------------
+
+
+@probe("37", "config.json with 0 attention heads, or experts per token 0 / past the experts: one line (tracebacks)")
+def _(tmp):
+    said = []
+    cases = {"heads": ("llama", {"num_attention_heads": 0}, "has num_attention_heads 0; every size must be")}
+    cases["past"] = ("mixtral", {"num_experts_per_tok": 9}, "routes each token to num_experts_per_tok 9 of its")
+    cases["none"] = ("mixtral", {"num_experts_per_tok": 0}, "routes each token to num_experts_per_tok 0 of its")
+    for name, (arch, change, needle) in cases.items():
+        config = json.loads(_config(tmp, arch).read_text()) | change
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(json.dumps(config))
+        said.append(
+            one_error_line(memfit("plan", "--model", name, "--gpu", "h100", "--seq-len", "64", cwd=tmp), needle)
+        )
+        said.append(one_error_line(train(tmp, f"model.source=random:{tmp / name}"), needle))
+    bad = [line for ok, line in said if not ok]
+    return not bad and empty_or_absent(tmp / "run"), (bad or [said[-1][1]])[0]
+
+
+@probe("37", "QLoRA on a mixtral: its experts are NF4 (they stayed bf16); trains, resumes to the same losses")
+def _(tmp):
+    model = f"model.source=random:{_config(tmp, 'mixtral').parent}"
+    run = [model, "lora.enabled=true", "lora.quantize_base=nf4", "train.max_steps=4", "train.checkpoint_every=2"]
+    first = train(tmp, *run)
+    shutil.rmtree(tmp / "run" / "checkpoints" / "step_0000004", ignore_errors=True)
+    again = train(tmp, *run, "train.resume=true")
+
+    def losses(r: Result) -> list[str]:  # each step's line: "step 3  loss 10.8  lr ..." (not the eval lines)
+        return [line.split()[3] for line in r.out.splitlines() if line.startswith("step") and " lr " in line]
+
+    def params(base: str) -> int | None:  # the smallest parameter bytes a fitting candidate holds
+        flags = ["--lora", "--quantize-base", base, "--seq-len", "64", "--json"]
+        r = memfit("plan", "--model", str(tmp / "mixtral"), "--gpu", "h100", *flags, cwd=tmp)
+        fitting = json.loads(r.out)["fitting"] if r.code == 0 else []
+        return min((c["peak_by_category_bytes"]["params"] for c in fitting), default=None)
+
+    params = [params("nf4"), params("none")]
+    ok = first.code == again.code == 0 and losses(first)[2:] == losses(again) and None not in params
+    experts = 2 * 4 * 3 * 64 * 96 * 2  # bf16 bytes of the experts (layers x experts x 3 projections): NF4 holds ~1/4
+    ok = ok and params[1] - params[0] > 0.6 * experts  # attention alone in NF4 saved 36 kB of these 295
+    return ok, f"losses {losses(first)} / resumed {losses(again)}; plan params nf4 / bf16: {params} bytes"
+
+
+@probe("37", "plan a copy of a config.json after the first copy planned was deleted (it read the deleted path)")
+def _(tmp):
+    env = {"MEMFIT_CONFIG_CACHE": str(tmp / "configs"), "MEMFIT_PLAN_CACHE": "off", "MEMFIT_TRACE_CACHE": "off"}
+    first = _config(tmp, "llama").parent
+    shutil.copytree(first, tmp / "copy")
+    plans = [memfit("plan", "--model", "llama", "--gpu", "h100", "--seq-len", "64", cwd=tmp, env=env)]
+    shutil.rmtree(first)
+    plans.append(memfit("plan", "--model", "copy", "--gpu", "h100", "--seq-len", "64", cwd=tmp, env=env))
+    ok = all(r.code == 0 and "candidates fit" in r.out for r in plans)
+    return ok, f"exit {plans[-1].code}: {(plans[-1].err.strip().splitlines() or [''])[-1][:250]}"
 
 
 def main() -> int:

@@ -231,8 +231,8 @@ def config_for_planning(model: str, attn_implementation: str = "sdpa") -> Planni
             }
         )
         cached = _load(key)
-        if cached is not None:
-            return cached
+        if cached is not None:  # the same bytes, maybe another copy of them: this one is read where it is read again
+            return replace(cached, path=str(file))
     config = _read(model, name, attn_implementation)
     read = ReadConfig.of(file, attn_implementation, config)
     if key is not None:

@@ -4,6 +4,7 @@ traced again, concurrent writers leave a whole entry, and the key changes with e
 import gzip
 import multiprocessing
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from memfit.config.schema import ModelConfig
 from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.models.load import model_config, resolve_source
-from memfit.models.planning import ReadConfig, config_for_planning, config_key
+from memfit.models.planning import ReadConfig, config_for_planning, config_key, transformers_config
 from memfit.models.presets import Preset, preset, preset_config
 from memfit.planner import trace_cache
 from memfit.planner.hardware import gpu_preset
@@ -255,3 +256,17 @@ def test_a_read_config_is_kept_named_as_the_trainers_and_read_again_when_its_fil
     assert config_for_planning(str(file)).num_hidden_layers == 5
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "config cache entry" in err and "is damaged" in err
+
+
+def test_a_config_cached_from_one_copy_is_read_from_another_after_the_first_is_gone(tmp_path, monkeypatch):
+    """The config cache is keyed by a file's bytes, and its entry named the file it was first read from: with that
+    copy deleted, planning an identical copy elsewhere read the deleted path again ('is not a usable model config
+    (Repo id must be in the form ...)')."""
+    monkeypatch.setenv("MEMFIT_CONFIG_CACHE", str(tmp_path / "configs"))
+    for copy in ("first", "second"):
+        preset_config("tiny").save_pretrained(tmp_path / copy)
+    first = config_for_planning(str(tmp_path / "first"))
+    shutil.rmtree(tmp_path / "first")
+    second = config_for_planning(str(tmp_path / "second"))
+    assert second.path == str(tmp_path / "second" / "config.json") and config_key(second) == config_key(first)
+    assert transformers_config(second).num_hidden_layers == 2
