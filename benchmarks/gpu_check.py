@@ -20,6 +20,9 @@ Parts, each in its own subprocess(es) with its own time limit, so one failure le
    memory (``optimizer.offload``): device peak, step time and host RSS against the planner's device and host bytes;
    the same cell with AdamW on the device is ``bench-lowbit``'s 32-bit one (not run twice). Last: its host step and
    pinned buffers (58 GiB of host memory predicted) make it the slowest cell.
+6. ``bench-moe-qlora`` (issue 16 item 3, the thirty-seventh session's NF4 experts): ``bench-moe``'s
+   Mixtral-8x7B-shaped model (LoRA on attention, bf16-mixed, AC none) with its base in bf16 and in NF4, experts
+   included: peak allocated against the planner. Last, so that a short budget drops it first.
 
 Parts measured on 2026-11-30 (benchmarks/RESULTS.md) or by an earlier issue, run only when named in ``--parts``:
 
@@ -79,7 +82,7 @@ from memfit.allocator.validation import compare_moments, layout_line, replay_lin
 from memfit.telemetry.bench import run_in_group  # noqa: E402
 
 GIB = 1 << 30
-OPEN_PARTS = ("doctor", "bench-qlora", "bench-lowbit", "packing", "bench-optimizer-offload")
+OPEN_PARTS = ("doctor", "bench-qlora", "bench-lowbit", "packing", "bench-optimizer-offload", "bench-moe-qlora")
 """The default run: what the open issues still ask a GPU for, the likeliest to finish first (about 8 minutes on the
 H200 by the 2026-11-30 runs' 30-35 s a bench cell: 8 cells and 6 packing runs). Run it as
 ``bash benchmarks/gpu_check.sh --out $OUT`` with carry ``[".gpu_carry"]`` and a ``timeout_s`` of about 580: a lent
@@ -521,7 +524,7 @@ def part_bench(s, out: Path, log, name: str, matrix: list[str], extra: tuple[str
     copies = [("memory_per_cell.png", f"{name}_memory.png")]
     if name == "bench_lora":
         copies.append(("pareto.png", f"{name}_pareto.png"))
-    if name in ("bench_offload", "bench_in_backward", "bench_chunks"):
+    if name in ("bench_offload", "bench_in_backward", "bench_chunks", "bench_moe_qlora"):
         copies = []
     for src, dst in copies:
         if (bench_out / src).is_file():
@@ -636,6 +639,8 @@ def main() -> int:
         ns.throughput = ["--model", "random:tiny", "--seq-len", "64", "--reps", "1", "--steps", "3", "--warmup", "1"]
         ns.throughput += ["--runners", "memfit,plain,hf", "--ac", "", "--data", source]
         ns.moe = ["--ac", "none,full", "--precision", "fp32", "--micro-batch", "2", "--lora", "true"]
+        ns.moe_qlora = ["--ac", "none", "--precision", "bf16-mixed", "--micro-batch", "2", "--lora", "true"]
+        ns.moe_qlora += ["--quantize-base", "none,nf4"]
         ns.steps, ns.bench_timeout = 2, 300
     else:
         ns.base = [
@@ -706,6 +711,8 @@ def main() -> int:
         ns.throughput += ["--seq-len", "1024", "--batch", "4", "--steps", "10", "--reps", "2"]
         ns.throughput += ["--runners", "memfit,plain,hf", "--ac", "", "--data", source]
         ns.moe = ["--ac", "none,full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "true"]
+        ns.moe_qlora = ["--ac", "none", "--precision", "bf16-mixed", "--micro-batch", "4", "--lora", "true"]
+        ns.moe_qlora += ["--quantize-base", "none,nf4"]
         ns.steps, ns.bench_timeout = 3, 190
     import torch
 
@@ -736,6 +743,7 @@ def main() -> int:
         "on-oom": lambda log: part_on_oom(ns, out, log),
         "restart": lambda log: part_restart(ns, out, log),
         "bench-moe": lambda log: part_bench(ns, out, log, "bench_moe", ns.moe, (moe_config(ns),)),
+        "bench-moe-qlora": lambda log: part_bench(ns, out, log, "bench_moe_qlora", ns.moe_qlora, (moe_config(ns),)),
         "packing": lambda log: part_script(ns, out, log, "packing", ns.packing, 300),
         "throughput": lambda log: part_script(ns, out, log, "train_throughput", ns.throughput, 300),
     }
