@@ -23,6 +23,7 @@ carries adapters (``lora.target_parameters``) stays as it is: PEFT adds its own 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -190,7 +191,7 @@ def quantize_base(model: torch.nn.Module, kind: str) -> int:
     count = 0
     adapted = {(id(m.get_base_layer()), m.parameter_name) for m in model.modules() if hasattr(m, "parameter_name")}
     for layer in decoder_layers(model):
-        for module in layer.modules():
+        for module in list(layer.modules()):  # not the parametrizations added on the way
             weight = getattr(module, "weight", None)
             if isinstance(module, torch.nn.Linear) and not weight.requires_grad and weight.numel() % NF4_BLOCK == 0:
                 module.weight = torch.nn.Parameter(_nf4(weight, to_nf4), requires_grad=False)
@@ -285,13 +286,16 @@ def _nf4_saved_tensors_hooks() -> torch.autograd.graph.saved_tensors_hooks:
 
 
 def _open_nf4_hooks(module: torch.nn.Module, args) -> None:
-    hooks = _nf4_saved_tensors_hooks()
-    hooks.__enter__()
-    module._nf4_hooks.append(hooks)
+    """Before an experts module's forward: its saved tensors under ``_nf4_saved_tensors_hooks``, and each stack
+    dequantized once however often the forward reads it (transformers' eager loop reads it once per expert)."""
+    opened = contextlib.ExitStack()
+    opened.enter_context(parametrize.cached())
+    opened.enter_context(_nf4_saved_tensors_hooks())
+    module._nf4_hooks.append(opened)
 
 
 def _close_nf4_hooks(module: torch.nn.Module, args, output) -> None:
-    module._nf4_hooks.pop().__exit__(None, None, None)
+    module._nf4_hooks.pop().close()
 
 
 def _quantize_stack(module: torch.nn.Module, name: str, stack: torch.Tensor, to_nf4) -> None:

@@ -291,3 +291,19 @@ def test_nf4_experts_with_activations_offloaded_trace_as_measured():
         assert abs(predicted.peak[c] - measured[c]) <= 0.03 * measured[c], (c, predicted.peak.as_dict(), measured)
     assert measured[Category.HOST] > 0
     assert abs(predicted.host_peak_bytes - measured[Category.HOST]) <= 0.05 * measured[Category.HOST]
+
+
+def test_an_experts_forward_dequantizes_each_stack_once_however_often_it_reads_it(monkeypatch):
+    """transformers' eager experts loop reads ``self.gate_up_proj[expert]`` once per expert hit: each read
+    dequantized the whole stack again (4 experts, 2 layers: 16 dequantizations in a forward, now 4)."""
+    from memfit.strategies import lora
+
+    model = _frozen_moe("mixtral")
+    model.config._experts_implementation = "eager"
+    quantize_base(model, "nf4")
+    calls = []
+    forward = lora._Dequantized.forward
+    monkeypatch.setattr(lora._Dequantized, "forward", lambda self, *groups: calls.append(1) or forward(self, *groups))
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    model(ids, labels=ids)
+    assert len(calls) == 2 * 2
