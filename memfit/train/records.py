@@ -35,26 +35,9 @@ def record_messages(record: object, where: str) -> list[dict]:
     input, where not empty, after the instruction)."""
     if not isinstance(record, dict):
         raise UserError(f"{where}: a record must be a JSON object (got {type(record).__name__})")
-    if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise UserError(f"{where}: 'messages' must be a non-empty list")
-        out = []
-        for m in messages:
-            text = _text_content(m.get("content")) if isinstance(m, dict) else None
-            if text is None and isinstance(m, dict) and m.get("content") is None and _tool_call_names(m):
-                text = ""  # OpenAI's assistant turn that only calls tools: its content is null
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and text is not None):
-                raise UserError(
-                    f"{where}: each message needs a string 'role' and a 'content' of text (a string, or parts of "
-                    f"type 'text') (got {m!r:.80})"
-                )
-            out.append({**m, "content": text})
-        if out[-1]["role"] != "assistant":
-            raise UserError(f"{where}: the last message must have role 'assistant' (got '{out[-1]['role']}')")
-        return out
-    if "conversations" in record:
-        return _sharegpt_messages(record["conversations"], where)
+    for key in ("messages", "conversations"):
+        if key in record:
+            return _turns(record[key], key, where)
     if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
         return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
     if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
@@ -134,24 +117,53 @@ _SHAREGPT_ROLES = {
 ``function_call``, an answer whose text is the call, and ``observation``, the tool's result)."""
 
 
-def _sharegpt_messages(turns: object, where: str) -> list[dict]:
-    """A ShareGPT record's ``conversations`` (``[{"from": "human" | "gpt" | "system", "value": ...}]``) as messages."""
+ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
+"""ShareGPT's two speakers where a ``role`` names them (``{"role": "human", "content": ...}``, as datasets converted
+half-way keep them): the roles chat templates know."""
+
+
+def _turns(turns: object, key: str, where: str) -> list[dict]:
+    """A record's ``messages`` or ``conversations`` as chat messages: each turn either OpenAI-style (``role``, and
+    ``content`` a string or text parts; ShareGPT's ``human`` and ``gpt`` read as ``user`` and ``assistant``, other
+    roles reach the template as they are) or ShareGPT-style (``from`` one of ``_SHAREGPT_ROLES``, ``value`` a string),
+    under either key: datasets on the Hub keep ``conversations`` of roles and contents as often as of speakers."""
     if not isinstance(turns, list) or not turns:
-        raise UserError(f"{where}: 'conversations' must be a non-empty list")
-    out = []
-    for t in turns:
-        role = _SHAREGPT_ROLES.get(t.get("from")) if isinstance(t, dict) and isinstance(t.get("from"), str) else None
-        if role is None or not isinstance(t.get("value"), str):
-            raise UserError(
-                f"{where}: each of 'conversations' needs 'from' ({' | '.join(_SHAREGPT_ROLES)}) and a string "
-                f"'value' (got {t!r:.80})"
-            )
-        out.append({"role": role, "content": t["value"]})
+        raise UserError(f"{where}: '{key}' must be a non-empty list")
+    out = [_sharegpt_turn(t, key, where) if _is_sharegpt(t) else _message(t, key, where) for t in turns]
     if out[-1]["role"] != "assistant":
+        last = turns[-1]
+        said = f"from '{last['from']}'" if _is_sharegpt(last) else f"role '{last['role']}'"
         raise UserError(
-            f"{where}: the last of 'conversations' must be from 'gpt' (or 'function_call') (got '{turns[-1]['from']}')"
+            f"{where}: the last of '{key}' must be the assistant's answer (role 'assistant', or from 'gpt' or "
+            f"'function_call') (got {said})"
         )
     return out
+
+
+def _is_sharegpt(turn: object) -> bool:
+    return isinstance(turn, dict) and "from" in turn and "role" not in turn
+
+
+def _message(m: object, key: str, where: str) -> dict:
+    text = _text_content(m.get("content")) if isinstance(m, dict) else None
+    if text is None and isinstance(m, dict) and m.get("content") is None and _tool_call_names(m):
+        text = ""  # OpenAI's assistant turn that only calls tools: its content is null
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str) and text is not None):
+        raise UserError(
+            f"{where}: each of '{key}' needs a string 'role' and a 'content' of text (a string, or parts of type "
+            f"'text'), or ShareGPT's 'from' and 'value' (got {m!r:.80})"
+        )
+    return {**m, "role": ROLE_ALIASES.get(m["role"], m["role"]), "content": text}
+
+
+def _sharegpt_turn(t: dict, key: str, where: str) -> dict:
+    role = _SHAREGPT_ROLES.get(t["from"]) if isinstance(t["from"], str) else None
+    if role is None or not isinstance(t.get("value"), str):
+        raise UserError(
+            f"{where}: each of '{key}' needs 'from' ({' | '.join(_SHAREGPT_ROLES)}) and a string 'value' "
+            f"(got {t!r:.80})"
+        )
+    return {"role": role, "content": t["value"]}
 
 
 ONE_VALUE_READ = 64 << 20

@@ -117,7 +117,10 @@ def test_text_parts_and_alpaca_records_are_the_conversations_they_spell(tmp_path
     [
         ("{not json", "not valid JSON"),
         ('{"messages": []}', "'messages' must be a non-empty list"),
-        ('{"messages": [{"role": "user", "content": "hi"}]}', "last message must have role 'assistant'"),
+        (
+            '{"messages": [{"role": "user", "content": "hi"}]}',
+            "last of 'messages' must be the assistant's .*role 'user'",
+        ),
         (
             '{"question": "hi", "answer": "ho"}',
             "need 'messages', 'conversations', string 'prompt' and 'response', string 'instruction' and 'output', or "
@@ -325,6 +328,32 @@ def test_sharegpt_conversations_are_the_messages_they_spell(tmp_path, tokenizer)
     assert roles == ["user", "assistant", "tool", "assistant"]
 
 
+def test_either_key_holds_either_shape_of_turn(tmp_path, tokenizer):
+    """Hub datasets keep ``conversations`` of roles and contents (refused: "needs 'from'") and ``messages`` of
+    ShareGPT's speakers (``"role": "human"`` trained as an unknown role): each is the conversation it spells, and a
+    record of both shapes reads as one of either."""
+    talk = ("Who wrote Hamlet?", "Shakespeare.", "And Faustus?", "Marlowe.")
+    want = _conversation(*talk)["messages"]
+    spelled = [
+        {"conversations": want},
+        {"messages": [{"from": ("human", "gpt")[i % 2], "value": text} for i, text in enumerate(talk)]},
+        {"messages": [{"role": ("human", "gpt")[i % 2], "content": text} for i, text in enumerate(talk)]},
+        {"conversations": [{"from": "human", "value": talk[0]}, *want[1:]]},
+    ]
+    for record in spelled:
+        assert record_messages(record, "x") == want
+    tokens = [
+        load_dataset(
+            DataConfig(source=_write_jsonl(tmp_path / f"{n}.jsonl", [json.dumps(r)] * 2), seq_len=96, packing=False),
+            tokenizer,
+        )
+        for n, r in enumerate([{"messages": want}, *spelled])
+    ]
+    assert all(torch.equal(t.tokens, tokens[0].tokens) and torch.equal(t.labels, tokens[0].labels) for t in tokens)
+    kept = {"role": "ipython", "content": "5", "name": "calc"}  # a role no alias names reaches the template as it is
+    assert record_messages({"conversations": [kept, want[1]]}, "x")[0] == kept
+
+
 @pytest.mark.parametrize(
     "record, reason",
     [
@@ -332,7 +361,8 @@ def test_sharegpt_conversations_are_the_messages_they_spell(tmp_path, tokenizer)
         ({"conversations": [{"from": "bot", "value": "a"}]}, r"needs 'from' \(human \| user \| gpt"),
         ({"conversations": [{"from": "human", "value": 3}]}, "and a string 'value'"),
         ({"conversations": [{"from": ["human"], "value": "a"}]}, r"needs 'from' \(human"),
-        ({"conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "b"}]}, "must be from 'gpt'"),
+        ({"conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "b"}]}, "got from 'human'"),
+        ({"conversations": [{"role": "user", "content": None}]}, "needs a string 'role' .* or ShareGPT's 'from'"),
     ],
 )
 def test_a_bad_sharegpt_record_names_file_and_line(tmp_path, tokenizer, record, reason):
