@@ -293,17 +293,35 @@ def test_nf4_experts_with_activations_offloaded_trace_as_measured():
     assert abs(predicted.host_peak_bytes - measured[Category.HOST]) <= 0.05 * measured[Category.HOST]
 
 
-def test_an_experts_forward_dequantizes_each_stack_once_however_often_it_reads_it(monkeypatch):
+def test_an_experts_forward_dequantizes_each_stack_once_and_backward_each_saved_expert_alone(monkeypatch):
     """transformers' eager experts loop reads ``self.gate_up_proj[expert]`` once per expert hit: each read
-    dequantized the whole stack again (4 experts, 2 layers: 16 dequantizations in a forward, now 4)."""
+    dequantized the whole stack again (4 experts, 2 layers: 16 dequantizations in a forward, now 4), and backward
+    dequantized the whole stack for each expert's saved weight (64 experts' worth, now 16: each its own group where
+    groups hold one expert). The loss and gradients stay bit-equal to the dequantized weights'."""
     from memfit.strategies import lora
 
-    model = _frozen_moe("mixtral")
-    model.config._experts_implementation = "eager"
+    monkeypatch.setattr(lora, "NF4_GROUP_VALUES", 1)
+    model, reference = _frozen_moe("mixtral"), _frozen_moe("mixtral")
     quantize_base(model, "nf4")
-    calls = []
-    forward = lora._Dequantized.forward
-    monkeypatch.setattr(lora._Dequantized, "forward", lambda self, *groups: calls.append(1) or forward(self, *groups))
+    for quantized, plain in zip(model.model.layers, reference.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(plain.mlp.experts, name).data = getattr(quantized.mlp.experts, name).detach().clone()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(plain.self_attn, name).weight.data = getattr(quantized.self_attn, name).weight.to(torch.bfloat16)
+    experts = []
+    dequantized = lora._Dequantized._dequantized
+    monkeypatch.setattr(
+        lora._Dequantized, "_dequantized", lambda self, g, n: experts.append(n) or dequantized(self, g, n)
+    )
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
-    model(ids, labels=ids)
-    assert len(calls) == 2 * 2
+    losses = []
+    for m in (model, reference):
+        m.config._experts_implementation = "eager"
+        loss = m(ids, labels=ids).loss
+        if m is model:
+            assert experts == [4] * 4  # each stack once
+        loss.backward()
+        losses.append(loss.item())
+    assert experts[4:] == [1] * 16  # one expert per saved weight: 2 layers x 2 stacks x 4 experts
+    assert losses[0] == losses[1]
+    assert torch.equal(model.model.embed_tokens.weight.grad, reference.model.embed_tokens.weight.grad)
