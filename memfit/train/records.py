@@ -29,13 +29,17 @@ def _text_content(content: object) -> str | None:
     return None
 
 
+TURN_KEYS = ("messages", "conversations", "conversation")
+"""The keys a record keeps its turns under: OpenAI's and TRL's, ShareGPT's, and LMSYS-Chat-1M's and WildChat's."""
+
+
 def record_messages(record: object, where: str) -> list[dict]:
     """A record's conversation: ``{"messages": [...]}`` (content a string or text parts), ShareGPT's
-    ``{"conversations": [...]}``, ``{"prompt", "response"}`` or Alpaca's ``{"instruction", "input", "output"}`` (the
-    input, where not empty, after the instruction)."""
+    ``{"conversations": [...]}`` (or LMSYS's and WildChat's ``conversation``), ``{"prompt", "response"}`` or Alpaca's
+    ``{"instruction", "input", "output"}`` (the input, where not empty, after the instruction)."""
     if not isinstance(record, dict):
         raise UserError(f"{where}: a record must be a JSON object (got {type(record).__name__})")
-    for key in ("messages", "conversations"):
+    for key in TURN_KEYS:
         if key in record:
             return _turns(record[key], key, where)
     if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
@@ -52,8 +56,8 @@ def record_messages(record: object, where: str) -> list[dict]:
             "train; to fine-tune on the chosen answers, give them as 'response' (or 'messages')"
         )
     raise UserError(
-        f"{where}: need 'messages', 'conversations', string 'prompt' and 'response', string 'instruction' and "
-        f"'output', or a string 'text' (keys: {', '.join(record) or 'none'})"
+        f"{where}: need 'messages', 'conversations' ('conversation'), string 'prompt' and 'response', string "
+        f"'instruction' and 'output', or a string 'text' (keys: {', '.join(record) or 'none'})"
     )
 
 
@@ -91,7 +95,7 @@ def check_tool_calls_rendered(messages: list[dict], rendered: str, where: str, r
         )
 
 
-_CHAT_KEYS = {"messages", "conversations", "prompt", "response", "instruction", "output"}
+_CHAT_KEYS = {*TURN_KEYS, "prompt", "response", "instruction", "output"}
 
 
 def record_content(record: object, where: str) -> list[dict] | str:

@@ -123,8 +123,8 @@ def test_text_parts_and_alpaca_records_are_the_conversations_they_spell(tmp_path
         ),
         (
             '{"question": "hi", "answer": "ho"}',
-            "need 'messages', 'conversations', string 'prompt' and 'response', string 'instruction' and 'output', or "
-            "a string 'text' \\(keys: question, answer\\)",
+            "need 'messages', 'conversations' \\('conversation'\\), string 'prompt' and 'response', string "
+            "'instruction' and 'output', or a string 'text' \\(keys: question, answer\\)",
         ),
         (
             '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}, '
@@ -339,9 +339,10 @@ def test_either_key_holds_either_shape_of_turn(tmp_path, tokenizer):
         {"messages": [{"from": ("human", "gpt")[i % 2], "value": text} for i, text in enumerate(talk)]},
         {"messages": [{"role": ("human", "gpt")[i % 2], "content": text} for i, text in enumerate(talk)]},
         {"conversations": [{"from": "human", "value": talk[0]}, *want[1:]]},
+        {"conversation": [{**m, "turn_identifier": 7} for m in want]},  # LMSYS-Chat-1M's and WildChat's key
     ]
     for record in spelled:
-        assert record_messages(record, "x") == want
+        assert [{k: m[k] for k in ("role", "content")} for m in record_messages(record, "x")] == want
     tokens = [
         load_dataset(
             DataConfig(source=_write_jsonl(tmp_path / f"{n}.jsonl", [json.dumps(r)] * 2), seq_len=96, packing=False),
