@@ -75,6 +75,17 @@ def _grouped_mm_any_dtype(args: tuple, kwargs: dict) -> torch.Tensor:
     return _GROUPED_MM(*bf16, **kwargs).to(dtype)
 
 
+_BINCOUNT = torch.ops.aten.bincount.default
+
+
+def _bincount_fake(values: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
+    """``aten.bincount`` on a fake tensor, which refuses it (its length is its largest value's, data a trace does not
+    have): a vector of ``minlength`` counts (of the input's length where none is given), as a count of each expert's
+    picks is (transformers 5.17's load-balancing loss counts them with ``minlength=num_experts``)."""
+    dtype = weights.dtype if weights is not None else torch.int64
+    return values.new_zeros(int(minlength) or values.numel(), dtype=dtype)
+
+
 def _storage(t: torch.Tensor):
     try:
         return t.untyped_storage()
@@ -339,6 +350,8 @@ class StepTracker(TorchDispatchMode):
                 out = type(sub).__torch_dispatch__(func, types, args, kwargs)
         elif func is _GROUPED_MM and isinstance(args[0], FakeTensor) and args[0].dtype != torch.bfloat16:
             out = _grouped_mm_any_dtype(args, kwargs)
+        elif func is _BINCOUNT and isinstance(args[0], FakeTensor):
+            out = _bincount_fake(*args, **kwargs)
         else:
             out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
