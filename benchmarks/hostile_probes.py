@@ -1,5 +1,5 @@
 """The hostile-user probes (issue 19's, the twenty-second, twenty-third, twenty-fifth, twenty-sixth,
-thirty-third to thirty-seventh sessions'), re-runnable:
+thirty-third to thirty-eighth sessions'), re-runnable:
 each a real ``memfit`` command in a fresh directory, judged by the promise "one clear line, non-zero exit, nothing
 half-written" (or, where the input is legitimate, that it works: resume however the path is spelled, train longer,
 retry with another port).
@@ -1165,6 +1165,25 @@ def _(tmp):
     plans.append(memfit("plan", "--model", "copy", "--gpu", "h100", "--seq-len", "64", cwd=tmp, env=env))
     ok = all(r.code == 0 and "candidates fit" in r.out for r in plans)
     return ok, f"exit {plans[-1].code}: {(plans[-1].err.strip().splitlines() or [''])[-1][:250]}"
+
+
+# -- 38: chat records as Hub datasets keep them ----------------------------------------------------------------
+
+
+@probe("38", "'conversations' of roles, 'messages' of ShareGPT speakers or human/gpt roles, 'conversation': trains")
+def _(tmp):
+    ask, answer = "Who wrote Hamlet?", "Shakespeare."
+    shapes = {
+        "roles": {"conversations": [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]},
+        "speakers": {"messages": [{"from": "human", "value": ask}, {"from": "gpt", "value": answer}]},
+        "aliases": {"messages": [{"role": "human", "content": ask}, {"role": "gpt", "content": answer}]},
+        "lmsys": {"conversation": [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}]},
+    }
+    (tmp / "records").mkdir()
+    for name, record in shapes.items():  # a directory of JSON lines files: the records of all of them
+        (tmp / "records" / f"{name}.jsonl").write_text((json.dumps(record) + "\n") * 4)
+    r = train(tmp, f"data.source={tmp / 'records'}", "data.max_documents=null")
+    return r.code == 0, f"exit {r.code}: {(r.err.strip().splitlines() or [''])[-1][:250]}"
 
 
 def main() -> int:
