@@ -260,8 +260,10 @@ class _Dequantized(torch.nn.Module):
         """The view ``(size, stride, offset)`` of the stack that autograd saved, dequantized from the groups it
         reads alone: one expert's weight (transformers' eager experts loop saves each expert's) costs its group,
         not the whole stack (a Mixtral-8x7B layer's gate_up_proj: 235 MB, not 1.9 GB, once per expert)."""
+        if not all(size):  # an empty view reads no expert
+            return torch.empty_strided(size, stride, dtype=self.dtype, device=groups[0].device)
         per_group = self.group * self.shape[1] * self.shape[2]
-        last = offset + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else offset
+        last = offset + sum((n - 1) * s for n, s in zip(size, stride))
         first_group, last_group = offset // per_group, last // per_group
         experts = min(self.shape[0], (last_group + 1) * self.group) - first_group * self.group
         held = self._dequantized(groups[first_group : last_group + 1], experts)

@@ -325,3 +325,23 @@ def test_an_experts_forward_dequantizes_each_stack_once_and_backward_each_saved_
     assert experts[4:] == [1] * 16  # one expert per saved weight: 2 layers x 2 stacks x 4 experts
     assert losses[0] == losses[1]
     assert torch.equal(model.model.embed_tokens.weight.grad, reference.model.embed_tokens.weight.grad)
+
+
+def test_a_saved_view_of_nf4_experts_is_the_same_view_of_the_whole_dequantized_stack():
+    """Backward reads each saved view from the groups it covers: an expert, its transpose, a run of experts across
+    groups (3 experts a group, the last group shorter), the whole stack and an empty view equal the view of the stack
+    dequantized whole, value for value."""
+    from torchao.quantization import to_nf4
+
+    from memfit.strategies import lora
+
+    stack = torch.randn(7, 32, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    part = lora._Dequantized(stack.shape, stack.dtype, to_nf4)
+    part.group = 3
+    groups = part.right_inverse(stack)
+    whole = part(*groups)
+    assert len(groups) == 3
+    views = [whole[4], whole[6].t(), whole[2:5], whole[1:7].transpose(-2, -1), whole, whole[7:], whole[5, 3:9, ::2]]
+    for view in views:
+        got = part.view_of(groups, view.size(), view.stride(), view.storage_offset())
+        assert got.shape == view.shape and torch.equal(got, view)
