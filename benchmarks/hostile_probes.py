@@ -1186,6 +1186,16 @@ def _(tmp):
     return r.code == 0, f"exit {r.code}: {(r.err.strip().splitlines() or [''])[-1][:250]}"
 
 
+@probe("38", "plan a mixtral config.json asking experts_implementation eager: planned, with a note (a traceback)")
+def _(tmp):
+    config = json.loads(_config(tmp, "mixtral").read_text()) | {"experts_implementation": "eager"}
+    (tmp / "loop").mkdir()
+    (tmp / "loop" / "config.json").write_text(json.dumps(config))
+    r = memfit("plan", "--model", "loop", "--gpu", "h100", "--seq-len", "64", cwd=tmp)
+    ok = r.code == 0 and "note: the config asks for experts_implementation 'eager'" in r.out
+    return ok, f"exit {r.code}: {(r.err.strip().splitlines() or r.out.strip().splitlines() or [''])[-1][:250]}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="run the probes whose name contains this, or of this item (e.g. 23)")

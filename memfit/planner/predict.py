@@ -450,4 +450,10 @@ def _trace_job(item: tuple[tuple[StepSpec, ...], int, int]) -> tuple[tuple[tuple
     from memfit.planner.trace import steady_timelines
 
     specs, layers, depth = item
-    return (specs, layers), steady_timelines(list(specs), depth)
+    try:
+        return (specs, layers), steady_timelines(list(specs), depth)
+    except UserError:
+        raise
+    except Exception as e:  # one the parent can unpickle (torch's hold C++ objects: MaybeEncodingError), with the
+        # cause's traceback in the text the pool sends along
+        raise RuntimeError(f"the planner's trace failed: {type(e).__name__}: {e}") from e

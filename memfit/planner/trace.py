@@ -36,7 +36,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from transformers import AutoModelForCausalLM
 
-from memfit.models.planning import transformers_config
+from memfit.models.planning import config_asks_loop, transformers_config
 from memfit.planner.categories import StepMemory
 from memfit.planner.spec import StepSpec, extrapolate_regions, extrapolation_depths
 from memfit.planner.timeline import Timeline, collapse_regions
@@ -56,6 +56,8 @@ def _build_fake_model(spec: StepSpec, num_layers: int, fake_mode: FakeTensorMode
     if hasattr(config, "layer_types") and config.layer_types is not None:
         config.layer_types = config.layer_types[:num_layers]
     config.use_cache = False
+    if config_asks_loop(config):  # a loop whose shapes the routing sets: traced as the default (EXPERTS_LOOP_NOTE)
+        config._experts_implementation = "grouped_mm"
     precision = precision_policy(spec.strategy.precision)
     with torch.device("meta"):  # the adapters too: PEFT would allocate and initialise them for real
         model = AutoModelForCausalLM.from_config(config, dtype=precision.param_dtype)

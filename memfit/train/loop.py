@@ -36,6 +36,7 @@ from memfit.distributed.engines import Parallel, parallelize
 from memfit.distributed.runtime import init_distributed, on_every_rank, on_main, shutdown
 from memfit.errors import Interrupted, OutOfMemoryExit, RestartExit, UserError
 from memfit.models.load import build_model, resolve_source
+from memfit.models.planning import EXPERTS_LOOP_NOTE, asks_experts_loop
 from memfit.step.loss import ChunkedLoss, batch_loss_sum, supervised_tokens
 from memfit.step.runner import DeepSpeedRunner, StepEngine, StepRunner
 from memfit.strategies.allocator import (
@@ -151,6 +152,8 @@ class Trainer:
                 raise
             except Exception as e:  # the check is advice: a planner defect must not stop a run it cannot judge
                 self.notes.append(f"planner failed ({type(e).__name__}: {e}); running without the fit check")
+            else:
+                self.notes += [EXPERTS_LOOP_NOTE] if asks_experts_loop(mconf) else []
         self.baseline_rss_bytes = process_rss_bytes()
         self.notes += apply_device_limits(cfg.allocator, self.device)
         peak = getattr(self.predicted, "peak_bytes", None)

@@ -1,6 +1,7 @@
 """Mixtures of experts (Mixtral, Qwen-MoE, OLMoE): traced as the profiler measures them, their experts read from
 each config family, and their step-time model's FLOPs against a FLOP counter on real tensors."""
 
+import json
 from dataclasses import asdict
 
 import pytest
@@ -10,10 +11,19 @@ from support.measured import assert_within_3pct_per_category
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
+from memfit.cli import main
 from memfit.config.schema import LoraConfig
 from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.errors import UserError
-from memfit.models.planning import Experts, ReadConfig, config_for_planning, experts, layer_prefix
+from memfit.models.planning import (
+    Experts,
+    ReadConfig,
+    asks_experts_loop,
+    config_for_planning,
+    experts,
+    layer_prefix,
+    transformers_config,
+)
 from memfit.models.presets import preset, preset_config
 from memfit.planner.cost import Shape, step_flops
 from memfit.planner.measure import measured_steady_step
@@ -283,6 +293,29 @@ def test_a_load_balancing_loss_that_counts_picks_with_bincount_traces(monkeypatc
     config.output_router_logits = True
     spec = StepSpec(config, 128, Strategy(optimizer="foreach", micro_batch_size=4))
     assert_within_3pct_per_category(trace_step(spec).peak, measured_steady_step(spec))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
+def test_a_config_asking_for_the_experts_loop_is_planned_as_grouped_mm_and_says_so(family, tmp_path, capsys):
+    """``"experts_implementation": "eager"`` in a config.json (transformers' loop over the experts: ``nonzero`` of
+    the routing, shapes a trace does not have) ended ``memfit plan`` in a MaybeEncodingError traceback from its trace
+    workers, and a run's fit check in "planner failed". The experts are traced as grouped_mm, and the plan says so;
+    the loop's measured step (real tensors, the loop itself) is within 7% of that trace."""
+    _moe(family).save_pretrained(tmp_path / "loop")
+    raw = json.loads((tmp_path / "loop" / "config.json").read_text()) | {"experts_implementation": "eager"}
+    (tmp_path / "loop" / "config.json").write_text(json.dumps(raw))
+    transformers.LlamaConfig(**SMALL, experts_implementation="eager").save_pretrained(tmp_path / "dense")
+    read = config_for_planning(str(tmp_path / "loop"))
+    assert asks_experts_loop(read) and asks_experts_loop(transformers_config(read))
+    assert not asks_experts_loop(config_for_planning(str(tmp_path / "dense"))) and not asks_experts_loop(_moe(family))
+    strategy = Strategy(optimizer="foreach", micro_batch_size=4)
+    traced = trace_step(StepSpec(read, 128, strategy)).peak
+    assert traced.as_dict() == trace_step(StepSpec(_moe(family), 128, strategy)).peak.as_dict()
+    measured = measured_steady_step(StepSpec(read, 128, strategy))
+    assert abs(measured.total_bytes - traced.total_bytes) <= 0.07 * measured.total_bytes, (measured, traced)
+    pinned = ["--seq-len", "64", "--precision", "bf16-pure", "--ac", "none", "--micro-batch", "4"]
+    assert main(["plan", "--model", str(tmp_path / "loop"), "--gpu", "h100", *pinned]) == 0
+    assert "note: the config asks for experts_implementation 'eager'" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16-pure"])
