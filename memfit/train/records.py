@@ -145,7 +145,9 @@ def _turns(turns: object, key: str, where: str) -> list[dict]:
 
 
 def _is_sharegpt(turn: object) -> bool:
-    return isinstance(turn, dict) and "from" in turn and "role" not in turn
+    """A turn of ShareGPT's shape: ``from``, and no ``role`` (or a null one: a Parquet file's rows share one schema,
+    which holds every key any turn has)."""
+    return isinstance(turn, dict) and "from" in turn and turn.get("role") is None
 
 
 def _message(m: object, key: str, where: str) -> dict:

@@ -340,6 +340,7 @@ def test_either_key_holds_either_shape_of_turn(tmp_path, tokenizer):
         {"messages": [{"role": ("human", "gpt")[i % 2], "content": text} for i, text in enumerate(talk)]},
         {"conversations": [{"from": "human", "value": talk[0]}, *want[1:]]},
         {"conversation": [{**m, "turn_identifier": 7} for m in want]},  # LMSYS-Chat-1M's and WildChat's key
+        {"messages": [{"from": ("human", "gpt")[i % 2], "value": t, "role": None} for i, t in enumerate(talk)]},
     ]
     for record in spelled:
         assert [{k: m[k] for k in ("role", "content")} for m in record_messages(record, "x")] == want
