@@ -162,6 +162,7 @@ def asks_experts_loop(config: PlanningConfig) -> bool:
 
 
 def config_asks_loop(config: PretrainedConfig) -> bool:
+    """Whether a transformers config asks for the eager experts loop (its own ``experts_implementation``)."""
     return getattr(config, "_experts_implementation", None) == "eager"
 
 
