@@ -20,7 +20,13 @@ from memfit.config.schema import EMBEDDED_MODEL, LoraConfig
 from memfit.config.shipped import resolve_config_path
 from memfit.config.strategy import Strategy, levers
 from memfit.errors import UserError, check_output, not_a_file
-from memfit.models.planning import EXPERTS_LOOP_NOTE, asks_experts_loop, config_for_planning, planning_config_file
+from memfit.models.planning import (
+    EXPERTS_LOOP_NOTE,
+    asks_experts_loop,
+    attention_note,
+    config_for_planning,
+    planning_config_file,
+)
 from memfit.models.presets import PRESETS
 from memfit.planner.auto import this_cpu
 from memfit.planner.hardware import custom_gpu, gpu_preset
@@ -362,8 +368,10 @@ def run(ns, answered: Answered | None = None) -> int:
         render_table(result, console, ns.top, limits)
     if req.offload_params:
         _say_param_offload_ignored(result, ns.deepspeed, console)
-    if asks_experts_loop(workload.model_config):
-        console.print(f"note: {EXPERTS_LOOP_NOTE}", highlight=False, soft_wrap=True)
+    notes = [attention_note(workload.model_config, "sdpa")]
+    for note in [*notes, EXPERTS_LOOP_NOTE if asks_experts_loop(workload.model_config) else None]:
+        if note:
+            console.print(f"note: {note}", highlight=False, soft_wrap=True)
     if ns.html:  # written before a "nothing fits" error too: the closest candidates are what to look at then
         from memfit.pages.html import write_page
         from memfit.pages.plan import plan_page

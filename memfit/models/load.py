@@ -320,6 +320,17 @@ def check_weights(path: Path) -> None:
             raise UserError(f"model.source: '{f}' is damaged ({why}); re-download or re-save the checkpoint")
 
 
+def attention_kernel(config: PretrainedConfig, asked: str) -> str:
+    """The attention kernel a model of ``config`` runs: ``asked``, or eager where that is sdpa and transformers has
+    no sdpa attention for the architecture (Gemma-2's logit softcapping, GPT-OSS's sinks), as transformers itself
+    falls back when none is asked (``attention_note`` says so)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if asked != "sdpa" or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:  # not a causal LM: refused where built
+        return asked
+    return "sdpa" if getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_supports_sdpa", False) else "eager"
+
+
 def model_config(src: ModelSource, cfg: ModelConfig) -> PlanningConfig:
     """The model's config without building weights: a named preset's ``Preset`` (plain data, which the planner reads
     and the trace cache names as ``memfit plan`` does), else transformers' config of the ``config.json``.
@@ -330,7 +341,7 @@ def model_config(src: ModelSource, cfg: ModelConfig) -> PlanningConfig:
     if src.kind == "preset" and src.path is None:
         return preset(src.preset, cfg.attn_implementation)
     config = read_config(src.path)
-    config._attn_implementation = cfg.attn_implementation
+    config._attn_implementation = attention_kernel(config, cfg.attn_implementation)
     return config
 
 
@@ -363,7 +374,10 @@ def build_model(
         hf_logging.set_verbosity_error()  # its load report: what it says is said below, in one line
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
-                src.path, dtype=dtype, attn_implementation=cfg.attn_implementation, output_loading_info=True
+                src.path,
+                dtype=dtype,
+                attn_implementation=attention_kernel(read_config(src.path, built=False), cfg.attn_implementation),
+                output_loading_info=True,
             )
         except (OSError, ValueError, SafetensorError) as e:
             raise UserError(

@@ -145,6 +145,23 @@ def attention(config: PlanningConfig) -> Attention:
     return config.attention if isinstance(config, ReadConfig) else Attention.of(config)
 
 
+def attention_note(config: PlanningConfig, asked: str) -> str | None:
+    """What to say where a model of ``config`` runs another attention kernel than ``asked`` (``attention_kernel``:
+    eager, where the architecture has no sdpa), or None."""
+    if isinstance(config, Preset):
+        return None
+    read = isinstance(config, ReadConfig)
+    runs = config.attn_implementation if read else getattr(config, "_attn_implementation", None) or asked
+    if runs == asked:
+        return None
+    model_type = json.loads(config.json).get("model_type") if read else getattr(config, "model_type", None)
+    return (
+        f"{model_type or 'this model'} has no {asked} attention in transformers: it runs {runs} "
+        f"attention (model.attn_implementation={runs}), whose scores, T x T per head, each layer holds; planned and "
+        "trained so"
+    )
+
+
 EXPERTS_LOOP_NOTE = (
     "the config asks for experts_implementation 'eager', transformers' loop over the experts, whose shapes the routing "
     "sets and a trace cannot follow: planned as its default, grouped_mm (on small Mixtral and Qwen3-MoE steps the "
@@ -257,7 +274,7 @@ def config_for_planning(model: str, attn_implementation: str = "sdpa") -> Planni
         if cached is not None:  # the same bytes, maybe another copy of them: this one is read where it is read again
             return replace(cached, path=str(file))
     config = _read(model, name, attn_implementation)
-    read = ReadConfig.of(file, attn_implementation, config)
+    read = ReadConfig.of(file, config._attn_implementation, config)
     if key is not None:
         write_entry(cache_root("MEMFIT_CONFIG_CACHE", "configs"), key, asdict(read))
     return read
@@ -287,10 +304,10 @@ def _load(key: str) -> ReadConfig | None:
 def _read_file(path: Path, attn_implementation: str, built: bool = True) -> PretrainedConfig:
     """Transformers' config of a ``config.json`` (or another JSON file of one), validated (``load.read_config``;
     ``built``: not yet built, so one layer of it is)."""
-    from memfit.models.load import read_config
+    from memfit.models.load import attention_kernel, read_config
 
     config = read_config(path.parent if path.name == "config.json" else path, "--model", built=built)
-    config._attn_implementation = attn_implementation
+    config._attn_implementation = attention_kernel(config, attn_implementation)
     return config
 
 

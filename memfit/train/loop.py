@@ -36,7 +36,7 @@ from memfit.distributed.engines import Parallel, parallelize
 from memfit.distributed.runtime import init_distributed, on_every_rank, on_main, shutdown
 from memfit.errors import Interrupted, OutOfMemoryExit, RestartExit, UserError
 from memfit.models.load import build_model, resolve_source
-from memfit.models.planning import EXPERTS_LOOP_NOTE, asks_experts_loop
+from memfit.models.planning import EXPERTS_LOOP_NOTE, asks_experts_loop, attention_note
 from memfit.step.loss import ChunkedLoss, batch_loss_sum, supervised_tokens
 from memfit.step.runner import DeepSpeedRunner, StepEngine, StepRunner
 from memfit.strategies.allocator import (
@@ -138,6 +138,7 @@ class Trainer:
         self.notes += inputs.notes
         mconf = inputs.model_config
         self.source, self.mconf = source, mconf
+        self.notes += [n for n in [attention_note(mconf, cfg.model.attn_implementation)] if n]
 
         self.predicted = self.predicted_step_s = self.replayed = None  # replayed: the allocator model's (one GPU)
         if t.plan_check:
