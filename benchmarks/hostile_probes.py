@@ -1196,13 +1196,14 @@ def _(tmp):
     return ok, f"exit {r.code}: {(r.err.strip().splitlines() or r.out.strip().splitlines() or [''])[-1][:250]}"
 
 
-@probe("38", "plan and train a Gemma-2 config.json (no sdpa in transformers): eager attention, said (a traceback)")
+@probe("38", "plan and train a GPT-OSS config.json (no sdpa in transformers): eager attention, said (a traceback)")
 def _(tmp):
-    code = f"import transformers as T; T.Gemma2Config(**{_SMALL!r}).save_pretrained({str(tmp / 'gemma2')!r})"
+    config = f"T.GptOssConfig(**{_SMALL!r}, num_local_experts=4, num_experts_per_tok=2)"
+    code = f"import transformers as T; {config}.save_pretrained({str(tmp / 'oss')!r})"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
-    runs = [memfit("plan", "--model", "gemma2", "--gpu", "h100", "--seq-len", "64", cwd=tmp)]
-    runs.append(train(tmp, f"model.source=random:{tmp / 'gemma2'}"))
-    ok = all(r.code == 0 and "gemma2 has no sdpa attention" in " ".join(r.out.split()) for r in runs)
+    runs = [memfit("plan", "--model", "oss", "--gpu", "h100", "--seq-len", "64", cwd=tmp)]
+    runs.append(train(tmp, f"model.source=random:{tmp / 'oss'}"))
+    ok = all(r.code == 0 and "gpt_oss has no sdpa attention" in " ".join(r.out.split()) for r in runs)
     return ok, "; ".join(f"exit {r.code}: {(r.err.strip().splitlines() or [''])[-1][:120]}" for r in runs)
 
 

@@ -19,24 +19,36 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 SMALL |= dict(head_dim=16, vocab_size=256, max_position_embeddings=256)
 
 
-def test_a_config_without_sdpa_is_planned_with_eager_attention_and_says_so(tmp_path, capsys):
-    """``memfit plan`` of a Gemma-2 ``config.json`` ended in a traceback (transformers' "does not support an
-    attention implementation through torch.nn.functional.scaled_dot_product_attention"). It is planned with eager
-    attention, as transformers itself falls back, and the plan says so; the trace of that step within 3% of the
-    profiler's, per category. Architectures with sdpa keep it."""
-    transformers.Gemma2Config(**SMALL).save_pretrained(tmp_path / "gemma2")
+ARCHS = {
+    "gpt_oss": lambda: transformers.GptOssConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
+    "gemma2": lambda: transformers.Gemma2Config(**SMALL),  # sdpa in transformers 5.17, none in 5.25
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_config_without_sdpa_is_planned_with_eager_attention_and_says_so(arch, tmp_path, capsys):
+    """``memfit plan`` of a GPT-OSS or (transformers 5.25) Gemma-2 ``config.json`` ended in a traceback
+    (transformers' "does not support an attention implementation through torch.nn.functional.scaled_dot_product_
+    attention"). It is planned with eager attention, as transformers itself falls back, and the plan says so; the
+    trace of that step within 3% of the profiler's, per category. Architectures with sdpa keep it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = ARCHS[arch]()
+    if MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa:
+        pytest.skip(f"transformers {transformers.__version__} runs {arch} with sdpa")
+    config.save_pretrained(tmp_path / arch)
     transformers.LlamaConfig(**SMALL).save_pretrained(tmp_path / "llama")
-    read = config_for_planning(str(tmp_path / "gemma2"))
+    read = config_for_planning(str(tmp_path / arch))
     assert read.attn_implementation == "eager"
-    assert attention_note(read, "sdpa").startswith("gemma2 has no sdpa attention in transformers: it runs eager")
+    assert attention_note(read, "sdpa").startswith(f"{arch} has no sdpa attention in transformers: it runs eager")
     assert config_for_planning(str(tmp_path / "llama")).attn_implementation == "sdpa"
     assert attention_note(config_for_planning(str(tmp_path / "llama")), "sdpa") is None
-    assert attention_note(config_for_planning(str(tmp_path / "gemma2"), "eager"), "eager") is None  # as asked
+    assert attention_note(config_for_planning(str(tmp_path / arch), "eager"), "eager") is None  # as asked
     spec = StepSpec(read, 64, Strategy(optimizer="foreach", micro_batch_size=2))
     assert_within_3pct_per_category(trace_step(spec).peak, measured_steady_step(spec))
     pinned = ["--seq-len", "64", "--precision", "bf16-pure", "--ac", "none", "--micro-batch", "2"]
-    assert main(["plan", "--model", str(tmp_path / "gemma2"), "--gpu", "h100", *pinned]) == 0
-    assert "note: gemma2 has no sdpa attention in transformers" in capsys.readouterr().out
+    assert main(["plan", "--model", str(tmp_path / arch), "--gpu", "h100", *pinned]) == 0
+    assert f"note: {arch} has no sdpa attention in transformers" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kind", ["random", "checkpoint"])
