@@ -368,10 +368,9 @@ def run(ns, answered: Answered | None = None) -> int:
         render_table(result, console, ns.top, limits)
     if req.offload_params:
         _say_param_offload_ignored(result, ns.deepspeed, console)
-    notes = [attention_note(workload.model_config, "sdpa")]
-    for note in [*notes, EXPERTS_LOOP_NOTE if asks_experts_loop(workload.model_config) else None]:
-        if note:
-            console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    loop = EXPERTS_LOOP_NOTE if asks_experts_loop(workload.model_config) else None
+    for note in filter(None, (attention_note(workload.model_config, "sdpa"), loop)):
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
     if ns.html:  # written before a "nothing fits" error too: the closest candidates are what to look at then
         from memfit.pages.html import write_page
         from memfit.pages.plan import plan_page

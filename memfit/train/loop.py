@@ -138,7 +138,7 @@ class Trainer:
         self.notes += inputs.notes
         mconf = inputs.model_config
         self.source, self.mconf = source, mconf
-        self.notes += [n for n in [attention_note(mconf, cfg.model.attn_implementation)] if n]
+        self.notes += filter(None, [attention_note(mconf, cfg.model.attn_implementation)])
 
         self.predicted = self.predicted_step_s = self.replayed = None  # replayed: the allocator model's (one GPU)
         if t.plan_check:
