@@ -40,6 +40,14 @@ def add_plan_parser(sub) -> None:
         help="with --lora: comma-separated 3-D expert weights to adapt, e.g. experts.gate_up_proj,experts.down_proj",
     )
     what.add_argument("--lora-alpha", type=float, help="with --lora: LoRA alpha (default 2 x rank)")
+    what.add_argument(
+        "--lora-modules-to-save",
+        help="with --lora: comma-separated modules trained whole beside the adapters, e.g. embed_tokens,lm_head",
+    )
+    what.add_argument(
+        "--lora-trainable-tokens",
+        help="with --lora: comma-separated token ids whose embedding rows train, e.g. 128000,128009",
+    )
     what.add_argument("--config", help="a memfit train YAML: model, seq_len, LoRA and its strategies become pins")
     what.add_argument(
         "--deepspeed", help="a DeepSpeed JSON: ZeRO stage, bf16/fp16, micro batch, accumulation become pins"

@@ -140,6 +140,18 @@ def _names(listed: str) -> list[str]:
     return [t.strip() for t in listed.split(",") if t.strip()]
 
 
+def _token_ids(listed: str) -> list[int]:
+    """``--lora-trainable-tokens``: comma-separated token ids."""
+    names = _names(listed)
+    bad = next((n for n in names if not n.isdigit()), None)
+    if bad is not None or not names:
+        raise UserError(
+            f"--lora-trainable-tokens takes comma-separated token ids (integers >= 0), e.g. 128000,128009 "
+            f"(got '{bad if bad is not None else listed}')"
+        )
+    return [int(n) for n in names]
+
+
 def plan_request(ns) -> PlanRequest:
     """The request the flags, ``--config`` and ``--deepspeed`` describe, with every pin parsed.
 
@@ -174,6 +186,10 @@ def plan_request(ns) -> PlanRequest:
                     "--lora-parameters must name at least one weight, e.g. experts.gate_up_proj,experts.down_proj "
                     f"(got '{ns.lora_parameters}')"
                 )
+        if ns.lora_modules_to_save is not None:
+            lora.modules_to_save = _names(ns.lora_modules_to_save)
+        if ns.lora_trainable_tokens is not None:
+            lora.trainable_tokens = _token_ids(ns.lora_trainable_tokens)
         if lora.rank < 1:
             raise UserError(f"--lora-rank must be >= 1 (got {lora.rank})")
         if not lora.target_modules and not lora.target_parameters:
@@ -188,7 +204,14 @@ def plan_request(ns) -> PlanRequest:
     else:
         given = [
             f
-            for f in ("--lora-rank", "--lora-targets", "--lora-parameters", "--lora-alpha")
+            for f in (
+                "--lora-rank",
+                "--lora-targets",
+                "--lora-parameters",
+                "--lora-alpha",
+                "--lora-modules-to-save",
+                "--lora-trainable-tokens",
+            )
             if getattr(ns, f[2:].replace("-", "_")) is not None
         ]
         if given:

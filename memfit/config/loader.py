@@ -13,6 +13,7 @@ import gzip
 import json
 import lzma
 import os
+import re
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +84,12 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
         raise UserError(f"{name} must be a string (got {value!r})")
+    if origin is list and typing.get_args(tp) == (int,):
+        if isinstance(value, str):
+            value = [int(v) if re.fullmatch(r"\s*-?\d+\s*", v) else v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return list(value)
+        raise UserError(f"{name} must be a list of integers, e.g. [128000, 128009] (got {value!r})")
     if tp is list or origin is list:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]

@@ -106,15 +106,86 @@ class Shape:
         return round(self.layers * (self.attn_weights + self.mlp_weights)) + self.vocab * self.hidden
 
 
+@dataclass(frozen=True)
+class TrainedWhole:
+    """What a LoRA run trains beyond its adapters (``lora.modules_to_save``, ``lora.trainable_tokens``) and how big
+    its adapters are, in elements, as the step-time model and ZeRO's gradient sharding read them: in the root group
+    (embeddings, final norm, output head), in each decoder layer, and whether the head's weight gets a gradient (a
+    matmul in backward: 2 x vocab x hidden FLOPs a token). Modules are known by a Llama's names; a name outside them
+    (a fused projection, an expert stack) counts nothing here, though the trace holds its bytes as it does all."""
+
+    root: int = 0
+    per_layer: float = 0.0
+    head: bool = False
+    adapters_per_layer: float = 0.0
+
+    @classmethod
+    def of(cls, shape: Shape, lora, tied: bool) -> TrainedWhole:
+        """``lora`` (a ``LoraConfig``) on a model of ``shape`` whose head is ``tied`` to its embeddings or not."""
+        table = shape.vocab * shape.hidden
+        saved = {n.rsplit(".", 1)[-1] for n in lora.modules_to_save}
+        root = {
+            "embed_tokens": table,
+            "lm_head": 0 if tied and "embed_tokens" in saved else table,
+            "norm": shape.hidden,
+        }
+        sides = cls._sides(shape)
+        linear = {n for n, (out, _) in sides.items() if out > 1}
+        targets = {n for n in lora.target_modules if n in linear} | (
+            linear if "all-linear" in lora.target_modules else set()
+        )
+        return cls(
+            sum(root.get(n, 0) for n in saved) + len(set(lora.trainable_tokens)) * shape.hidden,
+            sum(out * inputs for n, (out, inputs) in sides.items() if n in saved),
+            # a tied head's trainable rows are read from a merged weight, whose gradient backward computes whole
+            "lm_head" in saved or (tied and ("embed_tokens" in saved or bool(lora.trainable_tokens))),
+            lora.rank * sum(out + inputs for n, (out, inputs) in sides.items() if n in targets),
+        )
+
+    @staticmethod
+    def _sides(shape: Shape) -> dict[str, tuple[float, float]]:
+        """A Llama decoder layer's Linear modules as (out, in) features by name, and its norms as (1, hidden)."""
+        h, q = shape.hidden, shape.attn_width // 2
+        kv = (shape.attn_weights / h - 2 * q) / 2  # the key (and value) width over the K/V heads
+        mlp = shape.mlp_weights / (3 * h)  # a dense layer's intermediate size
+        return {
+            "q_proj": (q, h),
+            "k_proj": (kv, h),
+            "v_proj": (kv, h),
+            "o_proj": (h, q),
+            "gate_proj": (mlp, h),
+            "up_proj": (mlp, h),
+            "down_proj": (h, mlp),
+            "input_layernorm": (1, h),
+            "post_attention_layernorm": (1, h),
+        }
+
+    def elements(self, layers: int) -> float:
+        """Everything trained whole over ``layers`` decoder layers (adapters not)."""
+        return self.root + layers * self.per_layer
+
+    def root_share(self, layers: int) -> float:
+        """The root group's share of all trained elements (adapters too) over ``layers`` decoder layers."""
+        total = self.root + layers * (self.per_layer + self.adapters_per_layer)
+        return self.root / total if total else 0.0
+
+
 def step_flops(
-    shape: Shape, tokens: int, seq_len: int, lora: bool, strategy: Strategy, lora_experts: bool = False
+    shape: Shape,
+    tokens: int,
+    seq_len: int,
+    lora: bool,
+    strategy: Strategy,
+    lora_experts: bool = False,
+    trained: TrainedWhole = TrainedWhole(),
 ) -> float:
     """Training FLOPs for ``tokens`` tokens (one optimizer step on one rank): forward, backward and what
     checkpointing and a chunked loss recompute (each chunk's output projection runs again in backward).
 
     ``lora_experts``: LoRA on a mixture of experts' expert weights (``lora.target_parameters``), whose backward
     computes the gradient of each adapted expert stack whole (PEFT folds the adapters into it): the routed experts'
-    matmuls cost a full fine-tune's backward."""
+    matmuls cost a full fine-tune's backward. ``trained``: what LoRA trains whole, whose Linear weights (the head's
+    among them) take a weight gradient in backward."""
     attn_core = seq_len * shape.attn_width  # per token per layer: 2 x T x width for QK^T and AV, each half causal
     layer_fwd = 2 * (shape.attn_weights + shape.active_mlp_weights) + attn_core
     mlp_fwd = 2 * shape.active_mlp_weights
@@ -124,6 +195,8 @@ def step_flops(
     if strategy.loss_chunks:
         recompute += 2 * shape.vocab * shape.hidden
     experts = 2 * shape.layers * shape.routed_weights if lora and lora_experts else 0
+    if lora:  # weight gradients of what LoRA trains whole: Linear weights in the layers, and the head
+        experts += 2 * (shape.layers * trained.per_layer + (shape.vocab * shape.hidden if trained.head else 0))
     return tokens * (fwd * (2 if lora else 3) + experts + recompute)
 
 

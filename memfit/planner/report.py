@@ -35,17 +35,21 @@ def lora_label(lora: LoraConfig | None) -> str:
         return ""
     default = LoraConfig()
     targets = (lora.target_modules, lora.target_parameters) == (default.target_modules, default.target_parameters)
+    beside = f" ({lora.trained_beside()})" if lora.trained_beside() else ""
     if targets and lora.alpha == 2.0 * lora.rank:
-        return " + LoRA"
-    return (
-        f" + LoRA r={lora.rank} on {','.join([*lora.target_modules, *lora.target_parameters])} (alpha {lora.alpha:g})"
-    )
+        return f" + LoRA{beside}"
+    adapted = ",".join([*lora.target_modules, *lora.target_parameters])
+    return f" + LoRA r={lora.rank} on {adapted} (alpha {lora.alpha:g}){beside}"
 
 
 def _lora_dict(lora: LoraConfig) -> dict[str, Any]:
     adapted = {"target_modules": list(lora.target_modules)}
     if lora.target_parameters:
         adapted["target_parameters"] = list(lora.target_parameters)
+    if lora.modules_to_save:
+        adapted["modules_to_save"] = list(lora.modules_to_save)
+    if lora.trainable_tokens:
+        adapted["trainable_tokens"] = list(lora.trainable_tokens)
     return {"rank": lora.rank, "alpha": lora.alpha, **adapted}
 
 

@@ -38,6 +38,7 @@ from memfit.planner import trace_cache
 from memfit.planner.categories import DEVICE_CATEGORIES, Category, StepMemory
 from memfit.planner.cost import (
     Shape,
+    TrainedWhole,
     memory_traffic_bytes,
     memory_traffic_s,
     optimizer_offload_time_s,
@@ -472,7 +473,7 @@ def _candidate(strategy: Strategy, w: Workload, c: Cluster, pins: Pins, predicto
             c.world_size,
             pins.engine,
             w.model_config,
-            w.lora is not None,
+            w.lora,
             offload=strategy.optimizer_offload,
             offload_params=pins.offload_params,
         )
@@ -495,11 +496,16 @@ def modelled_step_time_s(strategy: Strategy, w: Workload, c: Cluster, mem: StepM
     """The cost model's seconds for one optimizer step of ``strategy`` on one rank of ``c`` (``mem``: its predicted
     memory), and the bytes its collectives move (see ``memfit.planner.cost``)."""
     shape = Shape.of(w.model_config)
-    lowp_param_bytes = shape.matmul_weights * (4 if strategy.precision == "fp32" else 2)
+    width = 4 if strategy.precision == "fp32" else 2
+    lowp_param_bytes = shape.matmul_weights * width
     tokens = strategy.micro_batch_size * strategy.grad_accum_steps * w.seq_len
     lora_experts = w.lora is not None and bool(w.lora.target_parameters)
-    flops = step_flops(shape, tokens, w.seq_len, w.lora is not None, strategy, lora_experts)
-    trained_bytes = lowp_param_bytes if w.lora is None else 0  # LoRA: adapters only, negligible
+    trained = TrainedWhole()
+    if w.lora is not None:
+        trained = TrainedWhole.of(shape, w.lora, getattr(w.model_config, "tie_word_embeddings", False))
+    flops = step_flops(shape, tokens, w.seq_len, w.lora is not None, strategy, lora_experts, trained)
+    # LoRA: what it trains whole (its adapters' gradients are negligible)
+    trained_bytes = lowp_param_bytes if w.lora is None else int(trained.elements(shape.layers)) * width
     comm = comm_bytes_per_step(
         lowp_param_bytes, trained_bytes, strategy.zero_stage, c.world_size, strategy.grad_accum_steps
     )

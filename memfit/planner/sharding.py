@@ -18,7 +18,7 @@ FSDP2 semantics (``fully_shard`` per decoder layer and on the root; memfit's def
     In the clip and optimizer phases every group is resharded: P/N, G/N, O/N, and the optimizer's
     temporaries (foreach buffers) are those of this rank's shard: 1/N.
     The root group holds the embeddings, the final norm and an untied LM head: ``root_param_fraction``
-    of the parameter bytes (``root_grad_fraction`` of the gradient bytes: 0 with LoRA).
+    of the parameter bytes (``root_grad_fraction`` of the gradient bytes: with LoRA, what it trains whole there).
 DeepSpeed semantics
     stage 1  P, G, O/N.    stage 2  P, G/N plus the reduce bucket, O/N.
     stage 3  P/N plus the prefetch bucket and the largest layer, G/N, O/N.
@@ -51,9 +51,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from memfit.config.schema import LoraConfig
 from memfit.errors import UserError
 from memfit.planner.categories import PHASES, Breakdown, Category, StepMemory
-from memfit.planner.cost import Shape
+from memfit.planner.cost import Shape, TrainedWhole
 from memfit.planner.timeline import Moments
 
 ENGINES = ("fsdp2", "deepspeed")
@@ -78,19 +79,22 @@ class ShardingSpec:
         world_size: int,
         engine: str,
         config,
-        lora: bool,
+        lora: LoraConfig | None,
         offload: bool = False,
         offload_params: bool = False,
     ) -> "ShardingSpec":
-        """The spec for a Llama-family ``config`` (its depth and root-group share)."""
+        """The spec for a Llama-family ``config`` (its depth and root-group share) and ``lora`` (None: a full
+        fine-tune), whose gradients are the root group's where it trains embeddings or the head whole."""
         root = root_fraction(config)
+        if lora is not None:
+            trained = TrainedWhole.of(Shape.of(config), lora, getattr(config, "tie_word_embeddings", False))
         return cls(
             stage,
             world_size,
             engine,
             config.num_hidden_layers,
             root_param_fraction=root,
-            root_grad_fraction=0.0 if lora else root,
+            root_grad_fraction=root if lora is None else trained.root_share(config.num_hidden_layers),
             offload=offload,
             offload_params=offload_params,
         )

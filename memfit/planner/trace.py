@@ -65,15 +65,28 @@ def _build_fake_model(spec: StepSpec, num_layers: int, fake_mode: FakeTensorMode
             with warnings.catch_warnings():  # each trace worker would repeat PEFT's advice on an adapted tied head
                 warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*", category=UserWarning)
                 model = apply_lora(model, spec.lora, precision)
+    _materialize(model, fake_mode)
     with fake_mode:
-        model.to_empty(device=CPU)
         quantize_base(model, spec.strategy.quantize_base)  # from (fake) values, as a real run does
     apply_activation_checkpointing(model, spec.strategy.activation_checkpointing)
-    if getattr(config, "tie_word_embeddings", False):
-        head = model.get_output_embeddings()
-        head = getattr(head, "base_layer", head)  # an adapted head: PEFT's layer wraps it
-        head.weight = model.get_input_embeddings().weight  # to_empty untied them
     return model
+
+
+def _materialize(model: torch.nn.Module, fake_mode: FakeTensorMode) -> None:
+    """``to_empty`` on fake CPU tensors, each module once, and every parameter held in several places (tied
+    embeddings; PEFT's trained copy of a tied embedding, which is also the head's) held there again: ``to_empty``
+    makes a tensor per place, and fails on a module held twice (PEFT's trainable token rows of a tied head)."""
+    places: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((module, name))
+    with fake_mode:
+        for module in model.modules():  # each once
+            module.to_empty(device=CPU, recurse=False)
+    for (first, name), *others in places.values():
+        for module, other in others:
+            module._parameters[other] = first._parameters[name]
 
 
 def trace_step(spec: StepSpec, num_layers: int | None = None) -> StepMemory:

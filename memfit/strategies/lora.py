@@ -112,6 +112,74 @@ def check_rank(model: torch.nn.Module, rank: int, modules: list[str], parameters
         )
 
 
+def ties_embeddings(model: torch.nn.Module) -> bool:
+    """Whether the output head's weight is the input embeddings' (SmolLM2, Llama-3.2-1B, Gemma)."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embeddings is not None and head.weight is embeddings.weight
+
+
+def check_trained_whole(model: torch.nn.Module, names: list[str], targets: list[str]) -> None:
+    """Each of ``lora.modules_to_save`` names modules of ``model`` (by their last name components, as PEFT matches
+    them) that hold no adapted module: PEFT skips a name that matches nothing, and refuses one that is adapted.
+
+    Raises:
+        UserError: naming the first that fails, with the modules it could name.
+    """
+    modules = dict(model.named_modules())
+    for name in names:
+        found = [full for full in modules if full and _names(full, name)]
+        if not found:
+            leaves = {
+                full.rsplit(".", 1)[-1]
+                for full, m in modules.items()
+                if full and not list(m.children()) and any(True for _ in m.parameters())
+            }
+            shown = sorted(leaves)
+            raise UserError(
+                f"lora.modules_to_save: '{name}' is no module of this model{did_you_mean(name, leaves)}; e.g. "
+                f"{', '.join(shown)}"
+            )
+        inside = [sub for sub in modules if any(sub == f or sub.startswith(f"{f}.") for f in found)]
+        adapted = [sub.rsplit(".", 1)[-1] for sub in inside if sub.rsplit(".", 1)[-1] in targets]
+        if adapted:
+            what = (
+                "gets adapters" if adapted[0] == name.rsplit(".", 1)[-1] else f"holds {adapted[0]}, which gets adapters"
+            )
+            raise UserError(
+                f"lora.modules_to_save: '{name}' {what} (lora.target_modules): a module is adapted or trained whole, "
+                "not both; name it in one of the two"
+            )
+
+
+def _embedding_modules(model: torch.nn.Module, names: list[str]) -> list[tuple[str, torch.nn.Module]]:
+    """The input embeddings or output head each of ``names`` names (as ``lora.modules_to_save`` does), with the name."""
+    ends = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    return [(n, m) for n in names for full, m in model.named_modules() if any(m is e for e in ends) and _names(full, n)]
+
+
+def check_trainable_tokens(model: torch.nn.Module, tokens: list[int], trained_whole: list[str]) -> None:
+    """``lora.trainable_tokens`` are rows of the input embeddings, which are not trained whole as well.
+
+    Raises:
+        UserError: for a token id past the vocabulary, or the embeddings named in ``lora.modules_to_save`` too.
+    """
+    if not tokens:
+        return
+    embeddings = model.get_input_embeddings()
+    rows = embeddings.weight.shape[0]
+    if max(tokens) >= rows:
+        raise UserError(
+            f"lora.trainable_tokens: token id {max(tokens)} is past this model's vocabulary of {rows} embedding rows; "
+            f"give ids below {rows}"
+        )
+    whole = _embedding_modules(model, trained_whole)
+    if whole and (whole[0][1] is embeddings or ties_embeddings(model)):
+        raise UserError(
+            f"lora.trainable_tokens trains rows of the input embeddings, and lora.modules_to_save '{whole[0][0]}' "
+            "trains them whole: keep one of the two"
+        )
+
+
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig, precision: Precision):
     """Wrap ``model`` (built in ``precision.param_dtype``) with PEFT LoRA adapters; the frozen weights are then
     cast to ``precision.frozen_dtype``.
@@ -130,12 +198,19 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, precision: Precision):
             )
     check_target_parameters(model, cfg.target_parameters)
     check_rank(model, cfg.rank, targets, cfg.target_parameters)
+    check_trained_whole(model, cfg.modules_to_save, targets)
+    check_trainable_tokens(model, cfg.trainable_tokens, cfg.modules_to_save)
     peft_config = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules=targets,
         target_parameters=list(cfg.target_parameters) or None,
+        modules_to_save=list(cfg.modules_to_save) or None,  # copies: PEFT rewrites the lists it is given
+        trainable_token_indices=list(dict.fromkeys(cfg.trainable_tokens)) or None,  # PEFT keeps a repeated id twice
+        # an embedding trained whole (or in rows) stays the output head's weight where the model ties them; PEFT
+        # would otherwise train a copy for one of the two and leave the other as it was
+        ensure_weight_tying=ties_embeddings(model) and bool(_embedding_modules(model, cfg.modules_to_save)),
         task_type="CAUSAL_LM",
     )
     with warnings.catch_warnings():  # PEFT asks transformers a deprecated question; not ours to fix

@@ -63,7 +63,7 @@ def planned_step(
             ctx.world_size,
             "deepspeed" if engine == "deepspeed" else "fsdp2",
             mconf,
-            cfg.lora.enabled,
+            lora,
             offload=strategy.optimizer_offload and gpu,
             offload_params=offload_params and gpu,
         )

@@ -410,6 +410,7 @@ class Trainer:
             f"memfit train: {cfg.model.source} on {label}{ranks}, "
             f"{'LoRA r=' + str(cfg.lora.rank) if cfg.lora.enabled else 'full fine-tune'}"
             f"{' with ' + ', '.join(cfg.lora.target_parameters) if lora_weights else ''}"
+            f"{' (' + cfg.lora.trained_beside() + ')' if cfg.lora.enabled and cfg.lora.trained_beside() else ''}"
             f"{', base NF4' if self.strategy.quantize_base == 'nf4' else ''}, "
             f"AdamW {self.strategy.adamw_label()}"
             f"{' stepped in backward' if self.strategy.optimizer_in_backward else ''}"

@@ -35,6 +35,17 @@ def tiny_config(out_dir, *extra: str):
     return load_config(shipped_configs()["tiny-cpu"], tiny_overrides(out_dir, *extra))
 
 
+def fitted(cfg):
+    """A ``Trainer`` of ``cfg`` after its ``fit()``, and what ``fit()`` returned (the trainer closed)."""
+    from memfit.train.loop import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        return trainer, trainer.fit()
+    finally:
+        trainer.close()
+
+
 def wide_tiny_config(layers: int = 6):
     """The tiny preset made wide (hidden 256, MLP 512) with a small vocabulary (2,048): its saved activations
     pass activation offloading's size floor at B=2, T=256, and its full fine-tune peaks in the optimizer

@@ -7,20 +7,13 @@ import shutil
 
 import pytest
 import yaml
+from support.tiny import fitted
 
 from memfit.errors import UserError
 from memfit.train.checkpoint import latest_intact, remove_partial, verify_checkpoint
 from memfit.train.loop import Trainer
 
 RUN = ("train.max_steps=6", "train.checkpoint_every=2", "train.keep_checkpoints=3", "train.eval_every=0")
-
-
-def _fit(cfg):
-    trainer = Trainer(cfg)
-    try:
-        return trainer, trainer.fit()
-    finally:
-        trainer.close()
 
 
 def _losses(result):
@@ -30,7 +23,7 @@ def _losses(result):
 @pytest.fixture
 def whole(tiny_cfg, tmp_path):
     """A finished 6-step run with checkpoints at steps 2, 4 and 6, and its losses."""
-    _, result = _fit(tiny_cfg(*RUN, f"output.dir={tmp_path}/runs/k1"))
+    _, result = fitted(tiny_cfg(*RUN, f"output.dir={tmp_path}/runs/k1"))
     return tmp_path / "runs" / "k1", _losses(result)
 
 
@@ -47,14 +40,14 @@ def test_resume_finds_its_run_however_the_directory_is_spelled_or_wherever_it_mo
     run_dir, losses = whole
     _cut_back_to(run_dir, 4)
     monkeypatch.chdir(tmp_path)
-    trainer, rest = _fit(tiny_cfg(*RUN, "train.resume=true", "output.dir=./runs/../runs/k1"))
+    trainer, rest = fitted(tiny_cfg(*RUN, "train.resume=true", "output.dir=./runs/../runs/k1"))
     assert trainer.resume_from.name == "step_0000004"
     assert _losses(rest) == {s: losses[s] for s in (5, 6)}
     moved = tmp_path / "elsewhere" / "k1"
     moved.parent.mkdir()
     os.replace(run_dir, moved)
     _cut_back_to(moved, 4)
-    trainer, rest = _fit(tiny_cfg(*RUN, "train.resume=true", f"output.dir={moved}"))
+    trainer, rest = fitted(tiny_cfg(*RUN, "train.resume=true", f"output.dir={moved}"))
     assert _losses(rest) == {s: losses[s] for s in (5, 6)}
 
 
@@ -97,7 +90,7 @@ def test_a_damaged_latest_checkpoint_is_passed_over_for_the_newest_intact_one(ti
     _cut_back_to(run_dir, 4)
     path = run_dir / "checkpoints" / "step_0000004" / "trainable.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
-    trainer, rest = _fit(tiny_cfg(*RUN, "train.resume=true", f"output.dir={run_dir}"))
+    trainer, rest = fitted(tiny_cfg(*RUN, "train.resume=true", f"output.dir={run_dir}"))
     assert trainer.resume_from.name == "step_0000002"
     assert any(n.startswith("step_0000004 is damaged (") and "resuming from step_0000002" in n for n in trainer.notes)
     assert _losses(rest) == {s: losses[s] for s in (3, 4, 5, 6)}  # the identical sequence from step 2 on
@@ -130,7 +123,7 @@ def test_leftovers_of_a_kill_during_rotation_are_removed_and_never_counted(whole
 def test_settings_that_do_not_change_the_math_may_change_on_resume_and_a_run_can_train_longer(tiny_cfg, whole):
     run_dir, losses = whole
     more_steps = ("train.resume=true", "train.max_steps=8", "train.log_every=2", f"output.dir={run_dir}")
-    trainer, more = _fit(tiny_cfg(*RUN, *more_steps))
+    trainer, more = fitted(tiny_cfg(*RUN, *more_steps))
     assert trainer.resume_from.name == "step_0000006"
     assert "changed on resume: train.max_steps: 6 there, 8 here" in trainer.notes
     assert "changed on resume: train.log_every: 1 there, 2 here" in trainer.notes
@@ -149,7 +142,7 @@ def test_the_same_global_batch_split_differently_resumes_the_same_steps(tiny_cfg
     run_dir, losses = whole
     _cut_back_to(run_dir, 4)
     split = ("train.micro_batch_size=2", "train.grad_accum_steps=2")
-    trainer, rest = _fit(tiny_cfg(*RUN, *split, "train.resume=true", f"output.dir={run_dir}"))
+    trainer, rest = fitted(tiny_cfg(*RUN, *split, "train.resume=true", f"output.dir={run_dir}"))
     assert trainer.resume_from.name == "step_0000004"
     assert "changed on resume: train.micro_batch_size: 4 there, 2 here" in trainer.notes
     assert _losses(rest) == pytest.approx({s: losses[s] for s in (5, 6)}, rel=1e-5)
@@ -193,7 +186,7 @@ def test_a_second_start_into_a_directory_in_use_is_one_line_and_changes_nothing(
         assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
     finally:
         holder.communicate("", timeout=60)
-    trainer, more = _fit(tiny_cfg(*RUN, "train.resume=true", "train.max_steps=8", f"output.dir={run_dir}"))
+    trainer, more = fitted(tiny_cfg(*RUN, "train.resume=true", "train.max_steps=8", f"output.dir={run_dir}"))
     assert [r["step"] for r in more.steps] == [7, 8] and not (run_dir / ".memfit.lock").exists()
 
 
@@ -210,7 +203,7 @@ def test_memory_levers_may_change_on_resume_and_the_steps_stay_the_same(tiny_cfg
         "optimizer.implementation=for-loop",
         "optimizer.offload=true",
     )
-    trainer, rest = _fit(tiny_cfg(*RUN, *levers, "train.resume=true", f"output.dir={run_dir}"))
+    trainer, rest = fitted(tiny_cfg(*RUN, *levers, "train.resume=true", f"output.dir={run_dir}"))
     assert trainer.resume_from.name == "step_0000004"
     assert "changed on resume: optimizer.implementation: 'auto' there, 'for-loop' here" in trainer.notes
     assert _losses(rest) == pytest.approx({s: losses[s] for s in (5, 6)}, rel=1e-5)
@@ -231,7 +224,7 @@ def test_a_start_refused_for_a_busy_port_writes_nothing_and_a_retry_may_change_i
         finally:
             trainer.close()
     assert not out.exists() or not any(out.iterdir())
-    trainer, _ = _fit(tiny_cfg(*RUN, "train.metrics_port=0", "train.max_steps=2", f"output.dir={out}"))
+    trainer, _ = fitted(tiny_cfg(*RUN, "train.metrics_port=0", "train.max_steps=2", f"output.dir={out}"))
     assert trainer.resume_from is None
 
 
@@ -239,9 +232,9 @@ def test_a_restart_without_checkpoints_may_change_how_it_runs_but_not_what(tiny_
     """An OOM at the first step leaves config.yaml and no checkpoint: the retry with a smaller micro-batch (the
     same global batch) or another port starts over in the same directory; another model is still refused."""
     out = tmp_path / "runs" / "oom"
-    _fit(tiny_cfg(*RUN, "train.max_steps=1", "train.keep_checkpoints=0", f"output.dir={out}"))
+    fitted(tiny_cfg(*RUN, "train.max_steps=1", "train.keep_checkpoints=0", f"output.dir={out}"))
     split = ("train.micro_batch_size=2", "train.grad_accum_steps=2", "train.max_steps=1", "train.keep_checkpoints=0")
-    trainer, result = _fit(tiny_cfg(*RUN, *split, f"output.dir={out}"))
+    trainer, result = fitted(tiny_cfg(*RUN, *split, f"output.dir={out}"))
     assert "changed since this run last started: train.micro_batch_size: 4 there, 2 here" in trainer.notes
     assert [r["step"] for r in result.steps] == [1]
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -279,7 +272,7 @@ def test_a_stop_signal_writes_a_final_checkpoint_and_says_which(tiny_cfg, whole,
     assert message.startswith(f"interrupted by {received} after step 3 of 6: checkpoint ")
     assert str(out / "checkpoints" / "step_0000003") in message and "train.resume=true" in message
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
-    trainer, rest = _fit(tiny_cfg(*RUN, "train.checkpoint_every=0", "train.resume=true", f"output.dir={out}"))
+    trainer, rest = fitted(tiny_cfg(*RUN, "train.checkpoint_every=0", "train.resume=true", f"output.dir={out}"))
     assert trainer.resume_from.name == "step_0000003"
     assert _losses(rest) == {s: losses[s] for s in (4, 5, 6)}
 
@@ -292,7 +285,7 @@ def test_a_run_whose_config_predates_a_setting_resumes_with_its_default(tiny_cfg
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     del config["data"]["loss_on"]
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    trainer, rest = _fit(tiny_cfg(*RUN, "train.resume=true", f"output.dir={run_dir}"))
+    trainer, rest = fitted(tiny_cfg(*RUN, "train.resume=true", f"output.dir={run_dir}"))
     assert trainer.resume_from.name == "step_0000004"
     assert not [n for n in trainer.notes if "loss_on" in n]
     assert _losses(rest) == {s: losses[s] for s in (5, 6)}
