@@ -1207,6 +1207,38 @@ def _(tmp):
     return ok, "; ".join(f"exit {r.code}: {(r.err.strip().splitlines() or [''])[-1][:120]}" for r in runs)
 
 
+@probe("39", "lora.modules_to_save naming no module, an adapted one, or without LoRA: one line (PEFT trained nothing)")
+def _(tmp):
+    runs = [
+        (train(tmp, "lora.enabled=true", "lora.modules_to_save=[embedding]"), "'embedding' is no module of this model"),
+        (train(tmp, "lora.enabled=true", "lora.modules_to_save=[q_proj]"), "'q_proj' gets adapters"),
+        (train(tmp, "lora.modules_to_save=[lm_head]"), "set lora.enabled=true or leave lora.modules_to_save empty"),
+    ]
+    checks = [one_error_line(r, needle) for r, needle in runs]
+    ok = all(good for good, _ in checks) and empty_or_absent(tmp / "run")
+    return ok, "; ".join(why for _, why in checks)
+
+
+@probe("39", "lora.trainable_tokens past the vocabulary, a word, one id: one line, or trains (IndexError, refused)")
+def _(tmp):
+    runs = [
+        (train(tmp, "lora.enabled=true", "lora.trainable_tokens=[5, 49152]"), "token id 49152 is past this model's"),
+        (train(tmp, "lora.enabled=true", "lora.trainable_tokens=[eos]"), "must be a list of integers"),
+    ]
+    checks = [one_error_line(r, needle) for r, needle in runs]
+    one = train(tmp, "lora.enabled=true", "lora.trainable_tokens=2", "train.max_steps=2")
+    ok = all(good for good, _ in checks) and one.code == 0 and "(1 token row trained)" in " ".join(one.out.split())
+    return ok, "; ".join([*(why for _, why in checks), f"one id: exit {one.code}"])
+
+
+@probe("39", "plan --lora-trainable-tokens 1,x and --lora-modules-to-save without --lora: one line each")
+def _(tmp):
+    a = memfit("plan", "--model", "tiny", "--device", "cpu", "--lora", "--lora-trainable-tokens", "1,x", cwd=tmp)
+    b = memfit("plan", "--model", "tiny", "--device", "cpu", "--lora-modules-to-save", "lm_head", cwd=tmp)
+    checks = [one_error_line(a, "takes comma-separated token ids"), one_error_line(b, "give --lora too")]
+    return all(good for good, _ in checks), "; ".join(why for _, why in checks)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help="run the probes whose name contains this, or of this item (e.g. 23)")

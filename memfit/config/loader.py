@@ -85,6 +85,8 @@ def _coerce(name: str, value: Any, tp: Any) -> Any:
             return str(value)
         raise UserError(f"{name} must be a string (got {value!r})")
     if origin is list and typing.get_args(tp) == (int,):
+        if isinstance(value, int) and not isinstance(value, bool):  # one id: lora.trainable_tokens=128009
+            value = [value]
         if isinstance(value, str):
             value = [int(v) if re.fullmatch(r"\s*-?\d+\s*", v) else v.strip() for v in value.split(",") if v.strip()]
         if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):

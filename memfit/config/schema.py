@@ -493,6 +493,16 @@ def check(cfg: RunConfig) -> RunConfig:
         f"lora.quantize_base {lo.quantize_base} quantizes the frozen base of a LoRA run, and a full fine-tune trains "
         "every weight: set lora.enabled=true or lora.quantize_base=none",
     )
+    beside = [
+        k
+        for k, v in (("lora.modules_to_save", lo.modules_to_save), ("lora.trainable_tokens", lo.trainable_tokens))
+        if v
+    ]
+    _need(
+        lo.enabled or not beside,
+        f"{' and '.join(beside)} train{'s' if len(beside) == 1 else ''} beside a LoRA run's adapters, and a full "
+        f"fine-tune trains every weight: set lora.enabled=true or leave {' and '.join(beside)} empty",
+    )
     for name, value in (("data.max_documents", d.max_documents), ("data.prefetch_factor", d.prefetch_factor)):
         _need(value is None or value > 0, f"{name} must be > 0 or null (got {value})")
     _need(d.num_workers is None or d.num_workers >= 0, f"data.num_workers must be >= 0 (got {d.num_workers})")

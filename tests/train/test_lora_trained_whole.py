@@ -184,8 +184,20 @@ def test_an_untied_head_trains_whole_beside_trained_token_rows():
     assert len(trained) == 2 and any("trainable_tokens_delta" in n for n in trained)
 
 
-def test_trainable_tokens_in_a_config_are_integers(tiny_cfg):
-    assert tiny_cfg("lora.trainable_tokens=128000, 128009").lora.trainable_tokens == [128000, 128009]
+def test_trainable_tokens_in_a_config_are_integers_and_need_lora(tiny_cfg):
+    assert tiny_cfg("lora.enabled=true", "lora.trainable_tokens=128000, 128009").lora.trainable_tokens == [
+        128000,
+        128009,
+    ]
+    assert tiny_cfg("lora.enabled=true", "lora.trainable_tokens=128009").lora.trainable_tokens == [128009]
+    with pytest.raises(UserError, match=r"lora.trainable_tokens must be a list of integers, e.g. \[128000, 128009\] "):
+        tiny_cfg("lora.trainable_tokens=true")
+    with pytest.raises(
+        UserError,
+        match=r"^lora.modules_to_save trains beside a LoRA run's adapters, and a full fine-tune trains every weight: "
+        r"set lora.enabled=true or leave lora.modules_to_save empty$",
+    ):
+        tiny_cfg("lora.enabled=false", "lora.modules_to_save=[embed_tokens]")
     with pytest.raises(UserError, match=r"lora.trainable_tokens must be a list of integers, e.g. \[128000, 128009\] "):
         tiny_cfg("lora.trainable_tokens=[eos]")
     with pytest.raises(UserError, match=r"lora.trainable_tokens are token ids, each >= 0 \(got -1\)"):
