@@ -476,6 +476,7 @@ def _candidate(strategy: Strategy, w: Workload, c: Cluster, pins: Pins, predicto
             w.lora,
             offload=strategy.optimizer_offload,
             offload_params=pins.offload_params,
+            precision=strategy.precision,
         )
     mem = predictor.predict(strategy, sharding)
     seconds, comm = modelled_step_time_s(strategy, w, c, mem)

@@ -82,31 +82,39 @@ class ShardingSpec:
         lora: LoraConfig | None,
         offload: bool = False,
         offload_params: bool = False,
+        precision: str = "fp32",
     ) -> "ShardingSpec":
         """The spec for a Llama-family ``config`` (its depth and root-group share) and ``lora`` (None: a full
-        fine-tune), whose gradients are the root group's where it trains embeddings or the head whole."""
-        root = root_fraction(config)
+        fine-tune) in ``precision``: what LoRA trains whole in the root group (PEFT's trained copies of the
+        embeddings or head, beside the frozen originals) is there in the parameters and the gradients."""
+        root = grads = root_fraction(config)
         if lora is not None:
             trained = TrainedWhole.of(Shape.of(config), lora, getattr(config, "tie_word_embeddings", False))
+            # bf16-mixed LoRA keeps the frozen weights in bf16 and trains in fp32: a trained element weighs two
+            root = root_fraction(config, trained, 2.0 if precision == "bf16-mixed" else 1.0)
+            grads = trained.root_share(config.num_hidden_layers)
         return cls(
             stage,
             world_size,
             engine,
             config.num_hidden_layers,
             root_param_fraction=root,
-            root_grad_fraction=root if lora is None else trained.root_share(config.num_hidden_layers),
+            root_grad_fraction=grads,
             offload=offload,
             offload_params=offload_params,
         )
 
 
-def root_fraction(config) -> float:
-    """Share of the weights outside the decoder layers (FSDP2's root group): embeddings, final norm,
-    and the LM head when it is not tied to the embeddings."""
+def root_fraction(config, trained: TrainedWhole = TrainedWhole(), trained_weight: float = 1.0) -> float:
+    """Share of the weights' bytes outside the decoder layers (FSDP2's root group): embeddings, final norm, and the
+    LM head when it is not tied to the embeddings; with LoRA, ``trained`` adds its trained copies and adapters there
+    and in each layer, an element of them weighing ``trained_weight`` frozen ones."""
 
     s = Shape.of(config)
     root = s.vocab * s.hidden * (1 if getattr(config, "tie_word_embeddings", False) else 2) + s.hidden
     layer = s.attn_weights + s.mlp_weights + 2 * s.hidden
+    root += trained_weight * trained.root
+    layer += trained_weight * (trained.per_layer + trained.adapters_per_layer)
     return root / (root + s.layers * layer)
 
 

@@ -66,6 +66,7 @@ def planned_step(
             lora,
             offload=strategy.optimizer_offload and gpu,
             offload_params=offload_params and gpu,
+            precision=strategy.precision,
         )
     step = predict_run(mconf, cfg.data.seq_len, strategy, lora, on_gpu=gpu, sharding=sharding)
     replayed = None
