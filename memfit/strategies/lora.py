@@ -134,10 +134,9 @@ def check_trained_whole(model: torch.nn.Module, names: list[str], targets: list[
                 for full, m in modules.items()
                 if full and not list(m.children()) and any(True for _ in m.parameters())
             }
-            shown = sorted(leaves)
             raise UserError(
                 f"lora.modules_to_save: '{name}' is no module of this model{did_you_mean(name, leaves)}; e.g. "
-                f"{', '.join(shown)}"
+                f"{', '.join(sorted(leaves))}"
             )
         inside = [sub for sub in modules if any(sub == f or sub.startswith(f"{f}.") for f in found)]
         adapted = [sub.rsplit(".", 1)[-1] for sub in inside if sub.rsplit(".", 1)[-1] in targets]
@@ -208,10 +207,15 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, precision: Precision):
         target_parameters=list(cfg.target_parameters) or None,
         modules_to_save=list(cfg.modules_to_save) or None,  # copies: PEFT rewrites the lists it is given
         trainable_token_indices=list(dict.fromkeys(cfg.trainable_tokens)) or None,  # PEFT keeps a repeated id twice
-        # an embedding trained whole (or in rows) stays the output head's weight where the model ties them; PEFT
-        # would otherwise train a copy for one of the two and leave the other as it was
-        ensure_weight_tying=ties_embeddings(model) and bool(_embedding_modules(model, cfg.modules_to_save)),
         task_type="CAUSAL_LM",
+        # embeddings trained whole stay the output head's weight where the model ties them; PEFT would otherwise
+        # train a copy for one of the two and leave the other as it was (trained rows it ties itself). Given only
+        # then: PEFT 0.17 has no such field
+        **(
+            {"ensure_weight_tying": True}
+            if ties_embeddings(model) and _embedding_modules(model, cfg.modules_to_save)
+            else {}
+        ),
     )
     with warnings.catch_warnings():  # PEFT asks transformers a deprecated question; not ours to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
