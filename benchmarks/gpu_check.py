@@ -50,6 +50,9 @@ Parts measured on 2026-11-30 (benchmarks/RESULTS.md) or by an earlier issue, run
   replay), three steps, the predicted and measured peak and step time.
 - ``on-oom``: the ``oom`` cell with ``train.on_oom=next``: the switches it made and whether it ends.
 - ``restart``: ``train.restart_on`` with the whole run's allocator trace recorded.
+- ``bench-lora-embeddings`` (no issue: the thirty-ninth session's ``lora.modules_to_save``): ``bench-qlora``'s
+  bf16-mixed LoRA cell without checkpointing (its ``quantize_base=none`` cell is the same cell without them) with the
+  embeddings and head trained whole, peak allocated against the planner (predicted 21.1 GiB more on Llama-3-8B).
 - ``bench-moe`` (no issue: the thirty-fifth session's mixtures of experts): ``memfit bench`` on a Mixtral-8x7B-shaped
   model of 4 layers (LoRA on its attention, bf16-mixed and bf16-pure, AC none and full), the planner's prediction
   (the experts' grouped matmuls traced on CPU) beside ``torch.cuda.max_memory_allocated()``.
@@ -87,6 +90,8 @@ OPEN_PARTS = ("doctor", "bench-qlora", "bench-lowbit", "packing", "bench-optimiz
 H200 by the 2026-11-30 runs' 30-35 s a bench cell: 8 cells and 6 packing runs). Run it as
 ``bash benchmarks/gpu_check.sh --out $OUT`` with carry ``[".gpu_carry"]`` and a ``timeout_s`` of about 580: a lent
 GPU's 15 minutes include its start, so there is one try; every part rewrites ``summary.json`` as it ends."""
+TRAINED = ("lora.modules_to_save=[embed_tokens,lm_head]",)
+"""``bench-lora-embeddings``: what its LoRA cell trains beside the adapters."""
 DEADLINE = [float("inf")]  # perf_counter time by which every part must be done (--budget-s)
 
 
@@ -524,7 +529,7 @@ def part_bench(s, out: Path, log, name: str, matrix: list[str], extra: tuple[str
     copies = [("memory_per_cell.png", f"{name}_memory.png")]
     if name == "bench_lora":
         copies.append(("pareto.png", f"{name}_pareto.png"))
-    if name in ("bench_offload", "bench_in_backward", "bench_chunks", "bench_moe_qlora"):
+    if name in ("bench_offload", "bench_in_backward", "bench_chunks", "bench_moe_qlora", "bench_lora_embeddings"):
         copies = []
     for src, dst in copies:
         if (bench_out / src).is_file():
@@ -641,6 +646,7 @@ def main() -> int:
         ns.moe = ["--ac", "none,full", "--precision", "fp32", "--micro-batch", "2", "--lora", "true"]
         ns.moe_qlora = ["--ac", "none", "--precision", "bf16-mixed", "--micro-batch", "2", "--lora", "true"]
         ns.moe_qlora += ["--quantize-base", "none,nf4"]
+        ns.lora_embeddings = ["--ac", "none", "--precision", "fp32", "--micro-batch", "2", "--lora", "true"]
         ns.steps, ns.bench_timeout = 2, 300
     else:
         ns.base = [
@@ -713,6 +719,7 @@ def main() -> int:
         ns.moe = ["--ac", "none,full", "--precision", "bf16-mixed,bf16-pure", "--micro-batch", "4", "--lora", "true"]
         ns.moe_qlora = ["--ac", "none", "--precision", "bf16-mixed", "--micro-batch", "4", "--lora", "true"]
         ns.moe_qlora += ["--quantize-base", "none,nf4"]
+        ns.lora_embeddings = ["--ac", "none", "--precision", "bf16-mixed", "--micro-batch", "4", "--lora", "true"]
         ns.steps, ns.bench_timeout = 3, 190
     import torch
 
@@ -742,6 +749,9 @@ def main() -> int:
         "auto": lambda log: part_auto(ns, out, log),
         "on-oom": lambda log: part_on_oom(ns, out, log),
         "restart": lambda log: part_restart(ns, out, log),
+        "bench-lora-embeddings": lambda log: part_bench(
+            ns, out, log, "bench_lora_embeddings", ns.lora_embeddings, TRAINED
+        ),
         "bench-moe": lambda log: part_bench(ns, out, log, "bench_moe", ns.moe, (moe_config(ns),)),
         "bench-moe-qlora": lambda log: part_bench(ns, out, log, "bench_moe_qlora", ns.moe_qlora, (moe_config(ns),)),
         "packing": lambda log: part_script(ns, out, log, "packing", ns.packing, 300),

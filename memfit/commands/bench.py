@@ -37,11 +37,13 @@ from memfit.units import parse_memory, switch
 def run(ns) -> int:
     """``memfit bench``: parse the matrix, run the cells, write and print the results."""
     config = str(resolve_config_path(ns.config))
-    base = load_config(config, ns.set)  # validate the base config and overrides before spawning anything
-    source_files(base.data)  # and that its data is there
     loras = _distinct(switch(v) for v in _split(ns.lora))
     if None in loras:
         raise UserError(f"--lora must be a comma-separated list of true/false or yes/no (got '{ns.lora}')")
+    # validate the base config and overrides before spawning anything, as a LoRA cell reads them where there is one
+    # (--set lora.modules_to_save=... describes its adapters; each cell is checked as it runs below)
+    base = load_config(config, [*ns.set, "lora.enabled=true"] if True in loras else ns.set)
+    source_files(base.data)  # and that its data is there
     stages = {"none": None, "-": None, **{str(z): z for z in ZERO_STAGES}}
     zeros = _distinct(stages.get(v, -1) for v in _split(ns.zero)) or [None]
     if -1 in zeros:

@@ -4,6 +4,7 @@ import csv
 import json
 
 import pytest
+import yaml
 from support.tiny import REPO
 
 from memfit.cli import main
@@ -126,6 +127,10 @@ def test_bench_refuses_bad_matrix(tmp_path, capsys):
     [
         (["--packing", "true"], "bench cell ac-none_fp32_packed_mb2_lora: data.packing packs chat/instruction records"),
         (["--set", "data.source=no/such.jsonl"], "data.source: 'no/such.jsonl' does not exist"),
+        (
+            ["--lora", "true,false", "--set", "lora.modules_to_save=[embed_tokens]"],
+            "bench cell ac-none_fp32_mb2_full: lora.modules_to_save trains beside a LoRA run's adapters",
+        ),
     ],
 )
 def test_bench_refuses_a_cell_train_would_refuse_before_it_writes(tmp_path, capsys, args, needle):
@@ -133,6 +138,18 @@ def test_bench_refuses_a_cell_train_would_refuse_before_it_writes(tmp_path, caps
     as failed, the whole matrix long; now it is one line before ``--out`` is made."""
     assert main(["bench", "tiny-cpu", "--ac", "none", "--lora", "true", *args, "--out", str(tmp_path / "b")]) == 2
     assert needle in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+def test_bench_sets_what_its_lora_cells_train_beside_the_adapters(tmp_path, capsys, embedded_dir):
+    """``--set lora.modules_to_save=...`` describes the LoRA cells' adapters: the base config was checked with it
+    and LoRA off, and refused it ("a full fine-tune trains every weight") though every cell was LoRA."""
+    out = tmp_path / "b"
+    args = ["bench", "tiny-cpu", "--ac", "none", "--lora", "true", "--steps", "1", "--warmup", "0", "--out", str(out)]
+    assert main([*args, "--set", "data.max_documents=2", "lora.modules_to_save=[embed_tokens]"]) == 0
+    (cell,) = json.loads((out / "results.json").read_text())
+    assert cell["status"] == "ok", cell
+    ran = yaml.safe_load((out / "cells" / cell["name"] / "config.yaml").read_text())["lora"]
+    assert ran["enabled"] is True and ran["modules_to_save"] == ["embed_tokens"]
 
 
 def test_a_second_bench_into_an_out_in_use_is_one_line_and_touches_nothing(tmp_path, capsys):
