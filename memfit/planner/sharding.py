@@ -151,11 +151,14 @@ def _shard_rows(
     grads_done: np.ndarray,
     g_total: int,
     accumulated: bool = False,
+    after_layers: np.ndarray | None = None,
 ) -> np.ndarray:
     """Moments' bytes (int64 rows in ``Category`` order) on one rank. ``phases`` holds each moment's index in
     ``PHASES``; ``grads_done`` the fraction of the step's gradients this micro-batch's backward had produced by
     then (where FSDP2 has resharded); ``g_total`` the bytes of all gradients; ``accumulated`` whether earlier
-    micro-batches of the step left (sharded) gradients behind. Integer arithmetic as in Python: products with a
+    micro-batches of the step left (sharded) gradients behind; ``after_layers`` which moments run after every decoder
+    layer's backward (``after_the_layers``: the embeddings' backward, where ZeRO-3 holds no layer gathered).
+    Integer arithmetic as in Python: products with a
     fraction truncated, quotients floored (every value is non-negative)."""
     n, layers = s.world_size, max(1, s.num_layers)
     backward, update = phases == _BACKWARD, (phases == _CLIP) | (phases == _OPTIMIZER)
@@ -187,8 +190,8 @@ def _shard_rows(
         if s.stage == 2:
             gathered = np.where(backward, root_p + _times(p - root_p, 1 - grads_done), p)
             p2 = p // n + gathered
-        else:
-            p2 = p // n + root_p + 2 * layer_p
+        else:  # the running layer and the prefetched one, none once every layer's backward is done
+            p2 = p // n + root_p + (2 * layer_p if after_layers is None else np.where(after_layers, 0, 2 * layer_p))
         p2 = np.where(update, p // n, p2)
         g2 = np.where(update, g // n, sharded_g + in_flight)
         o2 = o // n
@@ -199,6 +202,19 @@ def _shard_rows(
     if s.offload or s.offload_params:
         _offloaded(out, s, phases, p // n, np.where(update | accumulated, g // n, sharded_g))
     return out
+
+
+def after_the_layers(keys: tuple[str, ...]) -> np.ndarray:
+    """For each moment key (``Timeline.region_peaks``' ``phase:region#occurrence+offset``, in order), whether it is
+    a backward op outside the decoder layers after some layer's backward: the embeddings' backward, which runs
+    after every layer's."""
+    seen, after = False, []
+    for key in keys:
+        phase, _, region = key.partition(":")
+        outer = region.split("#", 1)[0] == "outer"
+        after.append(phase == "backward" and outer and seen)
+        seen |= phase == "backward" and not outer
+    return np.array(after, dtype=bool)
 
 
 def _times(values: np.ndarray, fraction) -> np.ndarray:
@@ -259,7 +275,8 @@ def per_rank_moments(moments: Moments, s: ShardingSpec, accumulated: bool = Fals
     """Every traced moment as one rank sees it, and then the peaks: the moment of a rank's peak can differ from
     the single device's (e.g. ZeRO-2 frees each layer's gathered weights during backward)."""
     g_total = int(moments.rows[:, _G].max())
-    rows = _shard_rows(moments.rows, s, moments.phases, moments.grads_done, g_total, accumulated)
+    after = after_the_layers(moments.keys)
+    rows = _shard_rows(moments.rows, s, moments.phases, moments.grads_done, g_total, accumulated, after)
     return moments.with_rows(rows).collapse()
 
 

@@ -252,10 +252,11 @@ class StepTracker(TorchDispatchMode):
         serial = self._add(t)
         if serial is not None:
             self._category.setdefault(serial, category)
-            if self._layer is not None:
-                # a storage saved by several layers (RoPE's cos/sin, a mask) says nothing of where backward is
-                known = self._layer_of.get(serial, self._layer)
-                self._layer_of[serial] = self._layer if known == self._layer else SHARED
+            # where backward is when it reads the storage: in this layer, or (None) outside the layers, as the
+            # embeddings' backward after every layer's; one saved in several places (RoPE's cos/sin, a mask) says
+            # nothing of where backward is
+            known = self._layer_of.get(serial, self._layer)
+            self._layer_of[serial] = self._layer if known == self._layer else SHARED
         return t
 
     def _on_pack(self, t: torch.Tensor, packed) -> None:

@@ -342,15 +342,15 @@ def test_deepspeed_zero3_export_is_the_consolidated_model(runs):
 
 @pytest.mark.parametrize(
     "stage, lora",
-    [(2, ()), (3, ()), (2, ("lora.enabled=true", "lora.modules_to_save=[embed_tokens]"))],
-    ids=["zero2", "zero3", "zero2-lora-embeddings-trained"],
+    [(2, ()), (3, ()), *((stage, ("lora.enabled=true", "lora.modules_to_save=[embed_tokens]")) for stage in (2, 3))],
+    ids=["zero2", "zero3", "zero2-lora-embeddings-trained", "zero3-lora-embeddings-trained"],
 )
 def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, stage, lora):
     """torch.profiler's tensor peak on each real rank vs the planner's per-rank FSDP2 prediction,
     on a SmolLM2-135M-shaped model (root group ~21% of the weights, so the stages differ). LoRA with the (tied)
-    embeddings trained whole puts a trained copy and its gradient in the root group: measured 1,318,128,844 B on
-    each rank, the planner 3 kB under (its ZeRO-3 run read 1,024,999,228 B, the planner +2.8%: it holds two decoder
-    layers gathered to the end of backward, where the embeddings' gradient is made after every layer's)."""
+    embeddings trained whole puts a trained copy and its gradient in the root group: ZeRO-2 measured 1,318,128,844 B
+    on each rank, ZeRO-3 1,024,999,228 B, the planner 3 kB and 1.4 kB under. Its peak is in the embeddings' backward,
+    after every layer's, where ZeRO-3 holds no decoder layer gathered (the planner held two there: +2.8%)."""
     args = tiny_overrides(
         tmp_path / "run",
         "model.source=random:smollm2-135m",
@@ -370,8 +370,9 @@ def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, stag
     # every release of the program's tensors is seen (collectives_release_on_caller) and gloo's private
     # reduce-scatter clones are left out, so the measurement no longer depends on the machine's load: idle and
     # with 3 busy loops on the 2 cores, ZeRO-2 read 1,560,606,184 B on both ranks (planner -0.10%), ZeRO-3
-    # 1,486,648,040 B (planner +1.9%: two unsharded decoder layers, its current and prefetched one)
-    assert all(abs(predicted - r) / r <= 0.03 for r in ranks), (stage, predicted, ranks)
+    # 1,486,648,040 B (planner +1.9% while it held two decoder layers gathered in the embeddings' backward, after
+    # every layer's; 1 kB under since it holds none there)
+    assert all(abs(predicted - r) / r <= 0.01 for r in ranks), (stage, predicted, ranks)  # the bar 3%; all < 0.11%
 
 
 def test_a_rank_dying_on_another_node_stops_this_node_too(tmp_path, embedded_dir):
