@@ -188,7 +188,13 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, precision: Precision):
     """
     available = linear_module_names(model)
     targets = target_names(model, cfg.target_modules)
+    embeddings = {full.rsplit(".", 1)[-1] for full, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
     for target in targets:
+        if target in embeddings:  # PEFT would put low-rank adapters on it; what users mean is to train it
+            raise UserError(
+                f"lora.target_modules: '{target}' is the embeddings, not a Linear module: to train them, name it in "
+                "lora.modules_to_save (trained whole) or give lora.trainable_tokens (only those rows)"
+            )
         if target not in available:
             raise UserError(
                 f"lora.target_modules: '{target}' is not a Linear module of this model"

@@ -155,6 +155,11 @@ def _tiny_model(tied: bool = True):
             r"'self_attn' holds q_proj, which gets adapters \(lora.target_modules\)",
         ),
         (
+            dict(target_modules=["q_proj", "embed_tokens"]),  # as Unsloth's continued-pretraining recipe lists it
+            r"^lora.target_modules: 'embed_tokens' is the embeddings, not a Linear module: to train them, name it in "
+            r"lora.modules_to_save \(trained whole\) or give lora.trainable_tokens \(only those rows\)$",
+        ),
+        (
             dict(trainable_tokens=[5, 2048]),
             r"lora.trainable_tokens: token id 2048 is past this model's vocabulary of 2048 embedding rows; give ids "
             r"below 2048$",
