@@ -120,6 +120,12 @@ class TrainedWhole:
     adapters_per_layer: float = 0.0
 
     @classmethod
+    def of_run(cls, config, lora) -> TrainedWhole:
+        """What ``lora`` (a ``LoraConfig``, or None: a full fine-tune, counted here as nothing) trains whole on a model
+        of ``config``."""
+        return cls() if lora is None else cls.of(Shape.of(config), lora, getattr(config, "tie_word_embeddings", False))
+
+    @classmethod
     def of(cls, shape: Shape, lora, tied: bool) -> TrainedWhole:
         """``lora`` (a ``LoraConfig``) on a model of ``shape`` whose head is ``tied`` to its embeddings or not."""
         table = shape.vocab * shape.hidden

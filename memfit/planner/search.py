@@ -501,9 +501,7 @@ def modelled_step_time_s(strategy: Strategy, w: Workload, c: Cluster, mem: StepM
     lowp_param_bytes = shape.matmul_weights * width
     tokens = strategy.micro_batch_size * strategy.grad_accum_steps * w.seq_len
     lora_experts = w.lora is not None and bool(w.lora.target_parameters)
-    trained = TrainedWhole()
-    if w.lora is not None:
-        trained = TrainedWhole.of(shape, w.lora, getattr(w.model_config, "tie_word_embeddings", False))
+    trained = TrainedWhole.of_run(w.model_config, w.lora)
     flops = step_flops(shape, tokens, w.seq_len, w.lora is not None, strategy, lora_experts, trained)
     # LoRA: what it trains whole (its adapters' gradients are negligible)
     trained_bytes = lowp_param_bytes if w.lora is None else int(trained.elements(shape.layers)) * width

@@ -89,7 +89,7 @@ class ShardingSpec:
         embeddings or head, beside the frozen originals) is there in the parameters and the gradients."""
         root = grads = root_fraction(config)
         if lora is not None:
-            trained = TrainedWhole.of(Shape.of(config), lora, getattr(config, "tie_word_embeddings", False))
+            trained = TrainedWhole.of_run(config, lora)
             # bf16-mixed LoRA keeps the frozen weights in bf16 and trains in fp32: a trained element weighs two
             root = root_fraction(config, trained, 2.0 if precision == "bf16-mixed" else 1.0)
             grads = trained.root_share(config.num_hidden_layers)
