@@ -170,7 +170,8 @@ class Predictor:
         """The unchunked moments at full depth (``regions``) with the loss's moments replaced by chunked ones.
 
         The output projection and the loss run after the decoder layers in forward and before them in
-        backward, in segments of their own ("forward:outer#1", "backward:outer#0"). Inside such a segment,
+        backward, in segments of their own ("forward:outer#1", "forward:loss#0", "backward:loss#0",
+        "backward:outer#0"), which keep their place in the step. Inside such a segment,
         what depth and checkpointing change (the layers' parameters, gradients and saved activations) is
         the same at every moment, and what chunking changes does not depend on them. So the chunked
         segments are traced once per precision and chunk count, at ``LOSS_DELTA_DEPTH`` layers without
@@ -183,15 +184,24 @@ class Predictor:
         p = self._at_batch(plain_spec, LOSS_DELTA_DEPTH, micro_batch)
         key = (tuple(c), tuple(p))  # the same at every micro-batch: one op sequence
         if key not in self._loss_segments:
-            cs, ps = _segments(c), _segments(p)
-            self._loss_segments[key] = cs, ps, {n for n in cs.keys() | ps.keys() if cs.get(n) != ps.get(n)}
-        cs, ps, changed = self._loss_segments[key]
-        out = {k: v for k, v in regions.items() if _segment(k) not in changed}
-        for name in changed:
-            first = ps[name][0]  # the segment's first moment, unchunked
-            shift = tuple(a - b for a, b in zip(regions[first], p[first]))
-            for key in cs[name]:
-                out[key] = tuple(x + d for x, d in zip(c[key], shift))
+            self._loss_segments[key] = _segments(c), _segments(p)
+        cs, ps = self._loss_segments[key]
+        # segments whose ops chunking changes, and those outside the layers whose bytes it changes (the embeddings'
+        # backward of tied weights, where a chunked head's gradient is summed in place)
+        changed = {
+            n
+            for n in cs.keys() | ps.keys()
+            if cs.get(n) != ps.get(n) or (not _in_layers(n) and any(c[k] != p[k] for k in cs[n]))
+        }
+        out: dict[str, tuple[int, ...]] = {}
+        for k, v in regions.items():  # in op order: a rank's rules read where a moment is in the step
+            name = _segment(k)
+            if name not in changed:
+                out[k] = v
+            elif name in cs and cs[name][0] not in out:
+                first = ps[name][0]  # the segment's first moment, unchunked
+                shift = tuple(a - b for a, b in zip(regions[first], p[first]))
+                out.update((key, tuple(x + d for x, d in zip(c[key], shift))) for key in cs[name])
         return out
 
     def prefetch(self, strategies: Iterable[Strategy], workers: int | None = None) -> None:
@@ -325,6 +335,11 @@ def _traced_as_is(strategy: Strategy) -> bool:
 def _segment(key: str) -> str:
     """``backward:outer#0+12`` -> ``backward:outer#0``: the run of moments a moment belongs to."""
     return key.rsplit("+", 1)[0]
+
+
+def _in_layers(segment: str) -> bool:
+    """``backward:last#0`` -> True: a segment of decoder-layer moments (whose ops checkpointing changes)."""
+    return segment.partition(":")[2].split("#", 1)[0] in ("first", "mid", "last")
 
 
 def _segments(regions: dict[str, tuple[int, ...]]) -> dict[str, list[str]]:

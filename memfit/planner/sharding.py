@@ -8,13 +8,17 @@ FSDP2 semantics (``fully_shard`` per decoder layer and on the root; memfit's def
     stage 1  DDP + ZeroRedundancyOptimizer: P, G + buckets, O/N.
     stage 2  reshard_after_forward=False: in forward, sharded P/N plus every group's unsharded
              parameters kept for backward (P); in backward a layer reshards once its gradients are
-             reduced, so at a moment when a fraction f of the gradients exists, P/N + root +
+             reduced, so at a moment when a fraction f of the layers' backward is done, P/N + root +
              (1 - f) of the layers' parameters; G/N (sharded, accumulated over micro-batches) plus,
-             in backward only, the root group's share of the gradients produced so far (unsharded
-             until the root's post-backward) and one layer's in flight; O/N.
-    stage 3  reshard_after_forward=True on the layers: P/N plus the root group's unsharded
-             parameters (kept from forward to backward) and two layers' (current + prefetched);
-             gradients as stage 2; O/N.
+             in backward only, the root group's gradients produced so far (unsharded until the root's
+             post-backward: before the layers every gradient made, the head's) and one layer's in flight
+             while the layers run; O/N.
+    stage 3  reshard_after_forward=True on the layers: P/N plus the root group's unsharded parameters (kept
+             from forward to backward) and, per moment (``zero3_gathered``), the decoder layers' that FSDP2 holds
+             whole: in forward two to three (the running layer, its all-gather's output, kept past the next
+             layer's copy-out), one after the layers, none in a loss outside the model; in backward none before the
+             gradient of the model's output, one in the head's, two in the layers', none in the embeddings' after
+             them; gradients as stage 2; O/N.
     In the clip and optimizer phases every group is resharded: P/N, G/N, O/N, and the optimizer's
     temporaries (foreach buffers) are those of this rank's shard: 1/N.
     The root group holds the embeddings, the final norm and an untied LM head: ``root_param_fraction``
@@ -151,14 +155,14 @@ def _shard_rows(
     grads_done: np.ndarray,
     g_total: int,
     accumulated: bool = False,
-    after_layers: np.ndarray | None = None,
+    places: np.ndarray | None = None,
 ) -> np.ndarray:
     """Moments' bytes (int64 rows in ``Category`` order) on one rank. ``phases`` holds each moment's index in
     ``PHASES``; ``grads_done`` the fraction of the step's gradients this micro-batch's backward had produced by
     then (where FSDP2 has resharded); ``g_total`` the bytes of all gradients; ``accumulated`` whether earlier
-    micro-batches of the step left (sharded) gradients behind; ``after_layers`` which moments run after every decoder
-    layer's backward (``after_the_layers``: the embeddings' backward, where ZeRO-3 holds no layer gathered).
-    Integer arithmetic as in Python: products with a
+    micro-batches of the step left (sharded) gradients behind; ``places`` where each moment is in its pass
+    (``moment_places``): without them, the root group's gradients are taken as produced in step with the rest and
+    ZeRO-3 holds two layers gathered at every moment. Integer arithmetic as in Python: products with a
     fraction truncated, quotients floored (every value is non-negative)."""
     n, layers = s.world_size, max(1, s.num_layers)
     backward, update = phases == _BACKWARD, (phases == _CLIP) | (phases == _OPTIMIZER)
@@ -166,13 +170,11 @@ def _shard_rows(
     p, g, o = rows[:, _P], rows[:, _G], rows[:, _O]
     root_p = _times(p, s.root_param_fraction)
     layer_p = (p - root_p) // layers
-    # unsharded gradients in flight during backward: the root group's share of the gradients produced
-    # so far in this micro-batch (reduce-scattered at the root's post-backward) and one layer's before
-    # its reduce-scatter; none in forward (earlier micro-batches' gradients are sharded by then)
-    flying = backward & (grads_done > 0)
-    root_g = int(g_total * s.root_grad_fraction)
-    root_in_flight = np.where(flying, _times(np.full_like(p, root_g), grads_done), 0)
-    in_flight = np.where(flying, root_in_flight + (g_total - root_g) // layers, 0)
+    # unsharded gradients in flight during backward: the root group's gradients produced so far in this
+    # micro-batch (reduce-scattered at the root's post-backward) and one layer's before its reduce-scatter; none in
+    # forward (earlier micro-batches' gradients are sharded by then)
+    root_in_flight, layer_in_flight, layers_done = _in_flight(s, backward, grads_done, g_total, places)
+    in_flight = root_in_flight + layer_in_flight
     # sharded gradients: every gradient of earlier micro-batches, else this backward's layers so far
     sharded_g = g // n if accumulated else np.maximum(0, g - root_in_flight) // n
     if s.stage == 0:
@@ -187,11 +189,11 @@ def _shard_rows(
     elif s.stage == 1:
         p2, g2, o2 = p, 2 * g, o // n
     else:  # FSDP2 stages 2 and 3; after backward every group is resharded
-        if s.stage == 2:
-            gathered = np.where(backward, root_p + _times(p - root_p, 1 - grads_done), p)
-            p2 = p // n + gathered
-        else:  # the running layer and the prefetched one, none once every layer's backward is done
-            p2 = p // n + root_p + (2 * layer_p if after_layers is None else np.where(after_layers, 0, 2 * layer_p))
+        if s.stage == 2:  # every group gathered from forward on; in backward a layer reshards once it is done
+            p2 = p // n + np.where(backward, root_p + _times(p - root_p, 1 - layers_done), p)
+        else:
+            layers_held, roots_held = zero3_gathered(phases, places) if places is not None else (2, 1)
+            p2 = p // n + roots_held * root_p + layers_held * layer_p
         p2 = np.where(update, p // n, p2)
         g2 = np.where(update, g // n, sharded_g + in_flight)
         o2 = o // n
@@ -204,17 +206,96 @@ def _shard_rows(
     return out
 
 
-def after_the_layers(keys: tuple[str, ...]) -> np.ndarray:
-    """For each moment key (``Timeline.region_peaks``' ``phase:region#occurrence+offset``, in order), whether it is
-    a backward op outside the decoder layers after some layer's backward: the embeddings' backward, which runs
-    after every layer's."""
-    seen, after = False, []
-    for key in keys:
+def _in_flight(
+    s: ShardingSpec, backward: np.ndarray, grads_done: np.ndarray, g_total: int, places: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per moment: the root group's gradient bytes in flight (unsharded), one layer's in flight, and the share of the
+    decoder layers whose backward is done. With ``places``, read from where the gradients were made: before the
+    layers every one is the root group's (an LM head's, whole, before any reduce-scatter), in the layers those stay
+    and the layers' are added, after them the embeddings' join the root's. Without, the root group's share of all
+    the gradients made so far, and the layers as far as the gradients are."""
+    layers = max(1, s.num_layers)
+    made = _times(np.full(len(grads_done), g_total, dtype=np.int64), grads_done)  # this micro-batch's, so far
+    if places is None:
+        flying = backward & (grads_done > 0)
+        root_g = int(g_total * s.root_grad_fraction)
+        return (
+            np.where(flying, _times(np.full_like(made, root_g), grads_done), 0),
+            np.where(flying, (g_total - root_g) // layers, 0),
+            grads_done,
+        )
+    before = backward & ((places == _LOSS) | (places == _BEFORE))
+    in_layers = backward & ((places == _LAYER) | (places == _LAYER_START))
+    after = backward & (places == _AFTER)
+    root_before = int(made[before].max(initial=0))
+    # the gradients made when the layers' backward starts: the root group's, unless its gradient there is not yet
+    # the one that becomes the parameter's (a tied head's, summed out of place with the embeddings': a temporary)
+    start = int(made[np.flatnonzero(in_layers)[0]]) if in_layers.any() else root_before
+    root_in_layers = min(start, root_before)
+    layers_made = max(0, int(made[in_layers].max(initial=start)) - start)
+    root = np.where(before, made, np.where(in_layers, root_in_layers, np.where(after, made - layers_made, 0)))
+    # one layer's before its reduce-scatter, and after the layers the last reduce-scatter's input, which FSDP2 frees
+    # at the next one (the root group's, in its post-backward)
+    layer = np.where(in_layers | after, layers_made // layers, 0)
+    done = np.where(in_layers, np.maximum(made - start, 0) / max(1, layers_made), np.where(after, 1.0, 0.0))
+    return np.maximum(root, 0), layer, done
+
+
+_PRE, _BEFORE, _LAYER, _LAYER_START, _AFTER, _LOSS, _UPDATE = range(7)
+
+
+def moment_places(keys: tuple[str, ...]) -> np.ndarray:
+    """Where each moment key (``Timeline.region_peaks``' ``phase:region#occurrence+offset``, in op order) is in its
+    pass: before the model's forward (``forward`` alone), outside the layers before them, in a decoder layer (a
+    layer's first moment in forward apart: ``_LAYER_START``, read at the last layer's, where the most activations are
+    held), outside them after them, in a loss computed outside the model, or in the update."""
+    out = np.full(len(keys), _UPDATE, dtype=np.int64)
+    phase_before, segment_before, in_layers_yet = "", "", False
+    for i, key in enumerate(keys):
         phase, _, region = key.partition(":")
-        outer = region.split("#", 1)[0] == "outer"
-        after.append(phase == "backward" and outer and seen)
-        seen |= phase == "backward" and not outer
-    return np.array(after, dtype=bool)
+        segment, region = key.rsplit("+", 1)[0], region.split("#", 1)[0]
+        if phase != phase_before:
+            phase_before, in_layers_yet = phase, False
+        layer = region in ("first", "mid", "last")
+        if layer:
+            starts = phase == "forward" and region == "last" and segment != segment_before
+            out[i] = _LAYER_START if starts else _LAYER
+        elif region == "loss":
+            out[i] = _LOSS
+        elif region == "outer":
+            out[i] = _AFTER if in_layers_yet else _BEFORE
+        elif phase == "forward":
+            out[i] = _PRE
+        in_layers_yet |= layer
+        segment_before = segment
+    return out
+
+
+_FORWARD = PHASES.index("forward")
+# (layers, root groups) FSDP2 holds whole under ZeRO-3 at each place, in forward and in backward
+_HELD = {
+    _FORWARD: {_PRE: (0, 0), _BEFORE: (2, 2), _LAYER: (2, 1), _LAYER_START: (3, 1), _AFTER: (1, 1), _LOSS: (0, 1)},
+    _BACKWARD: {_BEFORE: (1, 1), _LAYER: (2, 1), _LAYER_START: (2, 1), _AFTER: (0, 1), _LOSS: (0, 1)},
+}
+
+
+def zero3_gathered(phases: np.ndarray, places: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each moment (its ``PHASES`` index and ``moment_places``): how many decoder layers' parameters FSDP2 holds
+    whole under ZeRO-3 (unsharded, or an all-gather's output), and how many copies of the root group's. Read from
+    FSDP2's hooks in torch 2.13 (``benchmarks/fsdp2_gathered_layers.py``):
+
+    - forward: a group's all-gather output outlives its copy-out, to overlap the next group's all-gather with it,
+      and is freed only after that group's copy-out (``wait_for_unshard`` keeps it in a local variable): the running
+      layer and its output, and at a layer's start the previous layer's output too (three; the first layer's start
+      holds the root group's output and unsharded parameters beside its own two); after the layers, the last one's
+      output until the root's post-forward; nothing in a loss computed outside the model.
+    - backward: an output is freed at its copy-out; none before the gradient of the model's output, where the root's
+      pre-backward prefetches the last layer (one), then the running layer and the prefetched one (two), none in
+      the embeddings' backward after every layer's.
+    """
+    held = np.array([_HELD.get(int(ph), {}).get(int(pl), (0, 1)) for ph, pl in zip(phases, places)], dtype=np.int64)
+    held = held.reshape(-1, 2)
+    return held[:, 0], held[:, 1]
 
 
 def _times(values: np.ndarray, fraction) -> np.ndarray:
@@ -275,8 +356,8 @@ def per_rank_moments(moments: Moments, s: ShardingSpec, accumulated: bool = Fals
     """Every traced moment as one rank sees it, and then the peaks: the moment of a rank's peak can differ from
     the single device's (e.g. ZeRO-2 frees each layer's gathered weights during backward)."""
     g_total = int(moments.rows[:, _G].max())
-    after = after_the_layers(moments.keys)
-    rows = _shard_rows(moments.rows, s, moments.phases, moments.grads_done, g_total, accumulated, after)
+    places = moment_places(moments.keys)
+    rows = _shard_rows(moments.rows, s, moments.phases, moments.grads_done, g_total, accumulated, places)
     return moments.with_rows(rows).collapse()
 
 

@@ -86,6 +86,32 @@ def _bincount_fake(values: torch.Tensor, weights: torch.Tensor | None = None, mi
     return values.new_zeros(int(minlength) or values.numel(), dtype=dtype)
 
 
+_ADD, _ADD_ = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
+_dense = getattr(torch._prims_common, "is_non_overlapping_and_dense_or_false", torch.Tensor.is_contiguous)
+
+
+def _accumulates_in_place(args: tuple, kwargs: dict) -> bool:
+    """Whether ``aten.add(old, new)`` is autograd summing two gradients of one tensor (its input buffer, in backward
+    with grad mode off) where a step without a dispatch mode adds ``new`` into ``old`` in place: ``old`` a dense tensor
+    that is not a view and that nothing else holds. Under any dispatch mode (a trace's fake tensors, this tracker)
+    autograd takes every operand for a tensor subclass and adds out of place, one buffer more: the gradient of tied
+    embeddings under a chunked loss (its chunks summed into one, then the embeddings' added) held three copies in a
+    trace, two in a real step. What else holds ``old`` is read from the reference counts, against ``new``'s (made by
+    the op that just ran, held by the buffer alone: the same counts of dispatch and of this tracker)."""
+    if kwargs or len(args) != 2 or torch._C._current_graph_task_id() == -1 or torch.is_grad_enabled():
+        return False
+    old, new = args
+    if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old._is_view():
+        return False
+    if old.shape != new.shape or old.dtype != new.dtype or old.device != new.device or old.is_nested:
+        return False
+    if not _dense(old):
+        return False
+    storage_uses = torch._C._storage_Use_Count(old.untyped_storage()._cdata)
+    alone = torch._C._storage_Use_Count(new.untyped_storage()._cdata) - (1 if new._is_view() else 0)
+    return old._use_count() <= new._use_count() and storage_uses <= alone
+
+
 def _storage(t: torch.Tensor):
     try:
         return t.untyped_storage()
@@ -94,6 +120,14 @@ def _storage(t: torch.Tensor):
 
 
 _DEVICE_QUERY = torch.ops.prim.device.default
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    """The tensors in a model's output (a tensor, a ``ModelOutput`` or other mapping, tuples and lists of them)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    items = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    return [t for item in items for t in _tensors(item)]
 
 
 def _pow2_ceil(n: int) -> int:
@@ -170,6 +204,9 @@ class StepTracker(TorchDispatchMode):
         self._in_optimizer = False
         self._after_backward = False  # reset by each model forward (gradient accumulation)
         self._layer: int | None = None  # decoder layer running now (forward, recompute or backward)
+        # the loss outside the model: ops after its forward returned, and their backward until the gradient of its
+        # output exists (FSDP's root group runs its pre-backward then; a chunked loss, inside the model, has none)
+        self._in_loss = False
         self._layer_of: dict[int, int | object] = {}  # serial of a saved tensor -> layer that saved it, or SHARED
         self._hooks: list = []
         self._depth = 0  # how many times entered: once, and again inside each tensor subclass's op
@@ -276,8 +313,11 @@ class StepTracker(TorchDispatchMode):
         return t
 
     def _region(self) -> str:
-        """Where in the stack the op runs: first / last / mid decoder layer, or outer (embeddings,
-        head, loss). Peaks are kept per (phase, region): each is linear in depth on its own."""
+        """Where in the stack the op runs: first / last / mid decoder layer, outer (embeddings, head, a loss inside
+        the model), or the loss outside the model. Peaks are kept per (phase, region): each is linear in depth on its
+        own."""
+        if self._in_loss:
+            return "loss"
         i = self._layer
         if i is None:
             return "outer"
@@ -353,6 +393,8 @@ class StepTracker(TorchDispatchMode):
             out = _grouped_mm_any_dtype(args, kwargs)
         elif func is _BINCOUNT and isinstance(args[0], FakeTensor):
             out = _bincount_fake(*args, **kwargs)
+        elif func is _ADD and _accumulates_in_place(args, kwargs):
+            out = _ADD_(*args)
         else:
             out = func(*args, **kwargs)
         for t in tree_flatten(out)[0]:
@@ -379,13 +421,24 @@ class StepTracker(TorchDispatchMode):
             self._mark(state_tensors(self.optimizer), Category.OPTIMIZER)
 
         def forward_starts(*_):
-            self._after_backward = False
+            self._after_backward = self._in_loss = False
             self._layer = None
+
+        def forward_ends(_module, _args, output):
+            self._in_loss = True
+
+            def output_gradient(_grad):
+                self._in_loss = False
+
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(output_gradient)
 
         self._hooks = [
             self.optimizer.register_step_pre_hook(pre),
             self.optimizer.register_step_post_hook(post),
             self.model.register_forward_pre_hook(forward_starts),
+            self.model.register_forward_hook(forward_ends),
         ]
         if hasattr(self.optimizer, "register_param_step_hooks"):  # optimizer.in_backward: steps inside backward
 

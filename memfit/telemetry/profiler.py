@@ -147,9 +147,10 @@ def _inside(ev, prefixes: tuple) -> bool:
 
 def allocation_events(prof, device_type: str, skip_inside: tuple = ()) -> list[tuple[int, int, int]]:
     """(time ns, address, +bytes | -bytes) of every allocation and release on ``device_type``, less the
-    allocations made inside an op whose name starts with one of ``skip_inside``: with ``("c10d::",)``, a
-    collective backend's private buffers (gloo's ``_reduce_scatter_base_`` clones its input and its worker thread,
-    which the profiler does not follow, frees the clone; NCCL makes no such copy and the planner models none)."""
+    allocations made inside an op whose name starts with one of ``skip_inside``: with ``("c10d::", "gloo:")``, a
+    collective backend's private buffers (gloo's ``_reduce_scatter_base_`` clones its input, its ``_allgather_base_``
+    and its worker's ``gloo:all_gather`` each allocate a flat buffer the size of the output, and its worker thread,
+    which the profiler does not follow, frees them; NCCL makes no such copy and the planner models none)."""
     from torch._C._profiler import _EventType
 
     out = [

@@ -52,7 +52,8 @@ def profiled_train_step(
         live += state_tensors(opt) + host_tensors(opt)
         live += [x for b in batches for x in b]
         held = collectives_release_on_caller() if ctx.distributed else contextlib.nullcontext()
-        private = ("c10d::",) if ctx.distributed else ()  # gloo's own copies, freed where it is blind
+        # gloo's own copies and flat buffers (inside c10d's ops and on its worker threads), freed where it is blind
+        private = ("c10d::", "gloo:") if ctx.distributed else ()
         with held:  # every release of the program's tensors where the profiler sees it
             peak = profiled_peak_bytes(lambda: box.append(step()), live, "CPU", private)
         how = "torch.profiler" + (" (the collective backend's private copies left out)" if private else "")

@@ -340,17 +340,32 @@ def test_deepspeed_zero3_export_is_the_consolidated_model(runs):
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "stage, lora",
-    [(2, ()), (3, ()), *((stage, ("lora.enabled=true", "lora.modules_to_save=[embed_tokens]")) for stage in (2, 3))],
-    ids=["zero2", "zero3", "zero2-lora-embeddings-trained", "zero3-lora-embeddings-trained"],
-)
-def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, stage, lora):
+EMBEDDINGS_TRAINED = ("lora.enabled=true", "lora.modules_to_save=[embed_tokens]")
+PER_RANK = {  # id: (ZeRO stage, overrides), on a SmolLM2-135M-shaped model in fp32, 1 x 64 tokens unless said
+    "zero2": (2, ()),
+    "zero3": (3, ()),
+    "zero2-lora-embeddings-trained": (2, EMBEDDINGS_TRAINED),
+    "zero3-lora-embeddings-trained": (3, EMBEDDINGS_TRAINED),
+    # the peak at the first layer's all-gather in forward: the root group's output still held beside its copy
+    "zero3-lora": (3, ("lora.enabled=true",)),
+    # the peak in the loss's backward, before the gradient of the model's output: no layer gathered
+    "zero3-4x128": (3, ("train.micro_batch_size=4", "data.seq_len=128")),
+    # a tied head's gradient summed in place over the chunks, whole on each rank until the root's post-backward
+    "zero3-chunked-loss": (3, ("strategy.loss_chunks=4",)),
+    "zero3-chunked-loss-4x128": (3, ("strategy.loss_chunks=4", "train.micro_batch_size=4", "data.seq_len=128")),
+}
+
+
+@pytest.mark.parametrize("case", PER_RANK)
+def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, case):
     """torch.profiler's tensor peak on each real rank vs the planner's per-rank FSDP2 prediction,
     on a SmolLM2-135M-shaped model (root group ~21% of the weights, so the stages differ). LoRA with the (tied)
     embeddings trained whole puts a trained copy and its gradient in the root group: ZeRO-2 measured 1,318,128,844 B
     on each rank, ZeRO-3 1,024,999,228 B, the planner 3 kB and 1.4 kB under. Its peak is in the embeddings' backward,
-    after every layer's, where ZeRO-3 holds no decoder layer gathered (the planner held two there: +2.8%)."""
+    after every layer's, where ZeRO-3 holds no decoder layer gathered (the planner held two there: +2.8%). What
+    ZeRO-3 holds at each moment (``sharding.zero3_gathered``) took the other ZeRO-3 cases from +2.2%, +1.5%, +8.2% and
+    -1.6% to within 0.001% (benchmarks/RESULTS.md)."""
+    stage, overrides = PER_RANK[case]
     args = tiny_overrides(
         tmp_path / "run",
         "model.source=random:smollm2-135m",
@@ -360,7 +375,7 @@ def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, stag
         "train.eval_batches=0",  # no evaluation, and no final checkpoint: this test reads the profiled step only
         "train.keep_checkpoints=0",
         f"distributed.zero_stage={stage}",
-        *lora,
+        *overrides,
     )
     code, _, err = _memfit(args, nproc=2)
     assert code == 0, err[-3000:]
@@ -368,11 +383,11 @@ def test_per_rank_profiled_peak_matches_the_planner(tmp_path, embedded_dir, stag
     ranks, predicted = rec["rank_profiled_peak_bytes"], rec["predicted_peak_bytes"]
     assert len(ranks) == 2 and rec["profiled_peak_bytes"] == max(ranks)
     # every release of the program's tensors is seen (collectives_release_on_caller) and gloo's private
-    # reduce-scatter clones are left out, so the measurement no longer depends on the machine's load: idle and
+    # buffers are left out, so the measurement no longer depends on the machine's load: idle and
     # with 3 busy loops on the 2 cores, ZeRO-2 read 1,560,606,184 B on both ranks (planner -0.10%), ZeRO-3
     # 1,486,648,040 B (planner +1.9% while it held two decoder layers gathered in the embeddings' backward, after
     # every layer's; 1 kB under since it holds none there)
-    assert all(abs(predicted - r) / r <= 0.01 for r in ranks), (stage, predicted, ranks)  # the bar 3%; all < 0.11%
+    assert all(abs(predicted - r) / r <= 0.01 for r in ranks), (case, predicted, ranks)  # the bar 3%; all < 0.15%
 
 
 def test_a_rank_dying_on_another_node_stops_this_node_too(tmp_path, embedded_dir):

@@ -166,7 +166,9 @@ def test_backward_visits_each_layer_region_once_in_order(ac):
     regions once, last layer to first. RoPE's cos/sin, saved by every layer, once sent the region back
     to "last" from the first layer's backward (7B step over-predicted by 5.5% on an H200). A full fine-tune's
     embeddings then get their gradient outside the layers, after every layer's (ZeRO-3 holds none gathered there:
-    their moments were the first layer's, and the planner held two layers gathered, +1.9% on two ranks)."""
+    their moments were the first layer's, and the planner held two layers gathered, +1.9% on two ranks). The loss
+    computed outside the model runs before the head's backward, in a region of its own: ZeRO-3's root group prefetches
+    the last layer only at the gradient of the model's output."""
     from transformers import LlamaConfig
 
     from memfit.planner.trace import trace_timeline
@@ -197,7 +199,14 @@ def test_backward_visits_each_layer_region_once_in_order(ac):
         ).phases
         runs = [p for i, p in enumerate(phases) if p.startswith("backward:") and (i == 0 or phases[i - 1] != p)]
         embeddings = [] if lora else ["backward:outer"]  # LoRA's are frozen
-        assert runs == ["backward:outer", "backward:last", "backward:mid", "backward:first", *embeddings], runs
+        assert runs == [
+            "backward:loss",  # the loss, outside the model, until the gradient of its output (the logits)
+            "backward:outer",
+            "backward:last",
+            "backward:mid",
+            "backward:first",
+            *embeddings,
+        ], runs
 
 
 def test_predictor_over_batch_sizes_and_accumulation_equals_direct_traces():
