@@ -42,7 +42,7 @@ STEP = (
 
 def test_zero3_holds_at_each_place_what_fsdp2_holds():
     """Layers and root groups held whole per moment, as read from FSDP2's hooks (benchmarks/fsdp2_gathered_layers.py)
-    and from the per-rank profiles of two real ranks (benchmarks/RESULTS.md, forty-first session)."""
+    and from the per-rank profiles of two real ranks (benchmarks/RESULTS.md, fortieth session)."""
     phases = np.array([PHASES.index(k.partition(":")[0]) for k in STEP])
     layers, roots = zero3_gathered(phases, moment_places(STEP))
     assert layers.tolist() == [0, 2, 2, 2, 3, 2, 1, 0, 0, 1, 2, 2, 0, 0]
