@@ -22,12 +22,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from memfit.config.strategy import CheckpointPolicy, Strategy
 from memfit.errors import UserError
 from memfit.models.planning import layer_prefix
 from memfit.planner import trace_cache
-from memfit.planner.categories import StepMemory
-from memfit.planner.sharding import ShardingSpec, per_rank_moments
+from memfit.planner.categories import Category, StepMemory
+from memfit.planner.cost import TrainedWhole
+from memfit.planner.sharding import ShardingSpec, per_rank_moments, root_fraction
 from memfit.planner.spec import StepSpec, extrapolate_regions, extrapolation_depths
 from memfit.planner.timeline import Moments, Timeline
 
@@ -291,6 +294,24 @@ class Predictor:
         self._full[key] = Moments.of({k: v for k, v in regions.items() if k.startswith(("forward", "backward"))})
         return self._full[key]
 
+    def _with_compute_copies(
+        self, sharding: ShardingSpec, passes: StepSpec, update: StepSpec, micro_batch: int
+    ) -> ShardingSpec:
+        """``sharding`` with the share of the stored parameters' and gradients' bytes that FSDP2's compute copies
+        (``passes``, traced in the compute dtype) take: what a rank gathers and holds unsharded in backward."""
+        traced = self._passes(passes, micro_batch).rows
+        stored = self._optimizer_moments(update).rows
+        p, g = (int(stored[:, c].max(initial=0)) for c in (_P, _G))
+        config, lora = self.base.model_config, self.base.lora
+        trained = TrainedWhole.of_run(config, lora) if lora else TrainedWhole()
+        return replace(
+            sharding,
+            # the root group's share of the compute copies: a trained element weighs as much as a frozen one there
+            root_param_fraction=root_fraction(config, trained),
+            compute_param_fraction=int(traced[:, _P].max(initial=0)) / p if p else 1.0,
+            compute_grad_fraction=int(traced[:, _G].max(initial=0)) / g if g else 1.0,
+        )
+
     def predict(self, strategy: Strategy, sharding: ShardingSpec | None = None) -> StepMemory:
         """The steady-state step of ``strategy`` on one device, or on one rank of ``sharding`` (which
         carries the ZeRO stage's rules for this model and world size).
@@ -306,9 +327,15 @@ class Predictor:
             # the plain AdamW it runs on them
             stepped = strategy if sharding is None else strategy.replace(optimizer_offload=False)
             update = self._optimizer_spec(spec, stepped)
-        key = (spec.strategy, micro_batch, update and update.strategy, accumulated)
+        passes = spec
+        if update is not None and _fsdp2_mixed(strategy, sharding):
+            passes = spec.with_strategy(precision=_FSDP2_COMPUTE[strategy.precision])
+            sharding = self._with_compute_copies(sharding, passes, update, micro_batch)
+        key = (passes.strategy, micro_batch, update and update.strategy, accumulated)
         if key not in self._steady:
-            moments = self._passes(spec, micro_batch)
+            moments = self._passes(passes, micro_batch)
+            if passes is not spec:
+                moments = _as_stored(moments, self._optimizer_moments(update))
             if update is not None:
                 moments = moments.joined(self._optimizer_moments(update))
             # the optimizer state is created lazily in step 1 and whole afterwards: traced with forward and
@@ -335,6 +362,36 @@ def _traced_as_is(strategy: Strategy) -> bool:
 def _segment(key: str) -> str:
     """``backward:outer#0+12`` -> ``backward:outer#0``: the run of moments a moment belongs to."""
     return key.rsplit("+", 1)[0]
+
+
+_FSDP2_COMPUTE = {"bf16-mixed": "bf16-pure"}
+"""The precision FSDP2's ``MixedPrecisionPolicy`` computes in, for a mixed precision it runs without autocast."""
+_P, _G = (tuple(Category).index(c) for c in (Category.PARAMS, Category.GRADS))
+
+
+def _fsdp2_mixed(strategy: Strategy, sharding: ShardingSpec | None) -> bool:
+    """Whether ``strategy`` on ``sharding``'s ranks runs as FSDP2 runs a mixed precision: parameters stored in fp32
+    and sharded, gathered as compute copies (bf16), gradients made in bf16 and reduced in fp32, no autocast (so no
+    per-use weight casts, which a single device's autocast trace holds)."""
+    return (
+        sharding is not None
+        and sharding.engine == "fsdp2"
+        and sharding.stage >= 2
+        and strategy.precision in _FSDP2_COMPUTE
+        and not strategy.optimizer_in_backward
+    )
+
+
+def _as_stored(moments: Moments, update: Moments) -> Moments:
+    """Passes traced in the compute dtype, with the parameters and gradients as stored (``update``'s: the trained
+    weights in fp32): parameters whole at every moment, the gradients made so far in the same share of all."""
+    rows = moments.rows.copy()
+    p, g = (int(update.rows[:, c].max(initial=0)) for c in (_P, _G))
+    g_traced = int(rows[:, _G].max(initial=0))
+    rows[:, _P] = p
+    if g_traced:
+        rows[:, _G] = (rows[:, _G].astype(np.float64) * (g / g_traced)).astype(np.int64)
+    return moments.with_rows(rows)
 
 
 def _in_layers(segment: str) -> bool:

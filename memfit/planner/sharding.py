@@ -75,6 +75,9 @@ class ShardingSpec:
     root_grad_fraction: float = 0.0
     offload: bool = False  # the sharded optimizer state (FSDP2: and parameters, gradients) in host memory
     offload_params: bool = False  # DeepSpeed ZeRO-3's offload_param: the parameter partition in host memory
+    # FSDP2's compute copies (``MixedPrecisionPolicy``, stored fp32 gathered as bf16): their share of the stored bytes
+    compute_param_fraction: float = 1.0
+    compute_grad_fraction: float = 1.0
 
     @classmethod
     def for_model(
@@ -168,13 +171,15 @@ def _shard_rows(
     backward, update = phases == _BACKWARD, (phases == _CLIP) | (phases == _OPTIMIZER)
     out = rows.copy()
     p, g, o = rows[:, _P], rows[:, _G], rows[:, _O]
-    root_p = _times(p, s.root_param_fraction)
-    layer_p = (p - root_p) // layers
+    whole = _times(p, s.compute_param_fraction)  # what a rank gathers: the compute copies
+    root_p = _times(whole, s.root_param_fraction)
+    layer_p = (whole - root_p) // layers
     # unsharded gradients in flight during backward: the root group's gradients produced so far in this
     # micro-batch (reduce-scattered at the root's post-backward) and one layer's before its reduce-scatter; none in
     # forward (earlier micro-batches' gradients are sharded by then)
     root_in_flight, layer_in_flight, layers_done = _in_flight(s, backward, grads_done, g_total, places)
-    in_flight = root_in_flight + layer_in_flight
+    # the root group's gradients wait in the compute dtype; a layer's reduce-scatter input is stored-size (fp32)
+    in_flight = _times(root_in_flight, s.compute_grad_fraction) + layer_in_flight
     # sharded gradients: every gradient of earlier micro-batches, else this backward's layers so far
     sharded_g = g // n if accumulated else np.maximum(0, g - root_in_flight) // n
     if s.stage == 0:
@@ -190,7 +195,7 @@ def _shard_rows(
         p2, g2, o2 = p, 2 * g, o // n
     else:  # FSDP2 stages 2 and 3; after backward every group is resharded
         if s.stage == 2:  # every group gathered from forward on; in backward a layer reshards once it is done
-            p2 = p // n + np.where(backward, root_p + _times(p - root_p, 1 - layers_done), p)
+            p2 = p // n + np.where(backward, root_p + _times(whole - root_p, 1 - layers_done), whole)
         else:
             layers_held, roots_held = zero3_gathered(phases, places) if places is not None else (2, 1)
             p2 = p // n + roots_held * root_p + layers_held * layer_p
