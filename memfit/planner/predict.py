@@ -150,6 +150,16 @@ class Predictor:
         """The timelines ``predict(strategy)`` reads, for any micro-batch, accumulation and ZeRO stage: (specs, layers)
         of one trace each (a line's two micro-batches are one)."""
         spec = self._step_spec(strategy)
+        out = self._pass_requests(spec, strategy)
+        if strategy.zero_stage >= 2 and strategy.precision in _FSDP2_COMPUTE and not strategy.optimizer_in_backward:
+            # FSDP2's ranks compute in bf16 copies (``_fsdp2_mixed``): their passes too
+            out += self._pass_requests(spec.with_strategy(precision=_FSDP2_COMPUTE[strategy.precision]), strategy)
+        if strategy.optimizer_in_backward:  # no optimizer phase: the steps are traced inside backward
+            return out
+        return out + [((self._optimizer_spec(spec, strategy),), n) for n in self._optimizer_depths()]
+
+    def _pass_requests(self, spec: StepSpec, strategy: Strategy) -> list[tuple[tuple[StepSpec, ...], int]]:
+        """The forward and backward traces of ``spec`` (a ``_step_spec``) that ``_passes`` reads."""
         depths = self._step_depths(spec)
         if _traced_as_is(strategy):
             out = [((spec.with_strategy(micro_batch_size=strategy.micro_batch_size),), n) for n in depths]
@@ -158,9 +168,7 @@ class Predictor:
             out = [(_line_specs(layers), n) for n in depths]
             if len(depths) == 2 and strategy.loss_chunks:
                 out += [(_line_specs(s), LOSS_DELTA_DEPTH) for s in self._loss_delta_specs(spec)]
-        if strategy.optimizer_in_backward:  # no optimizer phase: the steps are traced inside backward
-            return out
-        return out + [((self._optimizer_spec(spec, strategy),), n) for n in self._optimizer_depths()]
+        return out
 
     def _loss_delta_specs(self, spec: StepSpec) -> tuple[StepSpec, StepSpec]:
         """(chunked, plain) specs of the shallow traces ``_with_chunked_loss`` reads."""

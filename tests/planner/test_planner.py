@@ -316,9 +316,10 @@ def test_parallel_traces_give_the_same_plan_as_serial(monkeypatch):
         monkeypatch.setenv("MEMFIT_PLAN_WORKERS", workers)
         r = search(w, Cluster(gpu_preset("a100-40g"), 2), Pins({"precision": "bf16-mixed", "optimizer": "fused"}))
         plans.append([(c.strategy, c.memory, c.reserved_bytes) for c in r.fitting + r.pruned])
-        # 4 AC policies x (2 depths x 2 batch sizes) + the fused optimizer at 2 depths + the chunked loss
-        # at 2 layers, chunked and not, without checkpointing (the unchunked one is also AC none's shallow trace)
-        assert r.traces == 4 * 4 + 2 + 2
+        # 4 AC policies x (2 depths x 2 batch sizes) + the chunked loss at 2 layers, chunked and not, without
+        # checkpointing (the unchunked one is also AC none's shallow trace), for ZeRO-0/1 in bf16-mixed and for
+        # FSDP2's ZeRO-2/3 ranks in their bf16 compute copies, + the fused optimizer at 2 depths
+        assert r.traces == 2 * (4 * 4 + 2) + 2
     assert plans[0] == plans[1]
 
 
