@@ -107,6 +107,8 @@ def _accumulates_in_place(args: tuple, kwargs: dict) -> bool:
         return False
     if not _dense(old):
         return False
+    if not hasattr(old, "_use_count"):  # a torch without the count: summed out of place, as traced before
+        return False
     storage_uses = torch._C._storage_Use_Count(old.untyped_storage()._cdata)
     alone = torch._C._storage_Use_Count(new.untyped_storage()._cdata) - (1 if new._is_view() else 0)
     return old._use_count() <= new._use_count() and storage_uses <= alone
