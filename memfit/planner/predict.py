@@ -32,7 +32,7 @@ from memfit.planner.categories import Category, StepMemory
 from memfit.planner.cost import TrainedWhole
 from memfit.planner.sharding import ShardingSpec, per_rank_moments, root_fraction
 from memfit.planner.spec import StepSpec, extrapolate_regions, extrapolation_depths
-from memfit.planner.timeline import Moments, Timeline
+from memfit.planner.timeline import LAYER_REGIONS, Moments, Timeline, region_of, segment_of
 
 LOSS_DELTA_DEPTH = 2  # decoder layers of the traces that measure what a chunked loss changes
 LINE_BATCHES = (2, 3)  # the micro-batches a step's bytes are drawn through, op by op (``Predictor._at_batch``)
@@ -202,11 +202,11 @@ class Predictor:
         changed = {
             n
             for n in cs.keys() | ps.keys()
-            if cs.get(n) != ps.get(n) or (not _in_layers(n) and any(c[k] != p[k] for k in cs[n]))
+            if cs.get(n) != ps.get(n) or (region_of(n) not in LAYER_REGIONS and any(c[k] != p[k] for k in cs[n]))
         }
         out: dict[str, tuple[int, ...]] = {}
         for k, v in regions.items():  # in op order: a rank's rules read where a moment is in the step
-            name = _segment(k)
+            name = segment_of(k)
             if name not in changed:
                 out[k] = v
             elif name in cs and cs[name][0] not in out:
@@ -308,8 +308,7 @@ class Predictor:
         """``sharding`` with the share of the stored parameters' and gradients' bytes that FSDP2's compute copies
         (``passes``, traced in the compute dtype) take: what a rank gathers and holds unsharded in backward."""
         traced = self._passes(passes, micro_batch).rows
-        stored = self._optimizer_moments(update).rows
-        p, g = (int(stored[:, c].max(initial=0)) for c in (_P, _G))
+        p, g = _stored(self._optimizer_moments(update))
         config, lora = self.base.model_config, self.base.lora
         trained = TrainedWhole.of_run(config, lora) if lora else TrainedWhole()
         return replace(
@@ -367,11 +366,6 @@ def _traced_as_is(strategy: Strategy) -> bool:
     return strategy.optimizer_in_backward or strategy.activation_offload
 
 
-def _segment(key: str) -> str:
-    """``backward:outer#0+12`` -> ``backward:outer#0``: the run of moments a moment belongs to."""
-    return key.rsplit("+", 1)[0]
-
-
 _FSDP2_COMPUTE = {"bf16-mixed": "bf16-pure"}
 """The precision FSDP2's ``MixedPrecisionPolicy`` computes in, for a mixed precision it runs without autocast."""
 _P, _G = (tuple(Category).index(c) for c in (Category.PARAMS, Category.GRADS))
@@ -390,11 +384,16 @@ def _fsdp2_mixed(strategy: Strategy, sharding: ShardingSpec | None) -> bool:
     )
 
 
+def _stored(update: Moments) -> tuple[int, int]:
+    """The parameters' and the gradients' bytes as stored: the most the update's moments hold."""
+    return int(update.rows[:, _P].max(initial=0)), int(update.rows[:, _G].max(initial=0))
+
+
 def _as_stored(moments: Moments, update: Moments) -> Moments:
     """Passes traced in the compute dtype, with the parameters and gradients as stored (``update``'s: the trained
     weights in fp32): parameters whole at every moment, the gradients made so far in the same share of all."""
     rows = moments.rows.copy()
-    p, g = (int(update.rows[:, c].max(initial=0)) for c in (_P, _G))
+    p, g = _stored(update)
     g_traced = int(rows[:, _G].max(initial=0))
     rows[:, _P] = p
     if g_traced:
@@ -402,16 +401,11 @@ def _as_stored(moments: Moments, update: Moments) -> Moments:
     return moments.with_rows(rows)
 
 
-def _in_layers(segment: str) -> bool:
-    """``backward:last#0`` -> True: a segment of decoder-layer moments (whose ops checkpointing changes)."""
-    return segment.partition(":")[2].split("#", 1)[0] in ("first", "mid", "last")
-
-
 def _segments(regions: dict[str, tuple[int, ...]]) -> dict[str, list[str]]:
     """Moment keys by segment, in op order."""
     out: dict[str, list[str]] = {}
     for key in regions:
-        out.setdefault(_segment(key), []).append(key)
+        out.setdefault(segment_of(key), []).append(key)
     for keys in out.values():
         keys.sort(key=lambda k: int(k.rsplit("+", 1)[1]) if "+" in k else -1)
     return out

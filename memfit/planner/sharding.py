@@ -59,7 +59,7 @@ from memfit.config.schema import LoraConfig
 from memfit.errors import UserError
 from memfit.planner.categories import PHASES, Breakdown, Category, StepMemory
 from memfit.planner.cost import Shape, TrainedWhole
-from memfit.planner.timeline import Moments
+from memfit.planner.timeline import LAYER_REGIONS, Moments, region_of, segment_of
 
 ENGINES = ("fsdp2", "deepspeed")
 
@@ -257,11 +257,10 @@ def moment_places(keys: tuple[str, ...]) -> np.ndarray:
     out = np.full(len(keys), _UPDATE, dtype=np.int64)
     phase_before, segment_before, in_layers_yet = "", "", False
     for i, key in enumerate(keys):
-        phase, _, region = key.partition(":")
-        segment, region = key.rsplit("+", 1)[0], region.split("#", 1)[0]
+        phase, segment, region = key.partition(":")[0], segment_of(key), region_of(key)
         if phase != phase_before:
             phase_before, in_layers_yet = phase, False
-        layer = region in ("first", "mid", "last")
+        layer = region in LAYER_REGIONS
         if layer:
             starts = phase == "forward" and region == "last" and segment != segment_before
             out[i] = _LAYER_START if starts else _LAYER

@@ -124,6 +124,18 @@ def _whole_state(rows: np.ndarray, own: np.ndarray) -> None:
 
 _PHASE = {p: i for i, p in enumerate(PHASES)}
 _G = CATEGORIES.index(Category.GRADS)
+LAYER_REGIONS = ("first", "mid", "last")
+"""The regions of a moment inside a decoder layer (``StepTracker._region``); ``outer`` and ``loss`` are outside."""
+
+
+def segment_of(key: str) -> str:
+    """``backward:outer#0+12`` -> ``backward:outer#0``: the run of moments a moment belongs to."""
+    return key.rsplit("+", 1)[0]
+
+
+def region_of(key: str) -> str:
+    """``backward:last#0+3`` (or its segment) -> ``last``; ``""`` for a moment without one (``forward``, ``clip``)."""
+    return key.partition(":")[2].split("#", 1)[0]
 
 
 @dataclass(frozen=True)

@@ -124,14 +124,6 @@ def _storage(t: torch.Tensor):
 _DEVICE_QUERY = torch.ops.prim.device.default
 
 
-def _tensors(output) -> list[torch.Tensor]:
-    """The tensors in a model's output (a tensor, a ``ModelOutput`` or other mapping, tuples and lists of them)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    items = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
-    return [t for item in items for t in _tensors(item)]
-
-
 def _pow2_ceil(n: int) -> int:
     return 1 << max(0, n - 1).bit_length() if n > 0 else 0
 
@@ -432,8 +424,8 @@ class StepTracker(TorchDispatchMode):
             def output_gradient(_grad):
                 self._in_loss = False
 
-            for t in _tensors(output):
-                if t.requires_grad:
+            for t in tree_flatten(output)[0]:  # transformers registers its ModelOutput with torch's pytree
+                if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(output_gradient)
 
         self._hooks = [
